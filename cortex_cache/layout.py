@@ -1,0 +1,270 @@
+"""Byte layout of a pool segment (format version 1).
+
+A segment is one POSIX shared-memory object, laid out as five regions, each
+starting on a 4096-byte boundary::
+
+    0             header     4096 bytes, HEADER_FIELDS below
+    slots_off     slots      n_slots   x 160 bytes, SLOT_FIELDS below
+    buckets_off   buckets    n_buckets x int32: head slot of each hash chain, -1 empty
+    blockmap_off  block map  n_blocks  x uint8: 0 free, 1 used
+    pins_off      pins       n_pins    x 16 bytes, PIN_FIELDS below
+    data_off      data       n_blocks  x block_size bytes
+
+All integers are little-endian.  The header and slot tables below are the
+single source of truth: the numpy dtypes are built from them, and
+`tests/test_layout.py` holds a frozen copy so that any drift fails a test.
+Changing an offset or size means bumping FORMAT_VERSION.
+
+Entries.  An entry occupies a contiguous run of blocks: its value starts at
+the first block (so tensor views over it are block-aligned) and its key
+follows the value.  The slot record is authoritative; the hash chains, the
+block map, the free-slot list and the entry/usage counters are derived from
+the slots and are rebuilt by repair.
+
+Why a byte per block instead of a bit: the allocator scans the map with numpy,
+which is several times faster on bytes than on packed bits, and the map costs
+1/65536 of the data region at the default block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidSize, UsageError
+from .units import ceil_div
+
+MAGIC = b"CORTEXKV"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+PAGE = 4096
+
+# Slot states.  The state word is the commit point of every slot change:
+# a slot is only ever interpreted according to its state.
+FREE = 0  # unused; `next` links the free-slot list
+WRITING = 1  # blocks reserved, writer copying; invisible to readers
+SEALED = 2  # complete and visible through its hash chain
+ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
+
+# Header flags.
+FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
+FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
+
+NAME_BYTES = 64
+CANDIDATES = 64  # eviction candidates cached in the header (see eviction.py)
+
+# (name, numpy type, offset) -- offsets in bytes from the segment start.
+HEADER_FIELDS: list[tuple[str, str, int]] = [
+    ("magic", "S8", 0),  # b"CORTEXKV"; written last at create
+    ("version", "<u4", 8),  # FORMAT_VERSION
+    ("header_size", "<u4", 12),  # 4096
+    ("segment_size", "<u8", 16),  # total bytes of the segment
+    ("block_size", "<u8", 24),
+    ("n_blocks", "<u8", 32),
+    ("n_slots", "<u8", 40),  # index capacity (max entries)
+    ("n_buckets", "<u8", 48),  # power of two
+    ("n_pins", "<u8", 56),
+    ("slots_off", "<u8", 64),
+    ("buckets_off", "<u8", 72),
+    ("blockmap_off", "<u8", 80),
+    ("pins_off", "<u8", 88),
+    ("data_off", "<u8", 96),
+    ("policy", "<u4", 104),  # index into eviction.POLICY_IDS
+    ("flags", "<u4", 108),  # FLAG_*
+    ("created", "<f8", 112),  # wall clock, seconds since the epoch
+    ("dirty", "<u4", 120),  # 1 while a lock holder is mid-change
+    ("mode", "<u4", 124),  # permission bits given at create
+    ("name", "S64", 128),  # pool name, NUL padded
+    ("seq", "<u8", 192),  # logical clock, +1 per put and per hit
+    ("used_blocks", "<u8", 200),
+    ("n_entries", "<u8", 208),  # sealed entries
+    ("alloc_hint", "<u8", 216),  # next-fit cursor into the block map
+    ("free_slot", "<i8", 224),  # head of the free-slot list, -1 none
+    ("hits", "<u8", 232),
+    ("misses", "<u8", 240),
+    ("puts", "<u8", 248),
+    ("deletes", "<u8", 256),
+    ("evictions", "<u8", 264),
+    ("expirations", "<u8", 272),
+    ("bytes_evicted", "<u8", 280),
+    ("repairs", "<u8", 288),
+    ("last_snapshot", "<f8", 296),  # wall clock of the last persist, 0 never
+    ("lfu_epoch", "<u8", 304),  # LFU aging epoch (eviction.py)
+    ("lfu_period", "<u8", 312),  # accesses per LFU epoch
+    ("ops", "<u8", 320),  # puts + hits, drives lfu_epoch
+    ("cand_valid", "<u4", 328),  # eviction candidate cache valid (0/1)
+    ("cand_count", "<u4", 332),
+    ("cand_pos", "<u4", 336),  # next candidate to try
+    ("cand_pad", "<u4", 340),
+    ("cand_next_expiry", "<f8", 344),  # earliest expiry not in the cache
+    ("cand_max_primary", "<f8", 352),  # score of the last cached candidate
+    ("cand_max_secondary", "<u8", 360),
+    ("cand_slots", f"({CANDIDATES},)<i4", 368),  # 64 x i32: cached victims, best first
+    ("cand_seqs", f"({CANDIDATES},)<u8", 624),  # 64 x u64: their access_seq when cached
+    ("cand_epoch", "<u8", 1136),  # lfu_epoch when the cache was filled
+    # 1144..4095 reserved for later tiers' configuration (zero).
+]
+
+# (name, numpy type, offset) within one 160-byte slot record.
+SLOT_SIZE = 160
+SLOT_FIELDS: list[tuple[str, str, int]] = [
+    ("state", "<u4", 0),  # FREE / WRITING / SEALED / ZOMBIE
+    ("pins", "<u4", 4),  # readers copying or viewing the value
+    ("key_len", "<u4", 8),
+    ("flags", "<u4", 12),  # reserved
+    ("key_hash", "<u8", 16),  # xxh3_64 of the key bytes
+    ("value_len", "<u8", 24),
+    ("first_block", "<u8", 32),
+    ("n_blocks", "<u8", 40),
+    ("checksum", "<u8", 48),  # xxh3_64 of the value, taken at put
+    ("created", "<f8", 56),  # wall clock of the put
+    ("last_access", "<f8", 64),  # wall clock of the last put or hit
+    ("expiry", "<f8", 72),  # absolute wall clock; 0 = never
+    ("insert_seq", "<u8", 80),  # header seq at put (fifo)
+    ("access_seq", "<u8", 88),  # header seq at last put or hit (lru)
+    ("access_count", "<u8", 96),  # hits + 1, aged for lfu
+    ("lfu_epoch", "<u8", 104),  # epoch at which access_count was last aged
+    ("priority", "<i8", 112),
+    ("owner_pid", "<u4", 120),  # writer of a WRITING slot
+    ("next", "<i4", 124),  # next slot in the hash chain / free list, -1 end
+    ("owner_start", "<u8", 128),  # writer's process start time (pid reuse guard)
+    # 136..159 reserved (zero).
+]
+
+PIN_SIZE = 16
+PIN_FIELDS: list[tuple[str, str, int]] = [
+    ("pid", "<u4", 0),  # 0 = free pin record
+    ("slot", "<i4", 4),
+    ("start", "<u8", 8),  # process start time of pid
+]
+
+
+def _dtype(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
+    return np.dtype(
+        {
+            "names": [f[0] for f in fields],
+            "formats": [f[1] for f in fields],
+            "offsets": [f[2] for f in fields],
+            "itemsize": itemsize,
+        }
+    )
+
+
+HEADER_DTYPE = _dtype(HEADER_FIELDS, HEADER_SIZE)
+SLOT_DTYPE = _dtype(SLOT_FIELDS, SLOT_SIZE)
+PIN_DTYPE = _dtype(PIN_FIELDS, PIN_SIZE)
+
+DEFAULT_BLOCK_SIZE = 64 * 1024
+MIN_BLOCK_SIZE = 64
+MAX_DEFAULT_SLOTS = 1 << 20
+DEFAULT_PINS = 1024
+MAX_KEY_BYTES = 4096
+
+
+def _align(n: int, a: int = PAGE) -> int:
+    return ceil_div(n, a) * a
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where each region lies, derived from the pool's size parameters."""
+
+    block_size: int
+    n_blocks: int
+    n_slots: int
+    n_buckets: int
+    n_pins: int
+    slots_off: int
+    buckets_off: int
+    blockmap_off: int
+    pins_off: int
+    data_off: int
+    segment_size: int
+
+    @property
+    def data_size(self) -> int:
+        return self.block_size * self.n_blocks
+
+    @property
+    def metadata_size(self) -> int:
+        return self.data_off
+
+    @classmethod
+    def compute(
+        cls,
+        size: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_entries: int | None = None,
+        n_pins: int = DEFAULT_PINS,
+    ) -> "Geometry":
+        """Lay out a pool whose data region holds `size` bytes (rounded down to blocks)."""
+        if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+            raise InvalidSize(
+                f"invalid block size {block_size}: must be a power of two of at least {MIN_BLOCK_SIZE} bytes"
+            )
+        n_blocks = size // block_size
+        if n_blocks < 1:
+            raise InvalidSize(f"pool size {size} is smaller than one block ({block_size} bytes)")
+        if max_entries is None:
+            n_slots = min(n_blocks, MAX_DEFAULT_SLOTS)
+        else:
+            if max_entries < 1:
+                raise UsageError(f"invalid max entries {max_entries}: must be at least 1")
+            n_slots = max_entries
+        if n_slots >= 2**31 - 1:
+            raise UsageError(f"invalid max entries {n_slots}: at most {2**31 - 2}")
+        n_buckets = 1 << max(4, (2 * n_slots - 1).bit_length())
+        slots_off = HEADER_SIZE
+        buckets_off = _align(slots_off + n_slots * SLOT_SIZE)
+        blockmap_off = _align(buckets_off + n_buckets * 4)
+        pins_off = _align(blockmap_off + n_blocks)
+        data_off = _align(pins_off + n_pins * PIN_SIZE)
+        # The data region starts on a block boundary when blocks are larger
+        # than a page, so huge-page-sized blocks stay aligned too.
+        data_off = _align(data_off, max(PAGE, min(block_size, 2 * 1024 * 1024)))
+        segment_size = data_off + n_blocks * block_size
+        return cls(
+            block_size, n_blocks, n_slots, n_buckets, n_pins,
+            slots_off, buckets_off, blockmap_off, pins_off, data_off, segment_size,
+        )
+
+    @classmethod
+    def from_header(cls, hdr: np.ndarray) -> "Geometry":
+        h = hdr[0]
+        return cls(
+            int(h["block_size"]), int(h["n_blocks"]), int(h["n_slots"]), int(h["n_buckets"]),
+            int(h["n_pins"]), int(h["slots_off"]), int(h["buckets_off"]), int(h["blockmap_off"]),
+            int(h["pins_off"]), int(h["data_off"]), int(h["segment_size"]),
+        )
+
+    def check(self, file_size: int) -> str | None:
+        """Return why this geometry cannot describe a segment of `file_size` bytes, or None."""
+        bs = self.block_size
+        if bs < MIN_BLOCK_SIZE or bs & (bs - 1) or bs > 1 << 40:
+            return f"bad block size {bs}"
+        if not (0 < self.n_slots < 2**31 - 1) or self.n_pins > 1 << 24 or self.n_blocks < 1:
+            return "bad table sizes"
+        if self.n_buckets < 16 or self.n_buckets & (self.n_buckets - 1) or self.n_buckets > 1 << 33:
+            return "bad bucket count"
+        regions = [
+            (self.slots_off, self.n_slots * SLOT_SIZE),
+            (self.buckets_off, self.n_buckets * 4),
+            (self.blockmap_off, self.n_blocks),
+            (self.pins_off, self.n_pins * PIN_SIZE),
+            (self.data_off, self.n_blocks * bs),
+        ]
+        end = HEADER_SIZE
+        for off, length in regions:
+            if off < end or off % PAGE:
+                return "regions overlap or are misaligned"
+            end = off + length
+        if end != self.segment_size or self.segment_size != file_size:
+            return f"segment is {file_size} bytes but its header describes {self.segment_size}"
+        return None
+
+
+__all__ = [
+    "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_FIELDS", "PIN_FIELDS",
+    "HEADER_DTYPE", "SLOT_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE",
+]

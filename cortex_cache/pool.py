@@ -1,0 +1,1075 @@
+"""The pool: a named KV-cache in shared memory that any process can attach to.
+
+Concurrency model (DESIGN §3):
+
+- One lock per pool (lock.py) guards all metadata: header, slots, hash
+  chains, block map, pin records.  Every critical section sets the header's
+  `dirty` mark on entry and clears it on a clean exit, so a process killed
+  while holding the lock leaves `dirty` set and the next holder repairs.
+- Values are copied outside the lock when they are large.  A writer reserves
+  a slot and its blocks (state WRITING, invisible), copies, then seals.
+  A reader pins the entry (a pin record naming its pid), copies, then unpins;
+  eviction and delete never free a pinned entry's blocks (it becomes a ZOMBIE
+  until the last pin goes).
+- Dead writers' reservations and dead readers' pins are reclaimed by
+  `_reap_dead` (when room runs short) and by repair.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import xxhash
+
+from . import procs, segment
+from .allocator import find_run, run_around
+from .errors import (
+    BufferTooSmall,
+    CortexCacheError,
+    IncompatibleVersion,
+    KeyNotFound,
+    PoolBusy,
+    PoolClosed,
+    PoolFull,
+    PoolNotFound,
+    SegmentCorrupt,
+    UsageError,
+    ValueTooLarge,
+)
+from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_by_id
+from .layout import (
+    FLAG_MULTI_THREADED,
+    FLAG_RESERVED,
+    FORMAT_VERSION,
+    FREE,
+    HEADER_DTYPE,
+    HEADER_SIZE,
+    MAGIC,
+    PIN_DTYPE,
+    SEALED,
+    SLOT_DTYPE,
+    WRITING,
+    ZOMBIE,
+    Geometry,
+)
+from .lock import PoolLock, RecordLock
+from .units import ceil_div, format_size, parse_size
+from .values import as_byte_view, key_bytes
+
+# Values up to this size are copied while holding the lock: two extra lock
+# round trips (pin, unpin) would cost more than the copy itself.
+COPY_IN_LOCK = 256 * 1024
+# Large values are copied and checksummed in chunks that stay in cache.
+_HASH_CHUNK = 256 * 1024
+SLOT_FLAG_STR_KEY = 1  # the key was given as str: keys() returns it as str
+_OPEN_WAIT = 10.0  # seconds to wait for a pool that is still being created
+
+_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child shares its parent's open file description, hence its
+    # OFD lock: the two would not exclude each other.  Refuse to use it.
+    for p in list(_live_pools):
+        p._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Fields:
+    """Attribute access to the fields of a one-record structured array (views, not copies)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        for name in arr.dtype.names:
+            setattr(self, name, arr[name])
+
+
+class EntryView:
+    """A pinned, read-only view of one entry's value; use as a context manager."""
+
+    def __init__(self, pool: "Pool", pin: int, slot: int, mv: memoryview) -> None:
+        self._pool = pool
+        self._pin = pin
+        self._slot = slot
+        self.memoryview: memoryview | None = mv
+
+    def __enter__(self) -> memoryview:
+        assert self.memoryview is not None
+        return self.memoryview
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Release the view and unpin the entry; safe to call twice."""
+        mv, self.memoryview = self.memoryview, None
+        if mv is None:
+            return
+        mv.release()
+        pool = self._pool
+        pool._views.discard(self)
+        if not pool._closed:
+            pool._locked(pool._unpin, self._pin, self._slot)
+
+
+class Pool:
+    """A named KV-cache pool in POSIX shared memory.
+
+    Create one with :meth:`create`, attach from any process with :meth:`open`.
+    A handle is not inherited across `fork`: open the pool again in the child.
+    Unless the pool (or this handle) is multi-threaded, use a handle from one
+    thread at a time.
+    """
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __init__(
+        self,
+        seg: segment.Segment,
+        *,
+        multi_threaded: bool | None = None,
+        clock: Callable[[], float] | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        self._seg = seg
+        self._closed = False
+        self._forked = False
+        self._views: set[EntryView] = set()
+        self.name = seg.name
+        mm = seg.mm
+        self._mv = memoryview(mm)
+        hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
+        self._hdr = hdr
+        self._h = _Fields(hdr)
+        g = Geometry.from_header(hdr)
+        self.geometry = g
+        self._bs = g.block_size
+        self._n_blocks = g.n_blocks
+        self._data_off = g.data_off
+        self._mask = g.n_buckets - 1
+        self._slots = np.frombuffer(mm, SLOT_DTYPE, g.n_slots, g.slots_off)
+        self._buckets = np.frombuffer(mm, np.int32, g.n_buckets, g.buckets_off)
+        self._map = np.frombuffer(mm, np.uint8, g.n_blocks, g.blockmap_off)
+        self._pinrec = np.frombuffer(mm, PIN_DTYPE, g.n_pins, g.pins_off)
+        s = self._slots
+        self._state, self._pins, self._klen = s["state"], s["pins"], s["key_len"]
+        self._sflags, self._khash, self._vlen = s["flags"], s["key_hash"], s["value_len"]
+        self._first, self._nblk, self._cks = s["first_block"], s["n_blocks"], s["checksum"]
+        self._created, self._lastacc, self._expiry = s["created"], s["last_access"], s["expiry"]
+        self._iseq, self._aseq, self._acount = s["insert_seq"], s["access_seq"], s["access_count"]
+        self._lfuep, self._prio, self._next = s["lfu_epoch"], s["priority"], s["next"]
+        self._opid, self._ostart = s["owner_pid"], s["owner_start"]
+        self._ppid, self._pslot, self._pstart = self._pinrec["pid"], self._pinrec["slot"], self._pinrec["start"]
+        self._pin_hint = 0
+        flags = int(self._h.flags[0])
+        if multi_threaded is None:
+            multi_threaded = bool(flags & FLAG_MULTI_THREADED)
+        self.multi_threaded = multi_threaded
+        self._lock = PoolLock(seg.fd, multi_threaded)
+        self._lock_timeout = lock_timeout
+        self.clock: Callable[[], float] = clock or time.time
+        pol = policy_by_id(int(self._h.policy[0]))
+        assert pol is not None  # checked by _validate
+        self.policy = pol.name
+        self._victims = VictimCache(pol, hdr, s, self.clock)
+        _live_pools.add(self)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        size: int | str,
+        *,
+        block_size: int | str = 64 * 1024,
+        policy: str = DEFAULT_POLICY,
+        max_entries: int | None = None,
+        mode: int = 0o600,
+        reserve: bool = True,
+        multi_threaded: bool = False,
+        lfu_period: int | None = None,
+        clock: Callable[[], float] | None = None,
+        lock_timeout: float | None = None,
+    ) -> "Pool":
+        """Create pool `name` whose data region holds `size` bytes and attach to it.
+
+        Raises InvalidName, InvalidSize, UsageError (policy, mode), PoolExists,
+        NoSpace (not enough free shared memory, exit 73), PermissionDenied.
+        With `reserve` (default) the memory is allocated and pre-faulted now,
+        so later writes can never hit SIGBUS on a full /dev/shm.
+        """
+        segment.validate_name(name)
+        nbytes = parse_size(size)
+        bsize = parse_size(block_size)
+        if policy not in POLICIES:
+            raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
+        if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
+            raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
+        geo = Geometry.compute(nbytes, bsize, max_entries)
+        if lfu_period is not None and lfu_period < 1:
+            raise UsageError("lfu_period must be at least 1")
+        seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+        init_lock = RecordLock(seg.fd)
+        try:
+            # Openers that find no magic yet wait on this lock until we are done.
+            init_lock.acquire()
+            if reserve:
+                seg.prefault()
+            cls._initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period)
+            init_lock.release()
+            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
+        except BaseException:
+            seg.close()
+            try:
+                segment.unlink(name)
+            except PoolNotFound:
+                pass
+            raise
+
+    @staticmethod
+    def _initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period) -> None:
+        mm = seg.mm
+        hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
+        h = hdr[0]
+        h["version"] = FORMAT_VERSION
+        h["header_size"] = HEADER_SIZE
+        for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins",
+                  "slots_off", "buckets_off", "blockmap_off", "pins_off", "data_off"):
+            h[f] = getattr(geo, f)
+        h["policy"] = POLICY_IDS.index(policy)
+        h["flags"] = (FLAG_MULTI_THREADED if multi_threaded else 0) | (FLAG_RESERVED if reserve else 0)
+        h["created"] = time.time()
+        h["mode"] = mode
+        h["name"] = name.encode()
+        h["lfu_period"] = lfu_period or max(1024, geo.n_slots)
+        h["cand_next_expiry"] = np.inf
+        slots = np.frombuffer(mm, SLOT_DTYPE, geo.n_slots, geo.slots_off)
+        nxt = slots["next"]
+        nxt[:-1] = np.arange(1, geo.n_slots, dtype=np.int32)
+        nxt[-1] = -1
+        h["free_slot"] = 0
+        np.frombuffer(mm, np.int32, geo.n_buckets, geo.buckets_off)[:] = -1
+        del slots, nxt
+        h["magic"] = MAGIC  # last: the pool is now complete
+        del h, hdr
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        *,
+        multi_threaded: bool | None = None,
+        clock: Callable[[], float] | None = None,
+        lock_timeout: float | None = None,
+    ) -> "Pool":
+        """Attach to existing pool `name`.
+
+        Raises PoolNotFound (exit 66), PermissionDenied (77), SegmentCorrupt or
+        IncompatibleVersion (65) for a segment that is not a usable pool.
+        `multi_threaded=None` uses the pool's default chosen at create.
+        """
+        seg = _open_complete_segment(name)
+        try:
+            _validate(seg)
+            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
+        except BaseException:
+            seg.close()
+            raise
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        """Destroy pool `name` (processes still attached keep their mapping until they close)."""
+        segment.unlink(name)
+
+    @staticmethod
+    def exists(name: str) -> bool:
+        return segment.exists(name)
+
+    @staticmethod
+    def list() -> list[str]:
+        """Names of the segments under the current prefix (each may still fail to open)."""
+        return segment.list_names()
+
+    def close(self) -> None:
+        """Unmap this handle; the pool itself lives on.  Safe to call twice."""
+        if self._closed:
+            return
+        for v in list(self._views):
+            v.release()
+        self._closed = True
+        _live_pools.discard(self)
+        self._victims = None  # type: ignore[assignment]
+        for attr in [a for a, v in vars(self).items() if isinstance(v, np.ndarray)]:
+            setattr(self, attr, None)
+        self._h = None  # type: ignore[assignment]
+        self._mv.release()
+        try:
+            self._seg.close()
+        except BufferError:
+            # A buffer exported from the mapping is still alive somewhere
+            # (a numpy array made from a view): the mapping goes when it does.
+            os.close(self._seg.fd)
+            self._seg.fd = -1
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"Pool({self.name!r}, closed)"
+        return f"Pool({self.name!r}, size={format_size(self.geometry.data_size)}, entries={int(self._h.n_entries[0])})"
+
+    # ------------------------------------------------------------------ locking
+
+    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` holding the pool lock, with the dirty mark set."""
+        if self._closed:
+            raise PoolClosed(f"pool {self.name!r} is closed")
+        if self._forked:
+            raise UsageError(f"pool {self.name!r} was opened before fork(): open it again in this process")
+        self._lock.acquire(self._lock_timeout)
+        h = self._h
+        try:
+            if h.dirty[0]:
+                self._repair()
+            h.dirty[0] = 1
+            result = fn(*args)
+        except CortexCacheError:
+            # Expected errors leave the metadata consistent.
+            h.dirty[0] = 0
+            self._lock.release()
+            raise
+        except BaseException:
+            # Anything else may have stopped a change half-way: leave the
+            # dirty mark so the next holder repairs.
+            self._lock.release()
+            raise
+        h.dirty[0] = 0
+        self._lock.release()
+        return result
+
+    # ------------------------------------------------------------------ put
+
+    def put(self, key: str | bytes, value: Any, *, ttl: float | None = None, priority: int = 0) -> None:
+        """Store `value` under `key`, replacing any previous value atomically.
+
+        `value`: bytes-like, contiguous numpy array or torch CPU tensor.
+        `ttl`: seconds until the entry expires (never returned after that).
+        Evicts by the pool's policy when full.  Raises ValueTooLarge when the
+        value (plus key) exceeds the pool, PoolFull when eviction cannot make
+        room (everything else pinned or being written).
+        """
+        kb, is_str = key_bytes(key)
+        vb = as_byte_view(value)
+        if ttl is not None and not ttl > 0:
+            raise UsageError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        if not isinstance(priority, (int, np.integer)) or not -(2**63) <= priority < 2**63:
+            raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
+        vlen, klen = vb.nbytes, len(kb)
+        nblk = max(1, ceil_div(vlen + klen, self._bs))
+        if nblk > self._n_blocks:
+            raise ValueTooLarge(
+                f"value of {format_size(vlen)} does not fit in pool {self.name!r} "
+                f"({format_size(self.geometry.data_size)})"
+            )
+        kh = xxhash.xxh3_64_intdigest(kb)
+        flags = SLOT_FLAG_STR_KEY if is_str else 0
+        if vlen <= COPY_IN_LOCK:
+            checksum = xxhash.xxh3_64_intdigest(vb)
+            self._locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, int(priority))
+            return
+        i = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
+        try:
+            off = self._data_off + int(self._first[i]) * self._bs
+            mv = self._mv
+            hasher = xxhash.xxh3_64()
+            for c in range(0, vlen, _HASH_CHUNK):
+                chunk = vb[c : c + _HASH_CHUNK]
+                mv[off + c : off + c + len(chunk)] = chunk
+                hasher.update(chunk)
+            mv[off + vlen : off + vlen + klen] = kb
+        except BaseException:
+            self._locked(self._abort, i)
+            raise
+        self._locked(self._seal, i, kb, kh, hasher.intdigest(), ttl, int(priority))
+
+    def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority) -> None:
+        i = self._reserve(kb, flags, vb.nbytes, nblk, kh)
+        off = self._data_off + int(self._first[i]) * self._bs
+        vlen = vb.nbytes
+        self._mv[off : off + vlen] = vb
+        self._mv[off + vlen : off + vlen + len(kb)] = kb
+        self._seal(i, kb, kh, checksum, ttl, priority)
+
+    def _reserve(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> int:
+        """Take a slot and a run of blocks for a new entry (state WRITING)."""
+        i = self._alloc_slot()
+        try:
+            first = self._alloc_blocks(nblk)
+        except BaseException:
+            self._free_slot(i)
+            raise
+        pid, start = procs.me()
+        self._klen[i] = len(kb)
+        self._sflags[i] = flags
+        self._khash[i] = kh
+        self._vlen[i] = vlen
+        self._first[i] = first
+        self._nblk[i] = nblk
+        self._opid[i] = pid
+        self._ostart[i] = start
+        self._pins[i] = 0
+        self._state[i] = WRITING
+        return i
+
+    def _seal(self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int) -> None:
+        """Make WRITING slot `i` the visible entry for its key (replacing any old one)."""
+        h = self._h
+        now = self.clock()
+        old = self._find(kb, kh)
+        if old >= 0:
+            self._remove(old)
+        seq = int(h.seq[0]) + 1
+        h.seq[0] = seq
+        self._cks[i] = checksum
+        self._created[i] = now
+        self._lastacc[i] = now
+        self._expiry[i] = now + ttl if ttl else 0.0
+        self._iseq[i] = seq
+        self._aseq[i] = seq
+        self._acount[i] = 1
+        self._lfuep[i] = self._tick()
+        self._prio[i] = priority
+        self._opid[i] = 0
+        self._ostart[i] = 0
+        b = kh & self._mask
+        self._next[i] = self._buckets[b]
+        self._buckets[b] = i
+        self._state[i] = SEALED
+        h.n_entries[0] += 1
+        h.puts[0] += 1
+        v = self._victims
+        v.on_score_change(i)
+        if ttl:
+            v.on_expiry_set(now + ttl)
+
+    def _abort(self, i: int) -> None:
+        if self._state[i] == WRITING:
+            self._free_blocks(i)
+            self._free_slot(i)
+
+    def _tick(self) -> int:
+        """Count one put or hit; return the LFU epoch after it."""
+        h = self._h
+        ops = int(h.ops[0]) + 1
+        h.ops[0] = ops
+        if ops % int(h.lfu_period[0]) == 0:
+            h.lfu_epoch[0] += 1
+        return int(h.lfu_epoch[0])
+
+    # ------------------------------------------------------------------ allocation
+
+    def _alloc_slot(self) -> int:
+        h = self._h
+        i = int(h.free_slot[0])
+        while i < 0:
+            if not self._evict_one():
+                raise PoolFull(
+                    f"pool {self.name!r} has no free entry slot ({self.geometry.n_slots} max entries) "
+                    "and nothing can be evicted"
+                )
+            i = int(h.free_slot[0])
+        h.free_slot[0] = self._next[i]
+        self._next[i] = -1
+        return i
+
+    def _free_slot(self, i: int) -> None:
+        h = self._h
+        self._state[i] = FREE
+        self._pins[i] = 0
+        self._next[i] = h.free_slot[0]
+        h.free_slot[0] = i
+
+    def _alloc_blocks(self, k: int) -> int:
+        h = self._h
+        first = find_run(self._map, k, int(h.alloc_hint[0]))
+        while first < 0:
+            victim = self._evict_one(want_blocks=k)
+            if victim is None:
+                raise PoolFull(
+                    f"pool {self.name!r} is full: no run of {k} free blocks, "
+                    "and every entry is pinned, being written, or already evicted"
+                )
+            first = victim
+        self._map[first : first + k] = 1
+        h.used_blocks[0] += k
+        nxt = first + k
+        h.alloc_hint[0] = nxt if nxt < self._n_blocks else 0
+        return first
+
+    def _free_blocks(self, i: int) -> None:
+        first, n = int(self._first[i]), int(self._nblk[i])
+        self._map[first : first + n] = 0
+        self._h.used_blocks[0] -= n
+
+    def _evict_one(self, want_blocks: int = 0) -> Any:
+        """Evict one victim by policy (expired entries first).
+
+        With `want_blocks`, return the start of a free run of that many blocks
+        that the eviction opened (or -1 when it opened none yet), and None when
+        nothing can be evicted.  Without, return True/False.
+        """
+        v = self._victims
+        i, expired = v.next_victim()
+        if i < 0:
+            if not self._reap_dead():
+                return None if want_blocks else False
+            if want_blocks:
+                return find_run(self._map, want_blocks, 0)
+            return self._h.free_slot[0] >= 0
+        first, n = int(self._first[i]), int(self._nblk[i])
+        self._count_eviction(i, expired)
+        self._remove(i)
+        if want_blocks:
+            return run_around(self._map, first, n, want_blocks)
+        return True
+
+    def _count_eviction(self, i: int, expired: bool) -> None:
+        h = self._h
+        if expired:
+            h.expirations[0] += 1
+        else:
+            h.evictions[0] += 1
+            h.bytes_evicted[0] += self._vlen[i]
+
+    # ------------------------------------------------------------------ lookup and removal
+
+    def _find(self, kb: bytes, kh: int) -> int:
+        """Slot of the sealed entry for key `kb`, or -1."""
+        i = int(self._buckets[kh & self._mask])
+        klen = len(kb)
+        steps = 0
+        while i >= 0:
+            if self._khash[i] == kh and self._klen[i] == klen:
+                off = self._data_off + int(self._first[i]) * self._bs + int(self._vlen[i])
+                if self._mv[off : off + klen] == kb:
+                    return i
+            i = int(self._next[i])
+            steps += 1
+            if steps > self._slots.size:
+                raise SegmentCorrupt(f"pool {self.name!r}: hash chain loop; run `cortex cache verify --repair`")
+        return -1
+
+    def _unchain(self, i: int) -> None:
+        b = int(self._khash[i]) & self._mask
+        j = int(self._buckets[b])
+        if j == i:
+            self._buckets[b] = self._next[i]
+            return
+        while j >= 0:
+            nj = int(self._next[j])
+            if nj == i:
+                self._next[j] = self._next[i]
+                return
+            j = nj
+
+    def _remove(self, i: int) -> None:
+        """Take sealed entry `i` out of the index; free it now, or at its last unpin."""
+        self._unchain(i)
+        self._h.n_entries[0] -= 1
+        if self._pins[i]:
+            self._state[i] = ZOMBIE
+        else:
+            self._free_blocks(i)
+            self._free_slot(i)
+
+    def _expired(self, i: int) -> bool:
+        e = float(self._expiry[i])
+        return e > 0 and e <= self.clock()
+
+    def _touch(self, i: int) -> None:
+        h = self._h
+        seq = int(h.seq[0]) + 1
+        h.seq[0] = seq
+        self._aseq[i] = seq
+        self._lastacc[i] = self.clock()
+        epoch = self._tick()
+        self._acount[i] = (int(self._acount[i]) >> min(63, epoch - int(self._lfuep[i]))) + 1
+        self._lfuep[i] = epoch
+        h.hits[0] += 1
+        self._victims.on_score_change(i)
+
+    def _lookup_live(self, kb: bytes, kh: int) -> int:
+        """Find a live entry, counting the miss (and expiring it) when there is none."""
+        i = self._find(kb, kh)
+        if i >= 0 and self._expired(i):
+            self._h.expirations[0] += 1
+            self._remove(i)
+            i = -1
+        if i < 0:
+            self._h.misses[0] += 1
+        return i
+
+    # ------------------------------------------------------------------ pins
+
+    def _pin(self, i: int) -> int:
+        pid = self._ppid
+        j = self._pin_hint
+        if pid[j] != 0:
+            free = np.flatnonzero(pid == 0)
+            if free.size == 0 and self._reap_dead():
+                free = np.flatnonzero(pid == 0)
+            if free.size == 0:
+                raise PoolBusy(
+                    f"pool {self.name!r}: all {pid.size} pin records are in use "
+                    "(too many concurrent large reads or open views)"
+                )
+            j = int(free[0])
+        p, start = procs.me()
+        self._pslot[j] = i
+        self._pstart[j] = start
+        pid[j] = p
+        self._pins[i] += 1
+        self._pin_hint = (j + 1) % pid.size
+        return j
+
+    def _unpin(self, j: int, i: int) -> None:
+        if self._ppid[j] != procs.me()[0] or self._pslot[j] != i:
+            return  # already reclaimed by a repair (should not happen while we live)
+        self._ppid[j] = 0
+        self._pslot[j] = -1
+        if self._pins[i] > 0:
+            self._pins[i] -= 1
+        if self._pins[i] == 0 and self._state[i] == ZOMBIE:
+            self._free_blocks(i)
+            self._free_slot(i)
+
+    # ------------------------------------------------------------------ get
+
+    def _get_locked(self, kb: bytes, kh: int, out: memoryview | None) -> Any:
+        i = self._lookup_live(kb, kh)
+        if i < 0:
+            return None
+        vlen = int(self._vlen[i])
+        if out is not None and out.nbytes < vlen:
+            raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
+        self._touch(i)
+        off = self._data_off + int(self._first[i]) * self._bs
+        if vlen <= COPY_IN_LOCK:
+            if out is None:
+                return bytes(self._mv[off : off + vlen])
+            out[:vlen] = self._mv[off : off + vlen]
+            return vlen
+        return (self._pin(i), i, off, vlen)
+
+    def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
+        """The value stored under `key` as bytes, or `default` if absent or expired."""
+        kb, _ = key_bytes(key)
+        r = self._locked(self._get_locked, kb, xxhash.xxh3_64_intdigest(kb), None)
+        if r is None:
+            return default
+        if type(r) is bytes:
+            return r
+        j, i, off, vlen = r
+        try:
+            return bytes(self._mv[off : off + vlen])
+        finally:
+            self._locked(self._unpin, j, i)
+
+    def get_into(self, key: str | bytes, out: Any) -> int | None:
+        """Copy the value of `key` into the writable buffer `out`; return its length, or None if absent.
+
+        Raises BufferTooSmall if `out` is smaller than the value.
+        """
+        kb, _ = key_bytes(key)
+        try:
+            omv = memoryview(out)
+        except TypeError:
+            raise UsageError("get_into needs a writable buffer (bytearray, numpy array, ...)") from None
+        if omv.readonly:
+            raise UsageError("get_into needs a writable buffer, not a read-only one")
+        if omv.format != "B" or omv.ndim != 1:
+            if not omv.c_contiguous:
+                raise UsageError("get_into needs a contiguous buffer")
+            omv = omv.cast("B")
+        r = self._locked(self._get_locked, kb, xxhash.xxh3_64_intdigest(kb), omv)
+        if r is None or type(r) is int:
+            return r
+        j, i, off, vlen = r
+        try:
+            omv[:vlen] = self._mv[off : off + vlen]
+        finally:
+            self._locked(self._unpin, j, i)
+        return vlen
+
+    def _view_locked(self, kb: bytes, kh: int) -> Any:
+        i = self._lookup_live(kb, kh)
+        if i < 0:
+            return None
+        self._touch(i)
+        return self._pin(i), i, self._data_off + int(self._first[i]) * self._bs, int(self._vlen[i])
+
+    def view(self, key: str | bytes) -> EntryView:
+        """A zero-copy, read-only view of `key`'s value, pinned until released.
+
+        Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
+        """
+        kb, _ = key_bytes(key)
+        r = self._locked(self._view_locked, kb, xxhash.xxh3_64_intdigest(kb))
+        if r is None:
+            raise KeyNotFound(f"no key {_show_key(key)} in pool {self.name!r}")
+        j, i, off, vlen = r
+        ev = EntryView(self, j, i, self._mv[off : off + vlen].toreadonly())
+        self._views.add(ev)
+        return ev
+
+    # ------------------------------------------------------------------ delete, membership
+
+    def _delete_locked(self, kb: bytes, kh: int) -> bool:
+        i = self._find(kb, kh)
+        if i < 0:
+            return False
+        self._remove(i)
+        self._h.deletes[0] += 1
+        return True
+
+    def delete(self, key: str | bytes) -> bool:
+        """Remove `key`; True if it was there.  Readers already copying finish safely."""
+        kb, _ = key_bytes(key)
+        return self._locked(self._delete_locked, kb, xxhash.xxh3_64_intdigest(kb))
+
+    def _contains_locked(self, kb: bytes, kh: int) -> bool:
+        i = self._find(kb, kh)
+        return i >= 0 and not self._expired(i)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            kb, _ = key_bytes(key)  # type: ignore[arg-type]
+        except UsageError:
+            return False
+        return self._locked(self._contains_locked, kb, xxhash.xxh3_64_intdigest(kb))
+
+    def _live_mask(self) -> np.ndarray:
+        e = self._expiry
+        return (self._state == SEALED) & ((e == 0) | (e > self.clock()))
+
+    def __len__(self) -> int:
+        """Number of live (sealed, unexpired) entries."""
+        return int(self._locked(lambda: int(np.count_nonzero(self._live_mask()))))
+
+    def _key_of(self, i: int) -> str | bytes:
+        off = self._data_off + int(self._first[i]) * self._bs + int(self._vlen[i])
+        kb = bytes(self._mv[off : off + int(self._klen[i])])
+        if int(self._sflags[i]) & SLOT_FLAG_STR_KEY:
+            return kb.decode("utf-8", "surrogateescape")
+        return kb
+
+    def keys(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[str | bytes]:
+        """Keys of live entries, oldest insert first (str keys come back as str)."""
+        pb = key_bytes(prefix)[0] if prefix else b""
+
+        def collect() -> list[str | bytes]:
+            idx = np.flatnonzero(self._live_mask())
+            idx = idx[np.argsort(self._iseq[idx], kind="stable")]
+            out: list[str | bytes] = []
+            for i in idx:
+                k = self._key_of(int(i))
+                if pb and not (k.encode("utf-8", "surrogateescape") if isinstance(k, str) else k).startswith(pb):
+                    continue
+                out.append(k)
+                if limit is not None and len(out) >= limit:
+                    break
+            return out
+
+        return self._locked(collect)
+
+    def __iter__(self) -> Iterator[str | bytes]:
+        return iter(self.keys())
+
+    def _info_of(self, i: int) -> dict[str, Any]:
+        now = self.clock()
+        e = float(self._expiry[i])
+        return {
+            "key": self._key_of(i),
+            "size": int(self._vlen[i]),
+            "blocks": int(self._nblk[i]),
+            "first_block": int(self._first[i]),
+            "created": float(self._created[i]),
+            "last_access": float(self._lastacc[i]),
+            "access_count": int(self._acount[i]),
+            "priority": int(self._prio[i]),
+            "expires": e if e > 0 else None,
+            "ttl_remaining": max(0.0, e - now) if e > 0 else None,
+            "checksum": f"{int(self._cks[i]):016x}",
+            "pins": int(self._pins[i]),
+        }
+
+    def info(self, key: str | bytes) -> dict[str, Any]:
+        """Metadata of `key`'s entry (does not count as an access).  Raises KeyNotFound."""
+        kb, _ = key_bytes(key)
+        kh = xxhash.xxh3_64_intdigest(kb)
+
+        def get_info() -> dict[str, Any] | None:
+            i = self._find(kb, kh)
+            if i < 0 or self._expired(i):
+                return None
+            return self._info_of(i)
+
+        r = self._locked(get_info)
+        if r is None:
+            raise KeyNotFound(f"no key {_show_key(key)} in pool {self.name!r}")
+        return r
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(
+        self,
+        *,
+        percent: float | None = None,
+        nbytes: int | str | None = None,
+        expired: bool = False,
+        keys: list[str | bytes] | None = None,
+        prefix: str | bytes | None = None,
+        all: bool = False,
+    ) -> tuple[int, int]:
+        """Evict entries now; return (entries, value bytes) freed.
+
+        Exactly one selector: `percent` of the used value bytes or `nbytes`
+        (victims chosen by the pool's policy, expired ones first), `expired`
+        entries only, the given `keys`, every key starting with `prefix`, or
+        `all`.  Pinned entries leave the index at once and free their memory
+        when their last reader lets go.
+        """
+        chosen = [percent is not None, nbytes is not None, bool(expired), keys is not None, prefix is not None, bool(all)]
+        if sum(chosen) != 1:
+            raise UsageError("evict needs exactly one of: percent, nbytes, expired, keys, prefix, all")
+        if percent is not None:
+            if not 0 < percent <= 100:
+                raise UsageError(f"percent must be in (0, 100], not {percent!r}")
+            target = None
+        if nbytes is not None:
+            target = parse_size(nbytes)
+        if keys is not None:
+            encoded = [(kb, xxhash.xxh3_64_intdigest(kb)) for kb, _ in map(key_bytes, keys)]
+            return self._locked(self._evict_keys, encoded)
+        if expired or all or prefix is not None:
+            pb = key_bytes(prefix)[0] if prefix is not None else None
+            return self._locked(self._evict_matching, expired, pb)
+        return self._locked(self._evict_amount, percent, target)
+
+    def _evict_keys(self, encoded: list[tuple[bytes, int]]) -> tuple[int, int]:
+        count = freed = 0
+        for kb, kh in encoded:
+            i = self._find(kb, kh)
+            if i >= 0:
+                count += 1
+                freed += int(self._vlen[i])
+                self._count_eviction(i, False)
+                self._remove(i)
+        return count, freed
+
+    def _evict_matching(self, expired_only: bool, prefix: bytes | None) -> tuple[int, int]:
+        idx = np.flatnonzero(self._state == SEALED)
+        if expired_only:
+            e = self._expiry[idx]
+            idx = idx[(e > 0) & (e <= self.clock())]
+        count = freed = 0
+        for i in map(int, idx):
+            if prefix is not None:
+                k = self._key_of(i)
+                kb = k.encode("utf-8", "surrogateescape") if isinstance(k, str) else k
+                if not kb.startswith(prefix):
+                    continue
+            count += 1
+            freed += int(self._vlen[i])
+            self._count_eviction(i, self._expired(i))
+            self._remove(i)
+        return count, freed
+
+    def _evict_amount(self, percent: float | None, target: int | None) -> tuple[int, int]:
+        if percent is not None:
+            live = self._state == SEALED
+            target = int(np.ceil(int(self._vlen[live].sum()) * percent / 100))
+        assert target is not None
+        count = freed = 0
+        while freed < target:
+            i, expired = self._victims.next_victim()
+            if i < 0:
+                break
+            count += 1
+            freed += int(self._vlen[i])
+            self._count_eviction(i, expired)
+            self._remove(i)
+        return count, freed
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and usage, with the field names of `cortex cache status --json`."""
+        return self._locked(self._stats_locked)
+
+    def _stats_locked(self) -> dict[str, Any]:
+        h = self._hdr[0]
+        g = self.geometry
+        sealed = self._state == SEALED
+        hits, misses = int(h["hits"]), int(h["misses"])
+        st = self._seg.stat()
+        last = float(h["last_snapshot"])
+        return {
+            "name": self.name,
+            "format_version": int(h["version"]),
+            "policy": self.policy,
+            "multi_threaded": bool(int(h["flags"]) & FLAG_MULTI_THREADED),
+            "reserved": bool(int(h["flags"]) & FLAG_RESERVED),
+            "size_bytes": g.data_size,
+            "segment_bytes": g.segment_size,
+            "block_size": g.block_size,
+            "blocks_total": g.n_blocks,
+            "blocks_used": int(h["used_blocks"]),
+            "used_bytes": int(h["used_blocks"]) * g.block_size,
+            "value_bytes": int(self._vlen[sealed].sum()),
+            "entries": int(h["n_entries"]),
+            "max_entries": g.n_slots,
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+            "puts": int(h["puts"]),
+            "deletes": int(h["deletes"]),
+            "evictions": int(h["evictions"]),
+            "expirations": int(h["expirations"]),
+            "bytes_evicted": int(h["bytes_evicted"]),
+            "repairs": int(h["repairs"]),
+            "pinned_entries": int(np.count_nonzero(self._pins)),
+            "writing_entries": int(np.count_nonzero(self._state == WRITING)),
+            "created": float(h["created"]),
+            "last_snapshot": last if last > 0 else None,
+            "mode": f"{st.st_mode & 0o777:04o}",
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+        }
+
+    # ------------------------------------------------------------------ repair and verify
+
+    def _reap_dead(self) -> bool:
+        """Reclaim reservations of dead writers and pins of dead readers; True if anything was freed."""
+        freed = False
+        alive_cache: dict[tuple[int, int], bool] = {}
+
+        def alive(pid: int, start: int) -> bool:
+            k = (pid, start)
+            if k not in alive_cache:
+                alive_cache[k] = procs.alive(pid, start)
+            return alive_cache[k]
+
+        for j in map(int, np.flatnonzero(self._ppid != 0)):
+            if not alive(int(self._ppid[j]), int(self._pstart[j])):
+                i = int(self._pslot[j])
+                self._ppid[j] = 0
+                self._pslot[j] = -1
+                if 0 <= i < self._slots.size and self._pins[i] > 0:
+                    self._pins[i] -= 1
+                    if self._pins[i] == 0 and self._state[i] == ZOMBIE:
+                        self._free_blocks(i)
+                        self._free_slot(i)
+                        freed = True
+        for i in map(int, np.flatnonzero(self._state == WRITING)):
+            if not alive(int(self._opid[i]), int(self._ostart[i])):
+                self._free_blocks(i)
+                self._free_slot(i)
+                freed = True
+        if freed:
+            self._victims.invalidate()
+        return freed
+
+    def _repair(self) -> list[str]:
+        """Rebuild every derived structure from the slot records (lock held)."""
+        from .repair import repair
+
+        fixed = repair(self)
+        self._h.repairs[0] += 1
+        self._h.dirty[0] = 0
+        return fixed
+
+    def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
+        """Check the pool's consistency (and fix it with `repair`).
+
+        Returns {"ok": bool, "problems": [...], "repaired": bool, "entries": n}.
+        Checksums of all sealed entries are verified unless `checksums=False`;
+        with `repair`, an entry whose bytes no longer match is dropped.
+        """
+        from .repair import verify
+
+        return verify(self, repair=repair, checksums=checksums)
+
+
+def _show_key(key: object) -> str:
+    s = repr(key)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _open_complete_segment(name: str) -> segment.Segment:
+    """Open `name`, waiting (bounded) for a creator that is still initialising it."""
+    deadline = time.monotonic() + _OPEN_WAIT
+    while True:
+        seg = segment.Segment.open(name)
+        if seg.size >= HEADER_SIZE and bytes(seg.mm[0:8]) == MAGIC:
+            return seg
+        # No magic yet: the creator holds the record lock until it writes it.
+        lock = RecordLock(seg.fd)
+        try:
+            lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            lock.release()
+        except CortexCacheError:
+            seg.close()
+            raise SegmentCorrupt(f"pool {name!r} is still being created (or its creator hung)") from None
+        again = os.fstat(seg.fd).st_size
+        complete = again >= HEADER_SIZE and seg.size == again and bytes(seg.mm[0:8]) == MAGIC
+        if complete:
+            return seg
+        seg.close()
+        if again >= HEADER_SIZE and again == seg.size:
+            raise SegmentCorrupt(
+                f"segment of pool {name!r} is not a cortex pool, or its creator died mid-create; "
+                "delete it with `cortex cache delete`"
+            )
+        if time.monotonic() >= deadline:
+            raise SegmentCorrupt(f"pool {name!r} is still being created")
+        time.sleep(0.01)  # the creator has not reached its first step yet
+
+
+def _validate(seg: segment.Segment) -> None:
+    hdr = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)
+    try:
+        h = hdr[0]
+        if bytes(h["magic"]) != MAGIC:
+            raise SegmentCorrupt(f"segment of pool {seg.name!r} is not a cortex pool")
+        version = int(h["version"])
+        if version != FORMAT_VERSION:
+            raise IncompatibleVersion(
+                f"pool {seg.name!r} has format version {version}; this cortex_cache reads version {FORMAT_VERSION}"
+            )
+        if int(h["header_size"]) != HEADER_SIZE:
+            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header (header size)")
+        why = Geometry.from_header(hdr).check(seg.size)
+        if why:
+            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: {why}")
+        if policy_by_id(int(h["policy"])) is None:
+            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
+    finally:
+        del hdr
+
+
+__all__ = ["Pool", "EntryView"]

@@ -1,0 +1,55 @@
+"""Process identity for crash recovery.
+
+A pid alone is not enough to tell whether the process that reserved a slot or
+pinned an entry is still alive: pids are reused.  We pair the pid with the
+process's start time (field 22 of /proc/PID/stat, in clock ticks since boot),
+which together name one process for the life of the machine.
+
+Limitation: processes in different pid namespaces that share /dev/shm see
+different pids; run all users of a pool in one pid namespace.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def start_time(pid: int) -> int:
+    """Start time of `pid` in clock ticks since boot, or 0 if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    # The command name (field 2) may contain spaces and parentheses: split
+    # after the last ')'.  Field 22 is then index 19 of the rest.
+    rest = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+_cached: tuple[int, int] | None = None
+
+
+def me() -> tuple[int, int]:
+    """(pid, start time) of the calling process; recomputed after fork."""
+    global _cached
+    pid = os.getpid()
+    if _cached is None or _cached[0] != pid:
+        _cached = (pid, start_time(pid))
+    return _cached
+
+
+def alive(pid: int, start: int) -> bool:
+    """True if the process `pid` that started at `start` still runs."""
+    if pid <= 0:
+        return False
+    st = start_time(pid)
+    if st == 0:
+        return False
+    return start == 0 or st == start
+
+
+__all__ = ["start_time", "me", "alive"]

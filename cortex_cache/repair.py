@@ -1,0 +1,277 @@
+"""Consistency check and repair of a pool.
+
+The slot records are the truth; everything else (block map, hash chains,
+free-slot list, entry and block counters, pin counts) is derived from them and
+rebuilt here.  `analyse` runs with the pool lock held and changes nothing
+unless asked to fix; it is what runs automatically when a lock holder finds
+the dirty mark left by a process that died inside a critical section.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from . import procs
+from .layout import FREE, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+_CHECKSUM_BATCH = 64
+
+
+def analyse(pool: "Pool", fix: bool) -> list[str]:
+    """Find (and with `fix`, repair) every inconsistency in the metadata; lock held."""
+    s = pool._slots
+    n = s.size
+    bs, n_blocks = pool._bs, pool._n_blocks
+    state = s["state"].copy()
+    problems: list[str] = []
+    alive_cache: dict[tuple[int, int], bool] = {}
+
+    def alive(pid: int, start: int) -> bool:
+        k = (pid, start)
+        if k not in alive_cache:
+            alive_cache[k] = procs.alive(pid, start)
+        return alive_cache[k]
+
+    h = pool._h
+    if h.dirty[0]:
+        problems.append("a process died while changing the pool's metadata")
+
+    bad_state = np.flatnonzero(state > ZOMBIE)
+    if bad_state.size:
+        problems.append(f"{bad_state.size} slot(s) with an invalid state")
+        state[bad_state] = FREE
+
+    # Entries whose geometry is impossible cannot be trusted at all.
+    used = np.flatnonzero(state != FREE)
+    first, nblk = s["first_block"][used], s["n_blocks"][used]
+    vlen, klen = s["value_len"][used], s["key_len"][used].astype(np.uint64)
+    ok = (nblk >= 1) & (nblk <= n_blocks) & (first <= n_blocks - np.minimum(nblk, n_blocks))
+    ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (vlen <= nblk * np.uint64(bs) - np.minimum(klen, nblk * np.uint64(bs)))
+    if not ok.all():
+        problems.append(f"{int((~ok).sum())} entr(y/ies) with impossible size or position dropped")
+        state[used[~ok]] = FREE
+
+    # Pin records: keep those of live processes on entries that can be pinned.
+    ppid, pslot, pstart = pool._ppid, pool._pslot, pool._pstart
+    keep_pin = np.zeros(ppid.size, dtype=bool)
+    for j in map(int, np.flatnonzero(ppid != 0)):
+        i = int(pslot[j])
+        if 0 <= i < n and state[i] in (SEALED, ZOMBIE) and alive(int(ppid[j]), int(pstart[j])):
+            keep_pin[j] = True
+    dead_pins = int(np.count_nonzero((ppid != 0) & ~keep_pin))
+    if dead_pins:
+        problems.append(f"{dead_pins} pin(s) held by dead processes released")
+    pins = np.bincount(pslot[keep_pin].astype(np.int64), minlength=n)[:n].astype(np.uint32)
+    if not dead_pins and (pins != s["pins"]).any():
+        problems.append("pin counts did not match the pin records")
+
+    writing = np.flatnonzero(state == WRITING)
+    dead_writers = [int(i) for i in writing if not alive(int(s["owner_pid"][i]), int(s["owner_start"][i]))]
+    if dead_writers:
+        problems.append(f"{len(dead_writers)} unfinished write(s) of dead processes dropped")
+        state[dead_writers] = FREE
+    zombies = np.flatnonzero((state == ZOMBIE) & (pins == 0))
+    if zombies.size:
+        problems.append(f"{zombies.size} deleted entr(y/ies) whose readers are gone freed")
+        state[zombies] = FREE
+
+    # Overlapping runs: keep the most recently inserted entry of each clash.
+    used = np.flatnonzero(state != FREE)
+    order = used[np.argsort(s["first_block"][used], kind="stable")]
+    starts = s["first_block"][order].astype(np.int64)
+    ends = starts + s["n_blocks"][order].astype(np.int64)
+    clash = 0
+    last = -1
+    for k in range(order.size):
+        i = int(order[k])
+        if last >= 0 and starts[k] < int(s["first_block"][last]) + int(s["n_blocks"][last]):
+            loser = i if int(s["insert_seq"][i]) < int(s["insert_seq"][last]) else last
+            state[loser] = FREE
+            clash += 1
+            if loser == last:
+                last = i
+        else:
+            last = i
+    if clash:
+        problems.append(f"{clash} entr(y/ies) overlapping another dropped")
+    del starts, ends
+
+    # Duplicate keys among sealed entries: keep the newest.
+    sealed = np.flatnonzero(state == SEALED)
+    kh = s["key_hash"][sealed]
+    srt = np.argsort(kh, kind="stable")
+    dup_groups = np.flatnonzero(kh[srt][1:] == kh[srt][:-1])
+    dups = 0
+    seen: dict[bytes, int] = {}
+    for g in dup_groups:
+        for i in (int(sealed[srt[g]]), int(sealed[srt[g + 1]])):
+            if state[i] != SEALED:
+                continue
+            k = _raw_key(pool, i)
+            j = seen.get(k)
+            if j is None or j == i:
+                seen[k] = i
+                continue
+            loser = i if int(s["insert_seq"][i]) < int(s["insert_seq"][j]) else j
+            state[loser] = FREE
+            seen[k] = j if loser == i else i
+            dups += 1
+    if dups:
+        problems.append(f"{dups} duplicate entr(y/ies) of one key dropped")
+
+    # Derived structures, rebuilt from the surviving slots.
+    used = np.flatnonzero(state != FREE)
+    cover = np.zeros(n_blocks + 1, dtype=np.int64)
+    np.add.at(cover, s["first_block"][used].astype(np.int64), 1)
+    np.add.at(cover, (s["first_block"][used] + s["n_blocks"][used]).astype(np.int64), -1)
+    blockmap = (np.cumsum(cover[:-1]) > 0).astype(np.uint8)
+    leaked = int(np.count_nonzero(pool._map.astype(bool) & ~blockmap.astype(bool)))
+    lost = int(np.count_nonzero(~pool._map.astype(bool) & blockmap.astype(bool)))
+    if leaked or lost:
+        problems.append(f"block map out of step: {leaked} leaked block(s), {lost} in use but marked free")
+
+    sealed = np.flatnonzero(state == SEALED)
+    buckets = np.full(pool._buckets.size, -1, dtype=np.int32)
+    nxt = np.full(n, -1, dtype=np.int32)
+    b = (s["key_hash"][sealed] & np.uint64(pool._mask)).astype(np.int64)
+    o = np.argsort(b, kind="stable")
+    sb, ss = b[o], sealed[o].astype(np.int32)
+    if ss.size:
+        same = sb[:-1] == sb[1:]
+        nxt[ss[:-1][same]] = ss[1:][same]
+        heads = np.flatnonzero(np.r_[True, ~same])
+        buckets[sb[heads]] = ss[heads]
+    free = np.flatnonzero(state == FREE).astype(np.int32)
+    if free.size:
+        nxt[free[:-1]] = free[1:]
+    if not fix:  # a repair rebuilds the chains anyway; only a check needs to walk them
+        chains_ok = np.array_equal(buckets, pool._buckets) or np.array_equal(
+            _chain_sets(pool._buckets, s["next"]), _chain_sets(buckets, nxt)
+        )
+        if not chains_ok and not problems:
+            problems.append("hash index out of step with the entries")
+    counts_ok = int(h.n_entries[0]) == sealed.size and int(h.used_blocks[0]) == int(blockmap.sum())
+    if not counts_ok and not problems:
+        problems.append("entry or block counters out of step")
+
+    if fix:
+        s["state"][:] = state
+        s["pins"][:] = pins
+        ppid[~keep_pin] = 0
+        pslot[~keep_pin] = -1
+        pool._map[:] = blockmap
+        pool._buckets[:] = buckets
+        s["next"][:] = nxt
+        h.free_slot[0] = int(free[0]) if free.size else -1
+        h.n_entries[0] = sealed.size
+        h.used_blocks[0] = int(blockmap.sum())
+        h.alloc_hint[0] = 0
+        h.cand_valid[0] = 0
+    return problems
+
+
+def _chain_sets(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+    """Sealed slots reachable through the chains, sorted (bounded walk)."""
+    seen: list[int] = []
+    limit = nxt.size
+    for b in map(int, np.flatnonzero(buckets >= 0)):
+        i = int(buckets[b])
+        steps = 0
+        while 0 <= i < limit and steps <= limit:
+            seen.append(i)
+            i = int(nxt[i])
+            steps += 1
+        if steps > limit or i >= limit:
+            return np.array([-1])
+    return np.sort(np.array(seen, dtype=np.int64))
+
+
+def _raw_key(pool: "Pool", i: int) -> bytes:
+    off = pool._data_off + int(pool._first[i]) * pool._bs + int(pool._vlen[i])
+    return bytes(pool._mv[off : off + int(pool._klen[i])])
+
+
+def repair(pool: "Pool") -> list[str]:
+    """Repair with the lock held (called when a dirty mark is found)."""
+    return analyse(pool, fix=True)
+
+
+def verify(pool: "Pool", repair: bool, checksums: bool) -> dict[str, Any]:
+    """Check metadata (lock held briefly) and entry checksums (outside the lock)."""
+    lock, h = pool._lock, pool._h
+    lock.acquire(pool._lock_timeout)
+    try:
+        problems = analyse(pool, fix=False)
+        if repair and problems:
+            h.dirty[0] = 1
+            analyse(pool, fix=True)
+            h.repairs[0] += 1
+            h.dirty[0] = 0
+        sealed = [int(i) for i in np.flatnonzero(pool._state == SEALED)]
+    finally:
+        lock.release()
+    if problems and not repair:
+        # A corrupt index makes entry checksums meaningless: report what we have.
+        return {"ok": False, "problems": problems, "repaired": False, "entries": len(sealed), "checked": 0}
+    checked = 0
+    bad: list[str] = []
+    if checksums:
+        for k in range(0, len(sealed), _CHECKSUM_BATCH):
+            batch = pool._locked(_pin_batch, pool, sealed[k : k + _CHECKSUM_BATCH])
+            try:
+                for j, i, iseq, off, vlen, cks in batch:
+                    if xxhash.xxh3_64_intdigest(pool._mv[off : off + vlen]) != cks:
+                        bad.append((i, iseq))
+                checked += len(batch)
+            finally:
+                pool._locked(_unpin_batch, pool, batch)
+        for i, iseq in bad:
+            problems.append(f"entry {_show(pool, i)}: value does not match its checksum")
+        if repair and bad:
+            pool._locked(_drop_entries, pool, bad)
+    n_entries = int(pool._h.n_entries[0])
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "repaired": bool(repair and problems),
+        "entries": n_entries,
+        "checked": checked,
+    }
+
+
+def _show(pool: "Pool", i: int) -> str:
+    try:
+        return repr(pool._key_of(i))[:80]
+    except Exception:
+        return f"#{i}"
+
+
+def _pin_batch(pool: "Pool", slots: list[int]) -> list[tuple[int, int, int, int, int, int]]:
+    out = []
+    for i in slots:
+        if pool._state[i] != SEALED:
+            continue
+        j = pool._pin(i)
+        off = pool._data_off + int(pool._first[i]) * pool._bs
+        out.append((j, i, int(pool._iseq[i]), off, int(pool._vlen[i]), int(pool._cks[i])))
+    return out
+
+
+def _unpin_batch(pool: "Pool", batch: list[tuple[int, int, int, int, int, int]]) -> None:
+    for j, i, *_ in batch:
+        pool._unpin(j, i)
+
+
+def _drop_entries(pool: "Pool", bad: list[tuple[int, int]]) -> None:
+    for i, iseq in bad:
+        if pool._state[i] == SEALED and int(pool._iseq[i]) == iseq:
+            pool._remove(i)
+
+
+__all__ = ["analyse", "repair", "verify"]

@@ -1,0 +1,212 @@
+"""POSIX shared-memory segments: names, create, open, map, unlink, list.
+
+This module knows nothing of the layout inside a segment; it turns a pool name
+into an shm object, makes the memory real before anyone relies on it, and maps
+every OSError it meets into the library's exceptions.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+import posix_ipc
+
+from .errors import (
+    InvalidName,
+    NoSpace,
+    PermissionDenied,
+    PoolExists,
+    PoolNotFound,
+    ServiceUnavailable,
+    StorageIOError,
+    UsageError,
+)
+from .units import format_size
+
+SHM_DIR = "/dev/shm"
+DEFAULT_PREFIX = "cortex-cache."
+PREFIX_ENV = "CORTEX_CACHE_SHM_PREFIX"
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap does not name it
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{0,128}")
+
+
+def validate_name(name: str) -> str:
+    """Return `name` if it is a valid pool name, else raise InvalidName."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidName(
+            f"invalid pool name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def prefix() -> str:
+    """The segment name prefix in force (CORTEX_CACHE_SHM_PREFIX)."""
+    p = os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
+    if not _PREFIX_RE.fullmatch(p):
+        raise UsageError(f"invalid {PREFIX_ENV} {p!r}: use at most 128 characters from A-Z a-z 0-9 . _ -")
+    return p
+
+
+def shm_name(name: str) -> str:
+    return "/" + prefix() + validate_name(name)
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, prefix() + validate_name(name))
+
+
+def _check_shm_available() -> None:
+    if not os.path.isdir(SHM_DIR):
+        raise ServiceUnavailable(f"{SHM_DIR} is not available on this machine")
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class Segment:
+    """An open, mapped shared-memory segment."""
+
+    name: str
+    fd: int
+    mm: mmap.mmap
+    size: int
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int = 0o600, reserve: bool = True) -> "Segment":
+        """Create and map a new segment of `size` bytes; its memory is reserved unless `reserve` is False.
+
+        On any failure the segment is unlinked before the error is raised.
+        """
+        _check_shm_available()
+        path = shm_name(name)
+        if reserve:
+            free = shm_free_bytes()
+            if size > free:
+                raise NoSpace(
+                    f"not enough shared memory for pool {name!r}: needs {format_size(size)}, "
+                    f"{SHM_DIR} has {format_size(free)} free"
+                )
+        try:
+            shm = posix_ipc.SharedMemory(path, posix_ipc.O_CREX, mode=mode & 0o777)
+        except posix_ipc.ExistentialError:
+            raise PoolExists(f"pool {name!r} already exists") from None
+        except posix_ipc.PermissionsError as e:
+            raise PermissionDenied(f"cannot create pool {name!r}: {e}") from None
+        fd = shm.fd
+        try:
+            os.fchmod(fd, mode & 0o777)  # shm_open applies the umask; we want exactly `mode`
+            if reserve:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise NoSpace(
+                            f"not enough shared memory for pool {name!r}: needs {format_size(size)}"
+                        ) from None
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, size)
+            else:
+                os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException as e:
+            os.close(fd)
+            _unlink_quietly(path)
+            if isinstance(e, OSError) and not isinstance(e, (NoSpace, PermissionDenied)):
+                raise StorageIOError(f"cannot create pool {name!r}: {e.strerror or e}") from e
+            raise
+        return cls(name, fd, mm, size)
+
+    @classmethod
+    def open(cls, name: str) -> "Segment":
+        """Open and map an existing segment (its layout is checked by the caller)."""
+        _check_shm_available()
+        path = shm_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(path, 0)
+        except posix_ipc.ExistentialError:
+            raise PoolNotFound(f"no pool named {name!r}") from None
+        except posix_ipc.PermissionsError:
+            raise PermissionDenied(f"permission denied opening pool {name!r}") from None
+        fd = shm.fd
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        except OSError as e:
+            os.close(fd)
+            raise StorageIOError(f"cannot map pool {name!r}: {e.strerror or e}") from e
+        return cls(name, fd, mm, size)  # type: ignore[arg-type]
+
+    def prefault(self) -> None:
+        """Fault every page in for writing now, so first puts run at memory speed."""
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE)
+        except OSError:
+            # Older kernels: touch one byte per page (the segment is still all zeros).
+            import numpy as np
+
+            view = np.frombuffer(self.mm, dtype=np.uint8)
+            view[:: mmap.PAGESIZE] = 0
+            del view
+
+    def stat(self) -> os.stat_result:
+        return os.fstat(self.fd)
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None  # type: ignore[assignment]
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(path)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def unlink(name: str) -> None:
+    """Remove the segment of pool `name`; PoolNotFound if there is none."""
+    _check_shm_available()
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(name))
+    except posix_ipc.ExistentialError:
+        raise PoolNotFound(f"no pool named {name!r}") from None
+    except posix_ipc.PermissionsError:
+        raise PermissionDenied(f"permission denied removing pool {name!r}") from None
+
+
+def exists(name: str) -> bool:
+    return os.path.exists(shm_path(name))
+
+
+def list_names() -> list[str]:
+    """Names of every segment under the current prefix that is a valid pool name."""
+    _check_shm_available()
+    p = prefix()
+    out = []
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(p) and _NAME_RE.fullmatch(entry.name[len(p):]):
+            try:
+                if stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                    out.append(entry.name[len(p):])
+            except FileNotFoundError:  # removed while we looked
+                continue
+    return sorted(out)
+
+
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "exists", "list_names"]
