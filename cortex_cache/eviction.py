@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .layout import CANDIDATES, SEALED
+from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 
 INF = math.inf
 
@@ -37,7 +38,6 @@ class Policy:
     """Base: subclasses define `primary` over arrays of slot fields."""
 
     name = ""
-    help = ""
     # True when every put or hit gives its entry a score above every existing
     # score, so no change can ever jump ahead of the cached victims.
     monotone = False
@@ -56,13 +56,11 @@ class Policy:
 
 class LRU(Policy):
     name = "lru"
-    help = "least recently read or written first"
     monotone = True
 
 
 class FIFO(Policy):
     name = "fifo"
-    help = "oldest insert first"
     monotone = True
     identity = "insert_seq"  # hits do not change FIFO order
 
@@ -72,7 +70,6 @@ class FIFO(Policy):
 
 class LFU(Policy):
     name = "lfu"
-    help = "fewest accesses first; counts halve every aging epoch"
 
     def primary(self, s, idx, epoch):
         age = np.minimum(epoch - s["lfu_epoch"][idx], 63).astype(np.uint64)
@@ -84,7 +81,6 @@ class LFU(Policy):
 
 class PriorityPolicy(Policy):
     name = "priority"
-    help = "lowest priority first, least recent among equals"
 
     def primary(self, s, idx, epoch):
         return s["priority"][idx].astype(np.float64)
@@ -95,7 +91,6 @@ class PriorityPolicy(Policy):
 
 class TTLPolicy(Policy):
     name = "ttl"
-    help = "soonest to expire first; entries without a TTL last"
 
     def primary(self, s, idx, epoch):
         e = s["expiry"][idx]
@@ -108,7 +103,6 @@ class TTLPolicy(Policy):
 
 class SizePolicy(Policy):
     name = "size"
-    help = "largest value first"
 
     def primary(self, s, idx, epoch):
         return -(s["value_len"][idx].astype(np.float64))
@@ -117,11 +111,10 @@ class SizePolicy(Policy):
         return -float(s["value_len"][i])
 
 
-# The one table of policies: the CLI's --policy choices come from here, and the
-# segment stores a policy as its index in POLICY_IDS (never reorder it).
+# The one table of policy implementations.  Names, help and segment ids live
+# in policy_names.py (numpy-free, for the CLI); this must cover exactly those.
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), LFU(), FIFO(), PriorityPolicy(), TTLPolicy(), SizePolicy())}
-POLICY_IDS: list[str] = ["lru", "lfu", "fifo", "priority", "ttl", "size"]
-DEFAULT_POLICY = "lru"
+assert list(POLICIES) == POLICY_IDS, "eviction.POLICIES and policy_names.POLICY_IDS disagree"
 
 
 def policy_by_id(pid: int) -> Policy | None:
@@ -238,4 +231,4 @@ class VictimCache:
         return True
 
 
-__all__ = ["Policy", "POLICIES", "POLICY_IDS", "DEFAULT_POLICY", "policy_by_id", "VictimCache"]
+__all__ = ["Policy", "POLICIES", "POLICY_IDS", "POLICY_HELP", "DEFAULT_POLICY", "policy_by_id", "VictimCache"]

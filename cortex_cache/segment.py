@@ -194,6 +194,27 @@ def exists(name: str) -> bool:
     return os.path.exists(shm_path(name))
 
 
+def attached_pids(name: str) -> list[int]:
+    """Pids of processes that have pool `name` mapped (as lsof would find them).
+
+    Only processes whose /proc/PID/maps this user may read are seen.
+    """
+    path = shm_path(name).encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", "rb") as f:
+                for line in f:
+                    if line.rstrip().endswith(path):
+                        out.append(int(entry.name))
+                        break
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def list_names() -> list[str]:
     """Names of every segment under the current prefix that is a valid pool name."""
     _check_shm_available()
@@ -209,4 +230,4 @@ def list_names() -> list[str]:
     return sorted(out)
 
 
-__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "exists", "list_names"]
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "exists", "list_names", "attached_pids"]

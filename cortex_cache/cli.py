@@ -1,0 +1,575 @@
+"""`cortex cache ...`: the operator CLI.
+
+The CLI parses, calls the library, renders.  It imports the library (and so
+numpy) only inside commands, so `cortex --help` stays fast.  Every error ends
+as one line on stderr and a documented exit code (sysexits); `--debug` or
+CORTEX_CACHE_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from enum import Enum
+from typing import Any, Optional
+
+import typer
+
+from .errors import EX_PROBLEM, EX_SOFTWARE, EX_USAGE, CortexCacheError, KeyNotFound, UsageError
+from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
+
+EXIT_CODES_HELP = (
+    "Exit status: 0 ok; 1 verify found a problem; 2 usage error; 65 corrupt or "
+    "incompatible data; 66 no such pool, key or snapshot; 69 service unavailable; "
+    "70 internal error; 73 cannot create (exists, not enough memory); 74 I/O error; "
+    "75 temporary failure (lock held); 77 permission denied."
+)
+
+app = typer.Typer(
+    name="cortex",
+    help="cortex-cache: named KV-cache pools in POSIX shared memory.\n\n" + EXIT_CODES_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+cache = typer.Typer(
+    name="cache",
+    help="Create, inspect, use and remove KV-cache pools.\n\n" + EXIT_CODES_HELP,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(cache, name="cache")
+
+Policy = Enum("Policy", {name: name for name in POLICY_IDS}, type=str)  # type: ignore[misc]
+
+
+class Tier(str, Enum):
+    cpu = "cpu"
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    prometheus = "prometheus"
+
+
+NAME_ARG = typer.Argument(..., metavar="NAME", help="Pool name: 1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit.", show_default=False)
+JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+
+
+# ---------------------------------------------------------------- output helpers
+
+
+def _console(stderr: bool = False):  # rich is imported by typer already
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def _print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _fmt_size(n: int | float) -> str:
+    from .units import format_size
+
+    return format_size(n)
+
+
+def _fmt_time(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _fmt_age(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _parse_mode(text: str) -> int:
+    t = text.lower().removeprefix("0o")
+    try:
+        mode = int(t, 8)
+    except ValueError:
+        raise UsageError(f"invalid mode {text!r}: give octal permission bits like 0600 or 0660") from None
+    if mode & ~0o777 or mode & 0o600 != 0o600:
+        raise UsageError(f"invalid mode {text!r}: must be within 0777 and include owner read/write (0600)")
+    return mode
+
+
+def _show_key(k: str | bytes) -> str:
+    return k if isinstance(k, str) else k.decode("utf-8", "backslashreplace")
+
+
+# ---------------------------------------------------------------- commands
+
+
+@cache.command()
+def create(
+    name: str = NAME_ARG,
+    size: str = typer.Option(..., "--size", "-s", help="Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)."),
+    tier: Tier = typer.Option(Tier.cpu, "--tier", help="Storage tier: cpu (shared memory)."),
+    block_size: str = typer.Option("64K", "--block-size", help="Allocation unit; a power of two."),
+    policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", help="Eviction policy: " + "; ".join(f"{k}: {v}" for k, v in POLICY_HELP.items()) + "."),
+    max_entries: Optional[int] = typer.Option(None, "--max-entries", help="Index capacity (default: one entry per block, at most 1,048,576)."),
+    mode: str = typer.Option("0600", "--mode", help="Permission bits of the segment (octal)."),
+    no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
+    multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Create a pool.
+
+    Example: cortex cache create llama --size 16G --policy lru
+    """
+    from .pool import Pool
+    from .units import parse_size
+
+    p = Pool.create(
+        name,
+        parse_size(size),
+        block_size=parse_size(block_size),
+        policy=policy.value,
+        max_entries=max_entries,
+        mode=_parse_mode(mode),
+        reserve=not no_reserve,
+        multi_threaded=multi_threaded,
+    )
+    with p:
+        st = p.stats()
+    if as_json:
+        _print_json(st)
+    else:
+        _console().print(
+            f"created pool {name}: {_fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
+            f"{_fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
+        )
+
+
+def _pool_summary(name: str) -> dict[str, Any]:
+    from .pool import Pool
+
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            st = p.stats()
+        st["status"] = "ok"
+        return st
+    except CortexCacheError as e:
+        return {"name": name, "status": _status_word(e), "error": str(e)}
+
+
+def _status_word(e: CortexCacheError) -> str:
+    from .errors import PermissionDenied, PoolNotFound, SegmentCorrupt
+
+    if isinstance(e, SegmentCorrupt):
+        return "corrupt"
+    if isinstance(e, PermissionDenied):
+        return "no permission"
+    if isinstance(e, PoolNotFound):
+        return "gone"
+    return "unavailable"
+
+
+@cache.command("list")
+def list_(as_json: bool = JSON_OPT) -> None:
+    """List every pool under the current prefix (CORTEX_CACHE_SHM_PREFIX).
+
+    Segments that are damaged, of another format version, or not readable by
+    you are listed with their state instead of their figures.
+
+    Example: cortex cache list --json
+    """
+    from . import segment
+
+    rows = [_pool_summary(n) for n in segment.list_names()]
+    if as_json:
+        _print_json({"pools": rows})
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("NAME", "SIZE", "USED", "ENTRIES", "POLICY", "MODE", "STATE"):
+        t.add_column(col, justify="right" if col in ("SIZE", "USED", "ENTRIES") else "left")
+    for r in rows:
+        if r["status"] != "ok":
+            t.add_row(r["name"], "-", "-", "-", "-", "-", r["status"])
+            continue
+        used = r["used_bytes"] / r["size_bytes"] * 100
+        t.add_row(r["name"], _fmt_size(r["size_bytes"]), f"{used:.1f}%", str(r["entries"]), r["policy"], r["mode"], "ok")
+    if rows:
+        _console().print(t)
+    else:
+        _console(stderr=True).print("no pools")
+
+
+def _prometheus(rows: list[dict[str, Any]]) -> str:
+    metrics = [
+        ("size_bytes", "gauge", "Data capacity of the pool in bytes."),
+        ("used_bytes", "gauge", "Bytes of blocks in use."),
+        ("value_bytes", "gauge", "Bytes of stored values."),
+        ("entries", "gauge", "Live entries."),
+        ("max_entries", "gauge", "Index capacity."),
+        ("blocks_total", "gauge", "Blocks in the data region."),
+        ("blocks_used", "gauge", "Blocks in use."),
+        ("hits", "counter", "Lookups that found a live entry."),
+        ("misses", "counter", "Lookups that found nothing (or an expired entry)."),
+        ("puts", "counter", "Values stored."),
+        ("deletes", "counter", "Entries deleted by key."),
+        ("evictions", "counter", "Entries evicted to make room or on request."),
+        ("expirations", "counter", "Expired entries reclaimed."),
+        ("bytes_evicted", "counter", "Value bytes evicted."),
+        ("repairs", "counter", "Repairs after a process died inside the pool lock."),
+    ]
+    out = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for key, kind, help_ in metrics:
+        name = f"cortex_cache_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in ok:
+            out.append(f'{name}{{pool="{r["name"]}"}} {r[key]}')
+    out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
+    out.append("# TYPE cortex_cache_up gauge")
+    for r in rows:
+        out.append(f'cortex_cache_up{{pool="{r["name"]}"}} {1 if r["status"] == "ok" else 0}')
+    return "\n".join(out) + "\n"
+
+
+@cache.command()
+def status(
+    name: Optional[str] = typer.Argument(None, help="Pool name (default: every pool).", show_default=False),
+    as_json: bool = JSON_OPT,
+    fmt: Format = typer.Option(Format.table, "--format", help="table, json, or prometheus (text exposition format)."),
+) -> None:
+    """Show usage, entries, counters and policy of one pool or all pools.
+
+    Example: cortex cache status llama --json
+    """
+    from . import segment
+    from .pool import Pool
+
+    if as_json:
+        fmt = Format.json
+    if name is not None:
+        with Pool.open(name, lock_timeout=5) as p:
+            st = p.stats()
+        st["status"] = "ok"
+        st["attached_pids"] = segment.attached_pids(name)
+        rows = [st]
+    else:
+        rows = [_pool_summary(n) for n in segment.list_names()]
+        for r in rows:
+            if r["status"] == "ok":
+                r["attached_pids"] = segment.attached_pids(r["name"])
+    if fmt is Format.json:
+        _print_json(rows[0] if name is not None else {"pools": rows})
+        return
+    if fmt is Format.prometheus:
+        sys.stdout.write(_prometheus(rows))
+        return
+    if not rows:
+        _console(stderr=True).print("no pools")
+        return
+    from rich.table import Table
+
+    con = _console()
+    for r in rows:
+        if r["status"] != "ok":
+            con.print(f"{r['name']}: {r['status']} ({r['error']})")
+            continue
+        t = Table(title=f"pool {r['name']}", box=None, show_header=False, pad_edge=False, title_justify="left")
+        t.add_column("field", style="bold")
+        t.add_column("value")
+        used_pct = r["used_bytes"] / r["size_bytes"] * 100
+        t.add_row("size", f"{_fmt_size(r['size_bytes'])} ({r['size_bytes']} bytes; segment {_fmt_size(r['segment_bytes'])})")
+        t.add_row("used", f"{_fmt_size(r['used_bytes'])} ({used_pct:.1f}%), values {_fmt_size(r['value_bytes'])}")
+        t.add_row("entries", f"{r['entries']} of {r['max_entries']}")
+        t.add_row("blocks", f"{r['blocks_used']} / {r['blocks_total']} of {_fmt_size(r['block_size'])}")
+        t.add_row("policy", r["policy"] + (", multi-threaded" if r["multi_threaded"] else ""))
+        t.add_row("hits / misses", f"{r['hits']} / {r['misses']} (hit ratio {r['hit_ratio']:.3f})")
+        t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
+        t.add_row("evictions", f"{r['evictions']} ({_fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
+        t.add_row("attached", ", ".join(map(str, r["attached_pids"])) or "none")
+        t.add_row("owner / mode", f"uid {r['uid']} gid {r['gid']}, {r['mode']}")
+        t.add_row("created", _fmt_time(r["created"]))
+        t.add_row("last snapshot", _fmt_time(r["last_snapshot"]) + (f" ({_fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
+        if r["repairs"]:
+            t.add_row("repairs", str(r["repairs"]))
+        con.print(t)
+
+
+@cache.command()
+def delete(
+    name: str = NAME_ARG,
+    force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped."),
+) -> None:
+    """Remove a pool.
+
+    Processes that still have it mapped keep their mapping until they close
+    it; without --force such a pool is not deleted.
+
+    Example: cortex cache delete llama
+    """
+    from . import segment
+    from .errors import PoolBusy
+
+    segment.validate_name(name)
+    if not segment.exists(name):
+        from .errors import PoolNotFound
+
+        raise PoolNotFound(f"no pool named {name!r}")
+    users = [p for p in segment.attached_pids(name) if p != os.getpid()]
+    if users and not force:
+        raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
+    segment.unlink(name)
+
+
+def _read_value(source: Optional[str]) -> bytes:
+    if source is None or source == "-":
+        if source is None and sys.stdin.isatty():
+            raise UsageError("give a FILE, or '-' and pipe the value on stdin")
+        return sys.stdin.buffer.read()
+    try:
+        with open(source, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        from .errors import PoolNotFound  # exit 66: no such input
+
+        raise PoolNotFound(f"no such file {source!r}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{source!r} is a directory") from None
+    except PermissionError:
+        from .errors import PermissionDenied
+
+        raise PermissionDenied(f"permission denied reading {source!r}") from None
+
+
+@cache.command()
+def put(
+    name: str = NAME_ARG,
+    key: str = typer.Argument(..., help="Key (UTF-8 string).", show_default=False),
+    source: Optional[str] = typer.Argument(None, metavar="[FILE|-]", help="Read the value from FILE, or from stdin with '-'.", show_default=False),
+    ttl: Optional[float] = typer.Option(None, "--ttl", help="Seconds until the entry expires."),
+    priority: int = typer.Option(0, "--priority", help="Priority (the priority policy evicts lowest first)."),
+) -> None:
+    """Store a value under a key.
+
+    Example: echo hello | cortex cache put llama greeting -
+    """
+    from .pool import Pool
+
+    data = _read_value(source)
+    with Pool.open(name, lock_timeout=10) as p:
+        p.put(key, data, ttl=ttl, priority=priority)
+
+
+@cache.command()
+def get(
+    name: str = NAME_ARG,
+    key: str = typer.Argument(..., help="Key to read.", show_default=False),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the value to this new file (mode 0600) instead of stdout."),
+) -> None:
+    """Write a value to stdout (or a file).  Exit 66 if the key is absent.
+
+    Example: cortex cache get llama greeting -o greeting.bin
+    """
+    from .pool import Pool
+
+    with Pool.open(name, lock_timeout=10) as p:
+        value = p.get(key)
+    if value is None:
+        raise KeyNotFound(f"no key {key!r} in pool {name!r}")
+    if output is None:
+        sys.stdout.buffer.write(value)
+        sys.stdout.flush()
+        return
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        from .errors import PoolExists
+
+        raise PoolExists(f"{output!r} already exists; remove it first") from None
+    except OSError as e:
+        from .errors import StorageIOError
+
+        raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(value)
+
+
+@cache.command()
+def keys(
+    name: str = NAME_ARG,
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="Only keys starting with this."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many keys."),
+    long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """List keys of live entries, oldest first.
+
+    Example: cortex cache keys llama --prefix user42/ --limit 20
+    """
+    from .pool import Pool
+
+    with Pool.open(name, lock_timeout=10) as p:
+        ks = p.keys(prefix=prefix, limit=limit)
+        infos = []
+        if long or as_json:
+            for k in ks:
+                try:
+                    infos.append(p.info(k))
+                except KeyNotFound:  # removed meanwhile
+                    continue
+    if as_json:
+        for inf in infos:
+            inf["key"] = _show_key(inf["key"])
+        _print_json({"keys": infos})
+        return
+    if not long:
+        sys.stdout.write("".join(_show_key(k) + "\n" for k in ks))
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("KEY", "SIZE", "AGE", "TTL", "ACCESSES", "PRIORITY"):
+        t.add_column(col, justify="left" if col == "KEY" else "right")
+    for inf in infos:
+        ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
+        t.add_row(_show_key(inf["key"]), str(inf["size"]), _fmt_age(inf["created"]), ttl, str(inf["access_count"]), str(inf["priority"]))
+    _console().print(t)
+
+
+@cache.command()
+def evict(
+    name: str = NAME_ARG,
+    percent: Optional[float] = typer.Option(None, "--percent", help="Evict this percentage of the stored bytes, by policy."),
+    nbytes: Optional[str] = typer.Option(None, "--bytes", help="Evict at least this many value bytes, by policy (e.g. 1G)."),
+    expired: bool = typer.Option(False, "--expired", help="Evict expired entries only."),
+    key: Optional[list[str]] = typer.Option(None, "--key", help="Evict this key (repeatable)."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="Evict every key starting with this."),
+    all_: bool = typer.Option(False, "--all", help="Evict everything."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Evict entries now and report what was freed.  Give exactly one selector.
+
+    Example: cortex cache evict llama --percent 25
+    """
+    from .pool import Pool
+
+    chosen = [percent is not None, nbytes is not None, expired, bool(key), prefix is not None, all_]
+    if sum(chosen) != 1:
+        raise UsageError("give exactly one of --percent, --bytes, --expired, --key, --prefix, --all")
+    with Pool.open(name, lock_timeout=10) as p:
+        count, freed = p.evict(
+            percent=percent, nbytes=nbytes, expired=expired, keys=key or None, prefix=prefix, all=all_
+        )
+    if as_json:
+        _print_json({"pool": name, "entries": count, "bytes": freed})
+    else:
+        _console().print(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes)")
+
+
+@cache.command()
+def verify(
+    name: str = NAME_ARG,
+    repair: bool = typer.Option(False, "--repair", help="Fix what is found (drops entries that cannot be trusted)."),
+    no_checksums: bool = typer.Option(False, "--no-checksums", help="Check metadata only, not every value's checksum."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Check a pool's consistency; exit 1 if a problem was found (even if --repair fixed it).
+
+    Example: cortex cache verify llama --repair
+    """
+    from .pool import Pool
+
+    with Pool.open(name, lock_timeout=10) as p:
+        report = p.verify(repair=repair, checksums=not no_checksums)
+    if as_json:
+        _print_json({"pool": name, **report})
+    else:
+        con = _console()
+        if report["ok"]:
+            con.print(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified)")
+        for prob in report["problems"]:
+            con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""))
+    if not report["ok"]:
+        raise typer.Exit(EX_PROBLEM)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def _is_usage_error(e: BaseException) -> bool:
+    # Typer vendors its parser's exception classes privately; recognise them
+    # by name instead of importing a private module.
+    return any(c.__name__ in ("UsageError", "ClickException") for c in type(e).__mro__) and hasattr(
+        e, "format_message"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; return (and exit with) its exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("CORTEX_CACHE_DEBUG", "") not in ("", "0")
+    # --debug is accepted anywhere before a "--" separator.
+    options = args[: args.index("--")] if "--" in args else args
+    if "--debug" in options:
+        debug = True
+        args.remove("--debug")
+    code = 0
+    try:
+        typer.main.get_command(app).main(args=args, prog_name="cortex", standalone_mode=False)
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:
+        code = 130
+    except CortexCacheError as e:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.write(f"cortex: error: {_one_line(str(e))}\n")
+        code = e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("cortex: interrupted\n")
+        code = 130
+    except BrokenPipeError:
+        # Reader went away (e.g. `| head`): not an error worth a message.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = 0
+    except Exception as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `cortex` / `cortex cache`: show help
+            sys.stderr.write(e.format_message() + "\n")  # type: ignore[attr-defined]
+            return EX_USAGE
+        if _is_usage_error(e):
+            # The parser's own errors (unknown option, bad choice): one line, exit 2.
+            sys.stderr.write(f"cortex: error: {_one_line(e.format_message())} (see --help)\n")  # type: ignore[attr-defined]
+            return EX_USAGE
+        # Anything else is a bug: say so in one line, traceback with --debug.
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
+        code = EX_SOFTWARE
+    return code
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+__all__ = ["app", "main", "run"]
