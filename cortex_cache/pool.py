@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import xxhash
+from xxhash import xxh3_64_intdigest
 
 from . import procs, segment
 from .allocator import find_run, run_around
@@ -41,7 +42,12 @@ from .errors import (
     ValueTooLarge,
 )
 from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_by_id
-from .layout import (
+from .layout import (  # noqa: F401 - word indices used throughout
+    H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
+    H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
+    P32, P64, P_PID, P_SLOT, P_START, S_ACCESS_COUNT, S_ACCESS_SEQ, S_CHECKSUM, S_CREATED, S_EXPIRY,
+    S_FIRST, S_FLAGS, S_KEY_HASH, S_KLEN, S_LAST_ACCESS, S_LFU_EPOCH, S_NBLK, S_NEXT, S_OWNER_PID,
+    S_OWNER_START, S_PINS, S_PRIORITY, S_STATE, S_VALUE_LEN, S_INSERT_SEQ, W32, W64,
     FLAG_MULTI_THREADED,
     FLAG_RESERVED,
     FORMAT_VERSION,
@@ -50,8 +56,10 @@ from .layout import (
     HEADER_SIZE,
     MAGIC,
     PIN_DTYPE,
+    PIN_SIZE,
     SEALED,
     SLOT_DTYPE,
+    SLOT_SIZE,
     WRITING,
     ZOMBIE,
     Geometry,
@@ -65,6 +73,7 @@ from .values import as_byte_view, key_bytes
 COPY_IN_LOCK = 256 * 1024
 # Large values are copied and checksummed in chunks that stay in cache.
 _HASH_CHUNK = 256 * 1024
+_ONES = b"\x01" * 256  # block-map filler for runs of up to 256 blocks
 SLOT_FLAG_STR_KEY = 1  # the key was given as str: keys() returns it as str
 _OPEN_WAIT = 10.0  # seconds to wait for a pool that is still being created
 
@@ -166,6 +175,22 @@ class Pool:
         self._opid, self._ostart = s["owner_pid"], s["owner_start"]
         self._ppid, self._pslot, self._pstart = self._pinrec["pid"], self._pinrec["slot"], self._pinrec["start"]
         self._pin_hint = 0
+        self._reserved_slot = -1
+        self._n_slots, self._n_pins = g.n_slots, g.n_pins
+        # Typed memoryviews for the hot paths (see layout.py, "Word indices").
+        mv = self._mv
+        slots_mv = mv[g.slots_off : g.slots_off + g.n_slots * SLOT_SIZE]
+        self._u64, self._i64 = slots_mv.cast("Q"), slots_mv.cast("q")
+        self._u32, self._i32, self._f64 = slots_mv.cast("I"), slots_mv.cast("i"), slots_mv.cast("d")
+        hdr_mv = mv[:HEADER_SIZE]
+        self._hu64, self._hi64, self._hu32 = hdr_mv.cast("Q"), hdr_mv.cast("q"), hdr_mv.cast("I")
+        pins_mv = mv[g.pins_off : g.pins_off + g.n_pins * PIN_SIZE]
+        self._pu32, self._pi32, self._pu64 = pins_mv.cast("I"), pins_mv.cast("i"), pins_mv.cast("Q")
+        self._bkt = mv[g.buckets_off : g.buckets_off + g.n_buckets * 4].cast("i")
+        self._bmap = mv[g.blockmap_off : g.blockmap_off + g.n_blocks]
+        self._typed_views = [slots_mv, hdr_mv, pins_mv, self._u64, self._i64, self._u32, self._i32, self._f64,
+                             self._hu64, self._hi64, self._hu32, self._pu32, self._pi32, self._pu64,
+                             self._bkt, self._bmap]
         flags = int(self._h.flags[0])
         if multi_threaded is None:
             multi_threaded = bool(flags & FLAG_MULTI_THREADED)
@@ -306,6 +331,9 @@ class Pool:
         for attr in [a for a, v in vars(self).items() if isinstance(v, np.ndarray)]:
             setattr(self, attr, None)
         self._h = None  # type: ignore[assignment]
+        for v in reversed(self._typed_views):
+            v.release()
+        self._typed_views = []
         self._mv.release()
         try:
             self._seg.close()
@@ -330,7 +358,7 @@ class Pool:
     def __repr__(self) -> str:
         if self._closed:
             return f"Pool({self.name!r}, closed)"
-        return f"Pool({self.name!r}, size={format_size(self.geometry.data_size)}, entries={int(self._h.n_entries[0])})"
+        return f"Pool({self.name!r}, size={format_size(self.geometry.data_size)}, entries={self._hu64[H_N_ENTRIES]})"
 
     # ------------------------------------------------------------------ locking
 
@@ -340,25 +368,26 @@ class Pool:
             raise PoolClosed(f"pool {self.name!r} is closed")
         if self._forked:
             raise UsageError(f"pool {self.name!r} was opened before fork(): open it again in this process")
-        self._lock.acquire(self._lock_timeout)
-        h = self._h
+        lock = self._lock
+        lock.acquire(self._lock_timeout)
+        hu32 = self._hu32
         try:
-            if h.dirty[0]:
+            if hu32[H_DIRTY]:
                 self._repair()
-            h.dirty[0] = 1
+            hu32[H_DIRTY] = 1
             result = fn(*args)
         except CortexCacheError:
             # Expected errors leave the metadata consistent.
-            h.dirty[0] = 0
-            self._lock.release()
+            hu32[H_DIRTY] = 0
+            lock.release()
             raise
         except BaseException:
             # Anything else may have stopped a change half-way: leave the
             # dirty mark so the next holder repairs.
-            self._lock.release()
+            lock.release()
             raise
-        h.dirty[0] = 0
-        self._lock.release()
+        hu32[H_DIRTY] = 0
+        lock.release()
         return result
 
     # ------------------------------------------------------------------ put
@@ -376,24 +405,26 @@ class Pool:
         vb = as_byte_view(value)
         if ttl is not None and not ttl > 0:
             raise UsageError(f"ttl must be a positive number of seconds, not {ttl!r}")
-        if not isinstance(priority, (int, np.integer)) or not -(2**63) <= priority < 2**63:
+        if priority.__class__ is not int and not isinstance(priority, (int, np.integer)) or not (
+            -(2**63) <= priority < 2**63
+        ):
             raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
         vlen, klen = vb.nbytes, len(kb)
-        nblk = max(1, ceil_div(vlen + klen, self._bs))
+        nblk = max(1, -(-(vlen + klen) // self._bs))
         if nblk > self._n_blocks:
             raise ValueTooLarge(
                 f"value of {format_size(vlen)} does not fit in pool {self.name!r} "
                 f"({format_size(self.geometry.data_size)})"
             )
-        kh = xxhash.xxh3_64_intdigest(kb)
+        kh = xxh3_64_intdigest(kb)
         flags = SLOT_FLAG_STR_KEY if is_str else 0
         if vlen <= COPY_IN_LOCK:
-            checksum = xxhash.xxh3_64_intdigest(vb)
+            checksum = xxh3_64_intdigest(vb)
             self._locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, int(priority))
             return
-        i = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
+        off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
+        i = self._reserved_slot
         try:
-            off = self._data_off + int(self._first[i]) * self._bs
             mv = self._mv
             hasher = xxhash.xxh3_64()
             for c in range(0, vlen, _HASH_CHUNK):
@@ -407,15 +438,18 @@ class Pool:
         self._locked(self._seal, i, kb, kh, hasher.intdigest(), ttl, int(priority))
 
     def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority) -> None:
-        i = self._reserve(kb, flags, vb.nbytes, nblk, kh)
-        off = self._data_off + int(self._first[i]) * self._bs
+        off = self._reserve(kb, flags, vb.nbytes, nblk, kh)
         vlen = vb.nbytes
-        self._mv[off : off + vlen] = vb
-        self._mv[off + vlen : off + vlen + len(kb)] = kb
-        self._seal(i, kb, kh, checksum, ttl, priority)
+        mv = self._mv
+        mv[off : off + vlen] = vb
+        mv[off + vlen : off + vlen + len(kb)] = kb
+        self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority)
 
     def _reserve(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> int:
-        """Take a slot and a run of blocks for a new entry (state WRITING)."""
+        """Take a slot and a run of blocks for a new entry (state WRITING).
+
+        Returns the data offset; the slot is left in `self._reserved_slot`.
+        """
         i = self._alloc_slot()
         try:
             first = self._alloc_blocks(nblk)
@@ -423,107 +457,127 @@ class Pool:
             self._free_slot(i)
             raise
         pid, start = procs.me()
-        self._klen[i] = len(kb)
-        self._sflags[i] = flags
-        self._khash[i] = kh
-        self._vlen[i] = vlen
-        self._first[i] = first
-        self._nblk[i] = nblk
-        self._opid[i] = pid
-        self._ostart[i] = start
-        self._pins[i] = 0
-        self._state[i] = WRITING
-        return i
+        u32, u64 = self._u32, self._u64
+        b32, b64 = i * W32, i * W64
+        u32[b32 + S_KLEN] = len(kb)
+        u32[b32 + S_FLAGS] = flags
+        u32[b32 + S_PINS] = 0
+        u32[b32 + S_OWNER_PID] = pid
+        u64[b64 + S_KEY_HASH] = kh
+        u64[b64 + S_VALUE_LEN] = vlen
+        u64[b64 + S_FIRST] = first
+        u64[b64 + S_NBLK] = nblk
+        u64[b64 + S_OWNER_START] = start
+        u32[b32 + S_STATE] = WRITING
+        self._reserved_slot = i
+        return self._data_off + first * self._bs
 
     def _seal(self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int) -> None:
         """Make WRITING slot `i` the visible entry for its key (replacing any old one)."""
-        h = self._h
+        hu64 = self._hu64
         now = self.clock()
         old = self._find(kb, kh)
         if old >= 0:
             self._remove(old)
-        seq = int(h.seq[0]) + 1
-        h.seq[0] = seq
-        self._cks[i] = checksum
-        self._created[i] = now
-        self._lastacc[i] = now
-        self._expiry[i] = now + ttl if ttl else 0.0
-        self._iseq[i] = seq
-        self._aseq[i] = seq
-        self._acount[i] = 1
-        self._lfuep[i] = self._tick()
-        self._prio[i] = priority
-        self._opid[i] = 0
-        self._ostart[i] = 0
+        seq = hu64[H_SEQ] + 1
+        hu64[H_SEQ] = seq
+        u64, f64, b64 = self._u64, self._f64, i * W64
+        u64[b64 + S_CHECKSUM] = checksum
+        f64[b64 + S_CREATED] = now
+        f64[b64 + S_LAST_ACCESS] = now
+        f64[b64 + S_EXPIRY] = now + ttl if ttl else 0.0
+        u64[b64 + S_INSERT_SEQ] = seq
+        u64[b64 + S_ACCESS_SEQ] = seq
+        u64[b64 + S_ACCESS_COUNT] = 1
+        u64[b64 + S_LFU_EPOCH] = self._tick()
+        self._i64[b64 + S_PRIORITY] = priority
+        u64[b64 + S_OWNER_START] = 0
+        u32, b32 = self._u32, i * W32
+        u32[b32 + S_OWNER_PID] = 0
         b = kh & self._mask
-        self._next[i] = self._buckets[b]
-        self._buckets[b] = i
-        self._state[i] = SEALED
-        h.n_entries[0] += 1
-        h.puts[0] += 1
+        bkt = self._bkt
+        self._i32[b32 + S_NEXT] = bkt[b]
+        bkt[b] = i
+        u32[b32 + S_STATE] = SEALED
+        hu64[H_N_ENTRIES] += 1
+        hu64[H_PUTS] += 1
         v = self._victims
-        v.on_score_change(i)
+        if not v.policy.monotone:
+            v.on_score_change(i)
         if ttl:
             v.on_expiry_set(now + ttl)
 
     def _abort(self, i: int) -> None:
-        if self._state[i] == WRITING:
+        if self._u32[i * W32 + S_STATE] == WRITING:
             self._free_blocks(i)
             self._free_slot(i)
 
     def _tick(self) -> int:
         """Count one put or hit; return the LFU epoch after it."""
-        h = self._h
-        ops = int(h.ops[0]) + 1
-        h.ops[0] = ops
-        if ops % int(h.lfu_period[0]) == 0:
-            h.lfu_epoch[0] += 1
-        return int(h.lfu_epoch[0])
+        hu64 = self._hu64
+        ops = hu64[H_OPS] + 1
+        hu64[H_OPS] = ops
+        if ops % hu64[H_LFU_PERIOD] == 0:
+            hu64[H_LFU_EPOCH] += 1
+        return hu64[H_LFU_EPOCH]
 
     # ------------------------------------------------------------------ allocation
 
     def _alloc_slot(self) -> int:
-        h = self._h
-        i = int(h.free_slot[0])
+        hi64 = self._hi64
+        i = hi64[H_FREE_SLOT]
         while i < 0:
             if not self._evict_one():
                 raise PoolFull(
                     f"pool {self.name!r} has no free entry slot ({self.geometry.n_slots} max entries) "
                     "and nothing can be evicted"
                 )
-            i = int(h.free_slot[0])
-        h.free_slot[0] = self._next[i]
-        self._next[i] = -1
+            i = hi64[H_FREE_SLOT]
+        j = i * W32 + S_NEXT
+        hi64[H_FREE_SLOT] = self._i32[j]
+        self._i32[j] = -1
         return i
 
     def _free_slot(self, i: int) -> None:
-        h = self._h
-        self._state[i] = FREE
-        self._pins[i] = 0
-        self._next[i] = h.free_slot[0]
-        h.free_slot[0] = i
+        b32 = i * W32
+        u32 = self._u32
+        u32[b32 + S_STATE] = FREE
+        u32[b32 + S_PINS] = 0
+        hi64 = self._hi64
+        self._i32[b32 + S_NEXT] = hi64[H_FREE_SLOT]
+        hi64[H_FREE_SLOT] = i
 
     def _alloc_blocks(self, k: int) -> int:
-        h = self._h
-        first = find_run(self._map, k, int(h.alloc_hint[0]))
-        while first < 0:
-            victim = self._evict_one(want_blocks=k)
-            if victim is None:
-                raise PoolFull(
-                    f"pool {self.name!r} is full: no run of {k} free blocks, "
-                    "and every entry is pinned, being written, or already evicted"
-                )
-            first = victim
-        self._map[first : first + k] = 1
-        h.used_blocks[0] += k
+        hu64 = self._hu64
+        hint = hu64[H_ALLOC_HINT]
+        bmap = self._bmap
+        # Fast path: the run at the cursor is free (empty pool, or the blocks
+        # an eviction or delete just freed).  Else a vectorised scan.
+        if hint + k <= self._n_blocks and bmap[hint : hint + k] == bytes(k):
+            first = hint
+        else:
+            first = find_run(self._map, k, hint)
+            while first < 0:
+                victim = self._evict_one(want_blocks=k)
+                if victim is None:
+                    raise PoolFull(
+                        f"pool {self.name!r} is full: no run of {k} free blocks, "
+                        "and every entry is pinned, being written, or already evicted"
+                    )
+                first = victim
+        bmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
+        hu64[H_USED_BLOCKS] += k
         nxt = first + k
-        h.alloc_hint[0] = nxt if nxt < self._n_blocks else 0
+        hu64[H_ALLOC_HINT] = nxt if nxt < self._n_blocks else 0
         return first
 
     def _free_blocks(self, i: int) -> None:
-        first, n = int(self._first[i]), int(self._nblk[i])
-        self._map[first : first + n] = 0
-        self._h.used_blocks[0] -= n
+        b64 = i * W64
+        first, n = self._u64[b64 + S_FIRST], self._u64[b64 + S_NBLK]
+        self._bmap[first : first + n] = bytes(n)
+        self._hu64[H_USED_BLOCKS] -= n
+        # Reuse freed blocks first: they are likely still in the CPU cache.
+        self._hu64[H_ALLOC_HINT] = first
 
     def _evict_one(self, want_blocks: int = 0) -> Any:
         """Evict one victim by policy (expired entries first).
@@ -532,15 +586,15 @@ class Pool:
         that the eviction opened (or -1 when it opened none yet), and None when
         nothing can be evicted.  Without, return True/False.
         """
-        v = self._victims
-        i, expired = v.next_victim()
+        i, expired = self._victims.next_victim()
         if i < 0:
             if not self._reap_dead():
                 return None if want_blocks else False
             if want_blocks:
                 return find_run(self._map, want_blocks, 0)
-            return self._h.free_slot[0] >= 0
-        first, n = int(self._first[i]), int(self._nblk[i])
+            return self._hi64[H_FREE_SLOT] >= 0
+        b64 = i * W64
+        first, n = self._u64[b64 + S_FIRST], self._u64[b64 + S_NBLK]
         self._count_eviction(i, expired)
         self._remove(i)
         if want_blocks:
@@ -548,112 +602,120 @@ class Pool:
         return True
 
     def _count_eviction(self, i: int, expired: bool) -> None:
-        h = self._h
+        hu64 = self._hu64
         if expired:
-            h.expirations[0] += 1
+            hu64[H_EXPIRATIONS] += 1
         else:
-            h.evictions[0] += 1
-            h.bytes_evicted[0] += self._vlen[i]
+            hu64[H_EVICTIONS] += 1
+            hu64[H_BYTES_EVICTED] += self._u64[i * W64 + S_VALUE_LEN]
 
     # ------------------------------------------------------------------ lookup and removal
 
     def _find(self, kb: bytes, kh: int) -> int:
         """Slot of the sealed entry for key `kb`, or -1."""
-        i = int(self._buckets[kh & self._mask])
+        i = self._bkt[kh & self._mask]
         klen = len(kb)
+        u32, u64, i32 = self._u32, self._u64, self._i32
         steps = 0
         while i >= 0:
-            if self._khash[i] == kh and self._klen[i] == klen:
-                off = self._data_off + int(self._first[i]) * self._bs + int(self._vlen[i])
+            b64 = i * W64
+            if u64[b64 + S_KEY_HASH] == kh and u32[i * W32 + S_KLEN] == klen:
+                off = self._data_off + u64[b64 + S_FIRST] * self._bs + u64[b64 + S_VALUE_LEN]
                 if self._mv[off : off + klen] == kb:
                     return i
-            i = int(self._next[i])
+            i = i32[i * W32 + S_NEXT]
             steps += 1
-            if steps > self._slots.size:
+            if steps > self._n_slots:
                 raise SegmentCorrupt(f"pool {self.name!r}: hash chain loop; run `cortex cache verify --repair`")
         return -1
 
     def _unchain(self, i: int) -> None:
-        b = int(self._khash[i]) & self._mask
-        j = int(self._buckets[b])
+        b = self._u64[i * W64 + S_KEY_HASH] & self._mask
+        bkt, i32 = self._bkt, self._i32
+        j = bkt[b]
         if j == i:
-            self._buckets[b] = self._next[i]
+            bkt[b] = i32[i * W32 + S_NEXT]
             return
         while j >= 0:
-            nj = int(self._next[j])
+            nj = i32[j * W32 + S_NEXT]
             if nj == i:
-                self._next[j] = self._next[i]
+                i32[j * W32 + S_NEXT] = i32[i * W32 + S_NEXT]
                 return
             j = nj
 
     def _remove(self, i: int) -> None:
         """Take sealed entry `i` out of the index; free it now, or at its last unpin."""
         self._unchain(i)
-        self._h.n_entries[0] -= 1
-        if self._pins[i]:
-            self._state[i] = ZOMBIE
+        self._hu64[H_N_ENTRIES] -= 1
+        if self._u32[i * W32 + S_PINS]:
+            self._u32[i * W32 + S_STATE] = ZOMBIE
         else:
             self._free_blocks(i)
             self._free_slot(i)
 
     def _expired(self, i: int) -> bool:
-        e = float(self._expiry[i])
+        e = self._f64[i * W64 + S_EXPIRY]
         return e > 0 and e <= self.clock()
 
     def _touch(self, i: int) -> None:
-        h = self._h
-        seq = int(h.seq[0]) + 1
-        h.seq[0] = seq
-        self._aseq[i] = seq
-        self._lastacc[i] = self.clock()
+        hu64, u64, b64 = self._hu64, self._u64, i * W64
+        seq = hu64[H_SEQ] + 1
+        hu64[H_SEQ] = seq
+        u64[b64 + S_ACCESS_SEQ] = seq
+        self._f64[b64 + S_LAST_ACCESS] = self.clock()
         epoch = self._tick()
-        self._acount[i] = (int(self._acount[i]) >> min(63, epoch - int(self._lfuep[i]))) + 1
-        self._lfuep[i] = epoch
-        h.hits[0] += 1
-        self._victims.on_score_change(i)
+        age = epoch - u64[b64 + S_LFU_EPOCH]
+        u64[b64 + S_ACCESS_COUNT] = (u64[b64 + S_ACCESS_COUNT] >> (age if age < 63 else 63)) + 1
+        u64[b64 + S_LFU_EPOCH] = epoch
+        hu64[H_HITS] += 1
+        v = self._victims
+        if not v.policy.monotone:
+            v.on_score_change(i)
 
     def _lookup_live(self, kb: bytes, kh: int) -> int:
         """Find a live entry, counting the miss (and expiring it) when there is none."""
         i = self._find(kb, kh)
         if i >= 0 and self._expired(i):
-            self._h.expirations[0] += 1
+            self._hu64[H_EXPIRATIONS] += 1
             self._remove(i)
             i = -1
         if i < 0:
-            self._h.misses[0] += 1
+            self._hu64[H_MISSES] += 1
         return i
 
     # ------------------------------------------------------------------ pins
 
     def _pin(self, i: int) -> int:
-        pid = self._ppid
+        pu32 = self._pu32
         j = self._pin_hint
-        if pid[j] != 0:
-            free = np.flatnonzero(pid == 0)
+        if pu32[j * P32 + P_PID] != 0:
+            free = np.flatnonzero(self._ppid == 0)
             if free.size == 0 and self._reap_dead():
-                free = np.flatnonzero(pid == 0)
+                free = np.flatnonzero(self._ppid == 0)
             if free.size == 0:
                 raise PoolBusy(
-                    f"pool {self.name!r}: all {pid.size} pin records are in use "
+                    f"pool {self.name!r}: all {self._n_pins} pin records are in use "
                     "(too many concurrent large reads or open views)"
                 )
             j = int(free[0])
-        p, start = procs.me()
-        self._pslot[j] = i
-        self._pstart[j] = start
-        pid[j] = p
-        self._pins[i] += 1
-        self._pin_hint = (j + 1) % pid.size
+        pid, start = procs.me()
+        self._pi32[j * P32 + P_SLOT] = i
+        self._pu64[j * P64 + P_START] = start
+        pu32[j * P32 + P_PID] = pid
+        self._u32[i * W32 + S_PINS] += 1
+        self._pin_hint = (j + 1) % self._n_pins
         return j
 
     def _unpin(self, j: int, i: int) -> None:
-        if self._ppid[j] != procs.me()[0] or self._pslot[j] != i:
+        pu32, pi32 = self._pu32, self._pi32
+        if pu32[j * P32 + P_PID] != procs.me()[0] or pi32[j * P32 + P_SLOT] != i:
             return  # already reclaimed by a repair (should not happen while we live)
-        self._ppid[j] = 0
-        self._pslot[j] = -1
-        if self._pins[i] > 0:
-            self._pins[i] -= 1
-        if self._pins[i] == 0 and self._state[i] == ZOMBIE:
+        pu32[j * P32 + P_PID] = 0
+        pi32[j * P32 + P_SLOT] = -1
+        u32, b32 = self._u32, i * W32
+        if u32[b32 + S_PINS] > 0:
+            u32[b32 + S_PINS] -= 1
+        if u32[b32 + S_PINS] == 0 and u32[b32 + S_STATE] == ZOMBIE:
             self._free_blocks(i)
             self._free_slot(i)
 
@@ -663,14 +725,15 @@ class Pool:
         i = self._lookup_live(kb, kh)
         if i < 0:
             return None
-        vlen = int(self._vlen[i])
+        b64 = i * W64
+        vlen = self._u64[b64 + S_VALUE_LEN]
         if out is not None and out.nbytes < vlen:
             raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
         self._touch(i)
-        off = self._data_off + int(self._first[i]) * self._bs
+        off = self._data_off + self._u64[b64 + S_FIRST] * self._bs
         if vlen <= COPY_IN_LOCK:
             if out is None:
-                return bytes(self._mv[off : off + vlen])
+                return self._mv[off : off + vlen].tobytes()
             out[:vlen] = self._mv[off : off + vlen]
             return vlen
         return (self._pin(i), i, off, vlen)
@@ -678,14 +741,14 @@ class Pool:
     def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
         kb, _ = key_bytes(key)
-        r = self._locked(self._get_locked, kb, xxhash.xxh3_64_intdigest(kb), None)
+        r = self._locked(self._get_locked, kb, xxh3_64_intdigest(kb), None)
         if r is None:
             return default
-        if type(r) is bytes:
+        if r.__class__ is bytes:
             return r
         j, i, off, vlen = r
         try:
-            return bytes(self._mv[off : off + vlen])
+            return self._mv[off : off + vlen].tobytes()
         finally:
             self._locked(self._unpin, j, i)
 
@@ -705,8 +768,8 @@ class Pool:
             if not omv.c_contiguous:
                 raise UsageError("get_into needs a contiguous buffer")
             omv = omv.cast("B")
-        r = self._locked(self._get_locked, kb, xxhash.xxh3_64_intdigest(kb), omv)
-        if r is None or type(r) is int:
+        r = self._locked(self._get_locked, kb, xxh3_64_intdigest(kb), omv)
+        if r is None or r.__class__ is int:
             return r
         j, i, off, vlen = r
         try:
@@ -720,7 +783,8 @@ class Pool:
         if i < 0:
             return None
         self._touch(i)
-        return self._pin(i), i, self._data_off + int(self._first[i]) * self._bs, int(self._vlen[i])
+        b64 = i * W64
+        return self._pin(i), i, self._data_off + self._u64[b64 + S_FIRST] * self._bs, self._u64[b64 + S_VALUE_LEN]
 
     def view(self, key: str | bytes) -> EntryView:
         """A zero-copy, read-only view of `key`'s value, pinned until released.
@@ -728,7 +792,7 @@ class Pool:
         Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
         """
         kb, _ = key_bytes(key)
-        r = self._locked(self._view_locked, kb, xxhash.xxh3_64_intdigest(kb))
+        r = self._locked(self._view_locked, kb, xxh3_64_intdigest(kb))
         if r is None:
             raise KeyNotFound(f"no key {_show_key(key)} in pool {self.name!r}")
         j, i, off, vlen = r
@@ -743,13 +807,13 @@ class Pool:
         if i < 0:
             return False
         self._remove(i)
-        self._h.deletes[0] += 1
+        self._hu64[H_DELETES] += 1
         return True
 
     def delete(self, key: str | bytes) -> bool:
         """Remove `key`; True if it was there.  Readers already copying finish safely."""
         kb, _ = key_bytes(key)
-        return self._locked(self._delete_locked, kb, xxhash.xxh3_64_intdigest(kb))
+        return self._locked(self._delete_locked, kb, xxh3_64_intdigest(kb))
 
     def _contains_locked(self, kb: bytes, kh: int) -> bool:
         i = self._find(kb, kh)
@@ -760,7 +824,7 @@ class Pool:
             kb, _ = key_bytes(key)  # type: ignore[arg-type]
         except UsageError:
             return False
-        return self._locked(self._contains_locked, kb, xxhash.xxh3_64_intdigest(kb))
+        return self._locked(self._contains_locked, kb, xxh3_64_intdigest(kb))
 
     def _live_mask(self) -> np.ndarray:
         e = self._expiry
@@ -820,7 +884,7 @@ class Pool:
     def info(self, key: str | bytes) -> dict[str, Any]:
         """Metadata of `key`'s entry (does not count as an access).  Raises KeyNotFound."""
         kb, _ = key_bytes(key)
-        kh = xxhash.xxh3_64_intdigest(kb)
+        kh = xxh3_64_intdigest(kb)
 
         def get_info() -> dict[str, Any] | None:
             i = self._find(kb, kh)
@@ -863,7 +927,7 @@ class Pool:
         if nbytes is not None:
             target = parse_size(nbytes)
         if keys is not None:
-            encoded = [(kb, xxhash.xxh3_64_intdigest(kb)) for kb, _ in map(key_bytes, keys)]
+            encoded = [(kb, xxh3_64_intdigest(kb)) for kb, _ in map(key_bytes, keys)]
             return self._locked(self._evict_keys, encoded)
         if expired or all or prefix is not None:
             pb = key_bytes(prefix)[0] if prefix is not None else None
@@ -999,8 +1063,8 @@ class Pool:
         from .repair import repair
 
         fixed = repair(self)
-        self._h.repairs[0] += 1
-        self._h.dirty[0] = 0
+        self._hu64[H_REPAIRS] += 1
+        self._hu32[H_DIRTY] = 0
         return fixed
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Put/get throughput of one process against a plain numpy copy of the same size.
+
+    python benchmarks/bench_pool.py [--quick] [--json PATH]
+
+For each size the copy baselines and the pool operations are measured in the
+same run, interleaved, and reported as medians with their ratio; these
+machines are noisy, so only the ratios mean much.  The pool cycles through
+KEYS keys, so its data does not all sit in the CPU cache; the baselines copy
+over the same footprint (put: one source into KEYS rotating destinations;
+get: KEYS rotating sources into one destination), so the ratio measures the
+pool's overhead, not the cache.  Targets (issue [1/9]):
+put and get >= 0.7x the copy at 1 MiB and up; >= 100,000 ops/s at 4 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("CORTEX_CACHE_SHM_PREFIX", f"ccbench-{os.getpid()}.")
+
+from cortex_cache import Pool  # noqa: E402
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+KEYS = 16
+
+
+def _time(fn, n: int) -> float:
+    """Seconds per call of fn over n calls."""
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def bench_size(pool: Pool, size: int, rounds: int, budget_bytes: int) -> dict:
+    n = max(20, min(20000, budget_bytes // size))
+    keys = [f"k{size}-{i}" for i in range(KEYS)]
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    ring = np.zeros((KEYS, size), dtype=np.uint8)  # the baselines' footprint
+    out = bytearray(size)
+    out_np = np.frombuffer(out, dtype=np.uint8)
+    for k in keys:  # warm: every key exists, every block has been written once
+        pool.put(k, src)
+    res: dict[str, list[float]] = {"copy_in": [], "copy_out": [], "put": [], "get": [], "get_into": []}
+    for _ in range(rounds):
+        it = iter(range(10**9))
+        res["copy_in"].append(_time(lambda: np.copyto(ring[next(it) % KEYS], src), n))
+        it = iter(range(10**9))
+        res["copy_out"].append(_time(lambda: np.copyto(out_np, ring[next(it) % KEYS]), n))
+        it = iter(range(10**9))
+        res["put"].append(_time(lambda: pool.put(keys[next(it) % len(keys)], src), n))
+        it = iter(range(10**9))
+        res["get"].append(_time(lambda: pool.get(keys[next(it) % len(keys)]), n))
+        it = iter(range(10**9))
+        res["get_into"].append(_time(lambda: pool.get_into(keys[next(it) % len(keys)], out), n))
+    for k in keys:
+        pool.delete(k)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {
+        "size": size,
+        "iterations": n,
+        "rounds": rounds,
+        **{f"{k}_gbps": size / v / 1e9 for k, v in med.items()},
+        **{f"{k}_ops": 1 / v for k, v in med.items()},
+        **{f"{k}_gbps_min": size / max(v) / 1e9 for k, v in res.items()},
+        **{f"{k}_gbps_max": size / min(v) / 1e9 for k, v in res.items()},
+        "put_vs_copy": med["copy_in"] / med["put"],
+        "get_vs_copy": med["copy_out"] / med["get"],
+        "get_into_vs_copy": med["copy_out"] / med["get_into"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--json", metavar="PATH", help="also write results as JSON")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 7
+    budget = (64 if args.quick else 256) << 20
+    name = "bench"
+    pool = Pool.create(name, "1G", block_size="64K")
+    try:
+        rows = [bench_size(pool, s, rounds, budget) for s in SIZES]
+    finally:
+        pool.close()
+        Pool.unlink(name)
+    print(f"{'size':>8} {'copy GB/s':>10} {'put GB/s':>9} {'put/copy':>9} {'get GB/s':>9} {'get/copy':>9} "
+          f"{'get_into':>9} {'into/copy':>9} {'put ops/s':>10} {'get ops/s':>10}")
+    for r in rows:
+        print(f"{r['size'] >> 10:>6}Ki {r['copy_in_gbps']:>4.1f}/{r['copy_out_gbps']:<5.1f} "
+              f"{r['put_gbps']:>9.1f} {r['put_vs_copy']:>9.2f} "
+              f"{r['get_gbps']:>9.1f} {r['get_vs_copy']:>9.2f} {r['get_into_gbps']:>9.1f} "
+              f"{r['get_into_vs_copy']:>9.2f} {r['put_ops']:>10.0f} {r['get_ops']:>10.0f}")
+    small = rows[0]
+    big = [r for r in rows if r["size"] >= 1 << 20]
+    targets = {
+        "4KiB put >= 100k ops/s": small["put_ops"] >= 100_000,
+        "4KiB get >= 100k ops/s": small["get_ops"] >= 100_000,
+        ">=1MiB put >= 0.7x copy": all(r["put_vs_copy"] >= 0.7 for r in big),
+        ">=1MiB get_into >= 0.7x copy": all(r["get_into_vs_copy"] >= 0.7 for r in big),
+        ">=1MiB get >= 0.7x copy": all(r["get_vs_copy"] >= 0.7 for r in big),
+    }
+    for t, ok in targets.items():
+        print(f"target {t}: {'met' if ok else 'MISSED'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "targets": targets}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

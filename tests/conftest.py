@@ -1,0 +1,65 @@
+"""Shared fixtures: a private shm prefix per test session, and leak checks.
+
+Every test runs under its own CORTEX_CACHE_SHM_PREFIX (inherited by the
+processes it spawns), and fails if it leaves a segment behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+PREFIX = f"cctest-{os.getpid()}-{secrets.token_hex(3)}."
+os.environ["CORTEX_CACHE_SHM_PREFIX"] = PREFIX
+os.environ.pop("CORTEX_CACHE_DEBUG", None)
+
+SHM = Path("/dev/shm")
+
+
+def our_segments() -> list[Path]:
+    return sorted(p for p in SHM.iterdir() if p.name.startswith(PREFIX))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail any test that leaves a segment under our prefix (and remove it)."""
+    before = set(our_segments())
+    yield
+    leaked = [p for p in our_segments() if p not in before]
+    for p in leaked:
+        p.unlink(missing_ok=True)
+    assert not leaked, f"test leaked shared-memory segments: {[p.name for p in leaked]}"
+
+
+_counter = 0
+
+
+@pytest.fixture
+def pool_name() -> str:
+    """A fresh pool name (unique within the session)."""
+    global _counter
+    _counter += 1
+    return f"p{_counter}"
+
+
+@pytest.fixture
+def make_pool(pool_name):
+    """Factory: create pools that are closed and unlinked after the test."""
+    from cortex_cache import Pool
+
+    made: list[tuple[str, Pool]] = []
+
+    def factory(size="4M", name: str | None = None, **kw) -> Pool:
+        n = name or f"{pool_name}-{len(made)}"
+        p = Pool.create(n, size, **kw)
+        made.append((n, p))
+        return p
+
+    yield factory
+    for n, p in made:
+        p.close()
+        if Pool.exists(n):
+            Pool.unlink(n)

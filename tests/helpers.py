@@ -1,0 +1,51 @@
+"""Helpers for tests that spawn processes: run Python code or the CLI in a child."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_py(code: str, *args: str, check: bool = True, timeout: float = 60, input: bytes | None = None):
+    """Run `code` in a fresh Python process (same env and prefix); return CompletedProcess."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        timeout=timeout,
+        input=input,
+        cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stderr.decode()}")
+    return proc
+
+
+def spawn_py(code: str, *args: str) -> subprocess.Popen:
+    """Start `code` in a fresh Python process with pipes; the caller waits or kills it."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+
+
+def cli(*args: str, input: bytes | None = None, env: dict | None = None, timeout: float = 60):
+    """Run `python -m cortex_cache ARGS`; return CompletedProcess (bytes)."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "cortex_cache", *args],
+        capture_output=True,
+        input=input,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO,
+    )
