@@ -1087,6 +1087,7 @@ def _show_key(key: object) -> str:
 def _open_complete_segment(name: str) -> segment.Segment:
     """Open `name`, waiting (bounded) for a creator that is still initialising it."""
     deadline = time.monotonic() + _OPEN_WAIT
+    attempts = 0
     while True:
         seg = segment.Segment.open(name)
         if seg.size >= HEADER_SIZE and bytes(seg.mm[0:8]) == MAGIC:
@@ -1109,31 +1110,36 @@ def _open_complete_segment(name: str) -> segment.Segment:
                 f"segment of pool {name!r} is not a cortex pool, or its creator died mid-create; "
                 "delete it with `cortex cache delete`"
             )
-        if time.monotonic() >= deadline:
-            raise SegmentCorrupt(f"pool {name!r} is still being created")
-        time.sleep(0.01)  # the creator has not reached its first step yet
+        # Nobody held the lock and there is no header: either a creator sits
+        # in the microseconds between shm_open and taking the lock, or it
+        # died there.  Retry briefly, then call it what it is.
+        attempts += 1
+        if attempts >= 5:
+            raise SegmentCorrupt(
+                f"segment of pool {name!r} is empty: its creator died mid-create; "
+                "delete it with `cortex cache delete`"
+            )
+        time.sleep(0.01)
 
 
 def _validate(seg: segment.Segment) -> None:
-    hdr = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)
-    try:
-        h = hdr[0]
-        if bytes(h["magic"]) != MAGIC:
-            raise SegmentCorrupt(f"segment of pool {seg.name!r} is not a cortex pool")
-        version = int(h["version"])
-        if version != FORMAT_VERSION:
-            raise IncompatibleVersion(
-                f"pool {seg.name!r} has format version {version}; this cortex_cache reads version {FORMAT_VERSION}"
-            )
-        if int(h["header_size"]) != HEADER_SIZE:
-            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header (header size)")
-        why = Geometry.from_header(hdr).check(seg.size)
-        if why:
-            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: {why}")
-        if policy_by_id(int(h["policy"])) is None:
-            raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
-    finally:
-        del hdr
+    # A copy, not a view: an exception's traceback must not pin the mapping.
+    hdr = np.frombuffer(seg.mm[:HEADER_SIZE], HEADER_DTYPE, 1, 0)
+    h = hdr[0]
+    if bytes(h["magic"]) != MAGIC:
+        raise SegmentCorrupt(f"segment of pool {seg.name!r} is not a cortex pool")
+    version = int(h["version"])
+    if version != FORMAT_VERSION:
+        raise IncompatibleVersion(
+            f"pool {seg.name!r} has format version {version}; this cortex_cache reads version {FORMAT_VERSION}"
+        )
+    if int(h["header_size"]) != HEADER_SIZE:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header (header size)")
+    why = Geometry.from_header(hdr).check(seg.size)
+    if why:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: {why}")
+    if policy_by_id(int(h["policy"])) is None:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
 
 
 __all__ = ["Pool", "EntryView"]

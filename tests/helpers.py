@@ -49,3 +49,23 @@ def cli(*args: str, input: bytes | None = None, env: dict | None = None, timeout
         timeout=timeout,
         cwd=REPO,
     )
+
+
+def make_value(key_id: int, version: int, size: int) -> bytes:
+    """A self-describing value: readers can check it is whole and untorn."""
+    import struct
+
+    import numpy as np
+
+    body = ((np.arange(max(0, size - 12), dtype=np.uint64) * 7 + key_id * 31 + version) % 251).astype(np.uint8)
+    return struct.pack("<III", key_id, version, size) + body.tobytes()
+
+
+def check_value(value: bytes) -> tuple[int, int]:
+    """(key_id, version) of a value made by make_value; AssertionError if torn."""
+    import struct
+
+    key_id, version, size = struct.unpack_from("<III", value)
+    assert len(value) == size, f"value of key {key_id} v{version}: length {len(value)} != {size}"
+    assert value == make_value(key_id, version, size), f"value of key {key_id} v{version} is torn"
+    return key_id, version

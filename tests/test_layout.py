@@ -1,0 +1,78 @@
+"""The segment's byte layout must not drift without a format version bump."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cortex_cache import layout
+from cortex_cache.layout import Geometry
+
+# Frozen copy of format version 1.  If this test fails you changed the bytes
+# of the segment: bump FORMAT_VERSION and update this table on purpose.
+FROZEN_VERSION = 1
+FROZEN_HEADER = [
+    ("magic", "S8", 0), ("version", "<u4", 8), ("header_size", "<u4", 12), ("segment_size", "<u8", 16),
+    ("block_size", "<u8", 24), ("n_blocks", "<u8", 32), ("n_slots", "<u8", 40), ("n_buckets", "<u8", 48),
+    ("n_pins", "<u8", 56), ("slots_off", "<u8", 64), ("buckets_off", "<u8", 72), ("blockmap_off", "<u8", 80),
+    ("pins_off", "<u8", 88), ("data_off", "<u8", 96), ("policy", "<u4", 104), ("flags", "<u4", 108),
+    ("created", "<f8", 112), ("dirty", "<u4", 120), ("mode", "<u4", 124), ("name", "S64", 128),
+    ("seq", "<u8", 192), ("used_blocks", "<u8", 200), ("n_entries", "<u8", 208), ("alloc_hint", "<u8", 216),
+    ("free_slot", "<i8", 224), ("hits", "<u8", 232), ("misses", "<u8", 240), ("puts", "<u8", 248),
+    ("deletes", "<u8", 256), ("evictions", "<u8", 264), ("expirations", "<u8", 272),
+    ("bytes_evicted", "<u8", 280), ("repairs", "<u8", 288), ("last_snapshot", "<f8", 296),
+    ("lfu_epoch", "<u8", 304), ("lfu_period", "<u8", 312), ("ops", "<u8", 320), ("cand_valid", "<u4", 328),
+    ("cand_count", "<u4", 332), ("cand_pos", "<u4", 336), ("cand_pad", "<u4", 340),
+    ("cand_next_expiry", "<f8", 344), ("cand_max_primary", "<f8", 352), ("cand_max_secondary", "<u8", 360),
+    ("cand_slots", "(64,)<i4", 368), ("cand_seqs", "(64,)<u8", 624), ("cand_epoch", "<u8", 1136),
+]
+FROZEN_SLOT = [
+    ("state", "<u4", 0), ("pins", "<u4", 4), ("key_len", "<u4", 8), ("flags", "<u4", 12),
+    ("key_hash", "<u8", 16), ("value_len", "<u8", 24), ("first_block", "<u8", 32), ("n_blocks", "<u8", 40),
+    ("checksum", "<u8", 48), ("created", "<f8", 56), ("last_access", "<f8", 64), ("expiry", "<f8", 72),
+    ("insert_seq", "<u8", 80), ("access_seq", "<u8", 88), ("access_count", "<u8", 96),
+    ("lfu_epoch", "<u8", 104), ("priority", "<i8", 112), ("owner_pid", "<u4", 120), ("next", "<i4", 124),
+    ("owner_start", "<u8", 128),
+]
+FROZEN_PIN = [("pid", "<u4", 0), ("slot", "<i4", 4), ("start", "<u8", 8)]
+
+
+def test_layout_matches_frozen_format():
+    assert layout.FORMAT_VERSION == FROZEN_VERSION
+    assert layout.MAGIC == b"CORTEXKV"
+    assert layout.HEADER_FIELDS == FROZEN_HEADER
+    assert layout.SLOT_FIELDS == FROZEN_SLOT
+    assert layout.PIN_FIELDS == FROZEN_PIN
+    assert (layout.HEADER_SIZE, layout.SLOT_SIZE, layout.PIN_SIZE) == (4096, 160, 16)
+
+
+@pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.SLOT_FIELDS, 160), (layout.PIN_FIELDS, 16)])
+def test_fields_do_not_overlap_and_fit(fields, size):
+    spans = sorted((off, off + np.dtype(fmt).itemsize, name) for name, fmt, off in fields)
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        assert a1 <= b0, f"{an} overlaps {bn}"
+    assert spans[-1][1] <= size
+    for name, fmt, off in fields:
+        assert off % min(8, np.dtype(fmt).base.itemsize) == 0, f"{name} misaligned"
+
+
+def test_word_indices_agree_with_the_tables():
+    offs = {n: o for n, _, o in layout.SLOT_FIELDS}
+    assert layout.S_STATE * 4 == offs["state"] and layout.S_NEXT * 4 == offs["next"]
+    assert layout.S_KEY_HASH * 8 == offs["key_hash"] and layout.S_OWNER_START * 8 == offs["owner_start"]
+    hoffs = {n: o for n, _, o in layout.HEADER_FIELDS}
+    assert layout.H_DIRTY * 4 == hoffs["dirty"] and layout.H_OPS * 8 == hoffs["ops"]
+
+
+def test_header_documents_the_layout():
+    doc = layout.__doc__
+    for region in ("header", "slots", "buckets", "block map", "pins", "data"):
+        assert region in doc
+
+
+def test_geometry_regions_are_aligned_and_fill_the_segment():
+    g = Geometry.compute(16 << 20, 4096, max_entries=1000)
+    assert g.check(g.segment_size) is None
+    assert g.data_off % 4096 == 0 and g.n_blocks == 4096 and g.n_slots == 1000
+    assert g.n_buckets >= 2 * g.n_slots and g.n_buckets & (g.n_buckets - 1) == 0
+    assert g.check(g.segment_size + 1) is not None

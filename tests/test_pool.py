@@ -1,0 +1,317 @@
+"""The pool contract: run once per policy, with and without multi-threaded mode."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import cortex_cache
+from cortex_cache import (
+    BufferTooSmall,
+    InvalidName,
+    InvalidSize,
+    KeyNotFound,
+    Pool,
+    PoolClosed,
+    PoolExists,
+    PoolFull,
+    PoolNotFound,
+    UsageError,
+    ValueTooLarge,
+)
+from cortex_cache.eviction import POLICY_IDS
+from cortex_cache.layout import MAX_KEY_BYTES
+from cortex_cache.segment import shm_path
+
+
+@pytest.fixture(params=[(p, mt) for p in POLICY_IDS for mt in (False, True)], ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}")
+def pool(request, make_pool):
+    policy, mt = request.param
+    return make_pool("1M", block_size="4K", policy=policy, multi_threaded=mt)
+
+
+# ---------------------------------------------------------------- contract (every policy, both modes)
+
+
+def test_put_get_roundtrip_of_every_value_kind(pool):
+    import torch
+
+    arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    t = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
+    pool.put("bytes", b"\x00\xffhello")
+    pool.put("bytearray", bytearray(b"ba"))
+    pool.put("memoryview", memoryview(b"mv-data")[3:])
+    pool.put("numpy", arr)
+    pool.put("torch", t)
+    pool.put("empty", b"")
+    assert pool.get("bytes") == b"\x00\xffhello"
+    assert pool.get("bytearray") == b"ba"
+    assert pool.get("memoryview") == b"data"
+    assert np.array_equal(np.frombuffer(pool.get("numpy"), dtype=np.float32).reshape(10, 100), arr)
+    back = torch.frombuffer(bytearray(pool.get("torch")), dtype=torch.bfloat16).reshape(8, 8)
+    assert torch.equal(back, t)
+    assert pool.get("empty") == b""
+    assert len(pool) == 6
+
+
+def test_replace_delete_contains_len(pool):
+    assert pool.get("k") is None and pool.get("k", b"dflt") == b"dflt"
+    pool.put("k", b"one")
+    pool.put("k", b"two-two")
+    assert pool.get("k") == b"two-two"
+    assert "k" in pool and "nope" not in pool and 42 not in pool
+    assert len(pool) == 1
+    assert pool.delete("k") is True
+    assert pool.delete("k") is False
+    assert "k" not in pool and len(pool) == 0
+    assert pool.stats()["blocks_used"] == 0
+
+
+def test_str_and_bytes_keys(pool):
+    pool.put("é-key", b"s")
+    pool.put(b"\x00\xfe", b"b")
+    assert pool.get("é-key") == b"s"
+    assert pool.get("é-key".encode()) == b"s"  # str keys are their UTF-8 bytes
+    assert sorted(pool.keys(), key=repr) == sorted(["é-key", b"\x00\xfe"], key=repr)
+
+
+def test_long_keys(pool):
+    long_key = "k" * MAX_KEY_BYTES
+    pool.put(long_key, b"v")
+    pool.put("x" * 250, b"w")
+    assert pool.get(long_key) == b"v" and pool.get("x" * 250) == b"w"
+    with pytest.raises(UsageError):
+        pool.put("k" * (MAX_KEY_BYTES + 1), b"v")
+    with pytest.raises(UsageError):
+        pool.put("", b"v")
+    with pytest.raises(UsageError):
+        pool.put(123, b"v")  # type: ignore[arg-type]
+
+
+def test_multi_block_values_and_large_values_outside_the_lock(pool):
+    big = os.urandom(300 * 1024)  # > COPY_IN_LOCK: copied outside the lock, pinned on read
+    pool.put("big", big)
+    pool.put("mid", os.urandom(9000))
+    assert pool.get("big") == big
+    out = bytearray(len(big) + 10)
+    assert pool.get_into("big", out) == len(big)
+    assert out[: len(big)] == big
+    info = pool.info("big")
+    assert info["size"] == len(big) and info["blocks"] == -(-(len(big) + 3) // 4096)
+    assert pool.verify()["ok"]
+
+
+def test_get_into(pool):
+    pool.put("k", b"abcdef")
+    buf = bytearray(10)
+    assert pool.get_into("k", buf) == 6 and buf[:6] == b"abcdef"
+    arr = np.zeros(8, dtype=np.uint8)
+    assert pool.get_into("k", arr) == 6 and arr[:6].tobytes() == b"abcdef"
+    assert pool.get_into("missing", buf) is None
+    with pytest.raises(BufferTooSmall):
+        pool.get_into("k", bytearray(3))
+    with pytest.raises(UsageError):
+        pool.get_into("k", b"readonly-bytes-buffer")
+
+
+def test_view_is_zero_copy_read_only_and_pins(pool):
+    pool.put("k", b"zero-copy")
+    with pool.view("k") as mv:
+        assert bytes(mv) == b"zero-copy"
+        assert mv.readonly
+        assert pool.info("k")["pins"] == 1
+        pool.delete("k")  # the view keeps the bytes alive until released
+        assert bytes(mv) == b"zero-copy"
+        assert pool.stats()["blocks_used"] == 1
+    assert pool.stats()["blocks_used"] == 0
+    with pytest.raises(KeyNotFound):
+        pool.view("k")
+
+
+def test_keys_prefix_limit_and_info(pool):
+    for i in range(5):
+        pool.put(f"user1/{i}", b"x" * i, priority=i)
+    pool.put("user2/0", b"y")
+    assert pool.keys(prefix="user1/") == [f"user1/{i}" for i in range(5)]
+    assert pool.keys(limit=2) == ["user1/0", "user1/1"]
+    info = pool.info("user1/3")
+    assert info["size"] == 3 and info["priority"] == 3 and info["expires"] is None
+    with pytest.raises(KeyNotFound):
+        pool.info("nope")
+
+
+def test_stats_fields(pool):
+    pool.put("a", b"12345")
+    pool.get("a")
+    pool.get("b")
+    st = pool.stats()
+    assert st["entries"] == 1 and st["value_bytes"] == 5 and st["hits"] == 1 and st["misses"] == 1
+    assert st["size_bytes"] == 1 << 20 and st["block_size"] == 4096 and st["blocks_total"] == 256
+    assert st["policy"] == pool.policy and st["mode"] == "0600"
+    assert st["puts"] == 1 and st["hit_ratio"] == 0.5
+
+
+def test_value_too_large_and_exact_fit(pool):
+    with pytest.raises(ValueTooLarge):
+        pool.put("huge", bytes((1 << 20) + 1))
+    whole = bytes((1 << 20) - 1)  # with a 1-byte key it fills every block
+    pool.put("w", whole)
+    assert pool.get("w") == whole
+
+
+def test_full_pool_with_everything_pinned_raises_pool_full(pool):
+    views = []
+    for i in range(256):
+        pool.put(f"k{i}", bytes(100))
+        views.append(pool.view(f"k{i}"))
+    with pytest.raises(PoolFull):
+        pool.put("one-more", bytes(100))
+    for v in views:
+        v.release()
+    pool.put("one-more", bytes(100))  # now something can be evicted
+    assert pool.get("one-more") == bytes(100)
+    assert pool.verify()["ok"]
+
+
+def test_two_handles_in_one_process_share_the_pool(pool):
+    other = Pool.open(pool.name)
+    try:
+        pool.put("k", b"v1")
+        assert other.get("k") == b"v1"
+        other.delete("k")
+        assert pool.get("k") is None
+    finally:
+        other.close()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_lifecycle_close_unlink_repr(make_pool, pool_name):
+    p = Pool.create(pool_name, "64K", block_size="4K")
+    try:
+        assert repr(p) == f"Pool('{pool_name}', size=64.0KiB, entries=0)"
+        with Pool.open(pool_name) as q:
+            q.put("k", b"v")
+        assert repr(p).endswith("entries=1)")
+    finally:
+        p.close()
+        p.close()  # twice is fine
+    assert "closed" in repr(p)
+    with pytest.raises(PoolClosed):
+        p.get("k")
+    Pool.unlink(pool_name)
+    with pytest.raises(PoolNotFound):
+        Pool.unlink(pool_name)
+    with pytest.raises(PoolNotFound):
+        Pool.open(pool_name)
+
+
+def test_create_refuses_existing_and_bad_arguments(make_pool, pool_name):
+    make_pool("64K", name=pool_name, block_size="4K")
+    with pytest.raises(PoolExists):
+        Pool.create(pool_name, "64K")
+    for bad in ["", "a/b", "../x", "-x", ".x", "x" * 65, "sp ace", "é"]:
+        with pytest.raises(InvalidName):
+            Pool.create(bad, "64K")
+    for bad_size in [0, -1, "0", "abc", "1.2.3G", "5Q", "-5M"]:
+        with pytest.raises(InvalidSize):
+            Pool.create("ok-name", bad_size)
+    with pytest.raises(InvalidSize):
+        Pool.create("ok-name", "64K", block_size="3000")
+    with pytest.raises(UsageError):
+        Pool.create("ok-name", "64K", policy="random")
+    with pytest.raises(UsageError):
+        Pool.create("ok-name", "64K", mode=0o400)
+    assert not Pool.exists("ok-name")
+
+
+def test_segment_mode_and_reservation(make_pool, pool_name):
+    p = make_pool("8M", name=pool_name)
+    st = os.stat(shm_path(pool_name))
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_blocks * 512 >= 8 << 20  # posix_fallocate made the memory real
+    g = make_pool("8M", name=pool_name + "-g", mode=0o660)
+    assert stat.S_IMODE(os.stat(shm_path(g.name)).st_mode) == 0o660
+    sparse = make_pool("8M", name=pool_name + "-s", reserve=False)
+    assert os.stat(shm_path(sparse.name)).st_blocks * 512 < 1 << 20
+    sparse.put("k", b"v")
+    assert sparse.get("k") == b"v" and sparse.stats()["reserved"] is False
+    assert p.stats()["reserved"] is True
+
+
+def test_create_larger_than_free_shm_is_a_clean_error(pool_name):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    with pytest.raises(cortex_cache.NoSpace):
+        Pool.create(pool_name, free + (1 << 30))
+    assert not Pool.exists(pool_name)
+
+
+def test_fallocate_enospc_is_a_clean_error_and_cleans_up(monkeypatch, pool_name):
+    import errno
+
+    def enospc(fd, off, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", enospc)  # the one fault we cannot cause for real
+    with pytest.raises(cortex_cache.NoSpace):
+        Pool.create(pool_name, "1M")
+    assert not Pool.exists(pool_name)
+
+
+def test_foreign_or_damaged_segments_are_refused(make_pool, pool_name):
+    from cortex_cache import IncompatibleVersion, SegmentCorrupt
+
+    path = shm_path(pool_name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, b"not a pool at all" * 1000)
+        with pytest.raises(SegmentCorrupt):
+            Pool.open(pool_name)
+        os.ftruncate(fd, 0)  # a creator that died before writing anything
+        with pytest.raises(SegmentCorrupt):
+            Pool.open(pool_name)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    p = make_pool("64K", name=pool_name, block_size="4K")
+    p.close()
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write((99).to_bytes(4, "little"))  # format version 99
+    with pytest.raises(IncompatibleVersion):
+        Pool.open(pool_name)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write((1).to_bytes(4, "little"))
+        f.seek(32)
+        f.write((10**12).to_bytes(8, "little"))  # n_blocks that cannot fit the file
+    with pytest.raises(SegmentCorrupt):
+        Pool.open(pool_name)
+
+
+def test_list_shows_our_pools(make_pool, pool_name):
+    make_pool("64K", name=pool_name + "a", block_size="4K")
+    make_pool("64K", name=pool_name + "b", block_size="4K")
+    assert {pool_name + "a", pool_name + "b"} <= set(Pool.list())
+
+
+def test_handle_refuses_use_after_fork(make_pool):
+    p = make_pool("64K", block_size="4K")
+    p.put("k", b"v")
+    pid = os.fork()
+    if pid == 0:  # child: the inherited handle must refuse, a fresh one works
+        code = 1
+        try:
+            try:
+                p.get("k")
+            except UsageError:
+                with Pool.open(p.name) as q:
+                    code = 0 if q.get("k") == b"v" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
