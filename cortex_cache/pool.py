@@ -114,6 +114,14 @@ class EntryView:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    def __del__(self) -> None:
+        # A view dropped without release() would hold its pin until this
+        # process exits; give it back now.
+        try:
+            self.release()
+        except Exception:
+            pass
+
     def release(self) -> None:
         """Release the view and unpin the entry; safe to call twice."""
         mv, self.memoryview = self.memoryview, None
@@ -556,7 +564,9 @@ class Pool:
         if hint + k <= self._n_blocks and bmap[hint : hint + k] == bytes(k):
             first = hint
         else:
-            first = find_run(self._map, k, hint)
+            # A full pool (the steady state of a cache) cannot have a run:
+            # skip the scan and go straight to eviction.
+            first = find_run(self._map, k, hint) if hu64[H_USED_BLOCKS] + k <= self._n_blocks else -1
             while first < 0:
                 victim = self._evict_one(want_blocks=k)
                 if victim is None:
