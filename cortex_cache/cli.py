@@ -66,7 +66,11 @@ JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout
 def _console(stderr: bool = False):  # rich is imported by typer already
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # Off a terminal rich assumes 80 columns and would cut names and keys:
+    # a pipe or file gets whole lines instead.
+    width = None if stream.isatty() else 1 << 16
+    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width)
 
 
 def _print_json(doc: Any) -> None:
@@ -383,24 +387,33 @@ def get(
     """
     from .pool import Pool
 
-    with Pool.open(name, lock_timeout=10) as p:
-        value = p.get(key)
-    if value is None:
-        raise KeyNotFound(f"no key {key!r} in pool {name!r}")
-    if output is None:
+    fd = -1
+    if output is not None:
+        # Create the output first, so a bad path changes nothing in the pool.
+        try:
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            from .errors import PoolExists
+
+            raise PoolExists(f"{output!r} already exists; remove it first") from None
+        except OSError as e:
+            from .errors import StorageIOError
+
+            raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
+    try:
+        with Pool.open(name, lock_timeout=10) as p:
+            value = p.get(key)
+        if value is None:
+            raise KeyNotFound(f"no key {key!r} in pool {name!r}")
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+            os.unlink(output)  # type: ignore[arg-type]
+        raise
+    if fd < 0:
         sys.stdout.buffer.write(value)
         sys.stdout.flush()
         return
-    try:
-        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        from .errors import PoolExists
-
-        raise PoolExists(f"{output!r} already exists; remove it first") from None
-    except OSError as e:
-        from .errors import StorageIOError
-
-        raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
     with os.fdopen(fd, "wb") as f:
         f.write(value)
 
@@ -530,7 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("--debug")
     code = 0
     try:
-        typer.main.get_command(app).main(args=args, prog_name="cortex", standalone_mode=False)
+        rc = typer.main.get_command(app).main(args=args, prog_name="cortex", standalone_mode=False)
+        # Without standalone mode, the parser turns `raise typer.Exit(n)` into a return value.
+        if isinstance(rc, int):
+            code = rc
     except typer.Exit as e:
         code = e.exit_code
     except typer.Abort:
