@@ -6,19 +6,21 @@ with the smallest score goes first.  The secondary key is the entry's
 towards the least recently used entry, and every score is unique.
 
 Policies only *score*.  Choosing victims is shared: the pool keeps the
-CANDIDATES best victims, found by one vectorised scan, in its header (so every
-attached process evicts from the same list), and hands them out in order.
-A cached victim is used only if it is untouched since the scan (same state,
-no pins, same identity sequence number); the cache is dropped when a change
-could put some other entry ahead of the cached ones:
+CANDIDATES best victims, found by one vectorised scan of the slot columns, in
+a region of the segment (so every attached process evicts from the same
+list), and hands them out in order.  A listed victim is used only if it is
+untouched since it was listed (still sealed, no pins, same identity sequence
+number).  Between scans the list stays exact:
 
-- an entry's new score sorts before the last cached victim's score;
-- an entry expires that was alive at the scan (`cand_next_expiry`);
-- the LFU aging epoch advances.
+- an entry whose new score sorts before the last listed victim (a put or hit
+  under a non-monotone policy, or a pinned entry released) is inserted into
+  the list, which drops its last row when full;
+- the list is rebuilt when an entry expires that was alive at the scan
+  (`cand_next_expiry`), when the LFU aging epoch advances, and when it runs out.
 
-That keeps eviction exact for every policy while costing O(1) per victim in
-the steady state.  Expired entries are always reclaimed before any policy
-victim.
+So eviction is exact for every policy and costs O(1) per victim in the
+steady state, plus one O(n) scan per CANDIDATES victims.  Expired entries are
+always reclaimed before any policy victim.
 """
 
 from __future__ import annotations
@@ -32,6 +34,15 @@ from .layout import CANDIDATES, SEALED
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 
 INF = math.inf
+
+
+def _expiry_key(expiry):
+    """Secondary key of an expired entry: its expiry time, soonest first.
+
+    The bits of a positive float64 read as uint64 sort like the floats, so
+    expired entries (primary -inf) order by expiry within the one u64 column.
+    """
+    return np.asarray(expiry, dtype=np.float64).view(np.uint64)
 
 
 class Policy:
@@ -122,13 +133,19 @@ def policy_by_id(pid: int) -> Policy | None:
 
 
 class VictimCache:
-    """The header's candidate list, interpreted for one policy.
+    """The shared victim list, interpreted for one policy.
 
-    All methods run under the pool lock; `h` is the header record array,
-    `s` the slot table, `clock` the pool's clock.
+    All methods run under the pool lock.  `h` is the header record array,
+    `s` the slot columns, `v` the victim-list columns, `clock` the pool's clock.
+    Rows [cand_pos, cand_count) of the list are the best victims known, best
+    first; every live entry not in those rows scores at least as high as the
+    last of them (cand_max_primary, cand_max_secondary).
     """
 
-    def __init__(self, policy: Policy, h: np.ndarray, s: np.ndarray, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, policy: Policy, h: np.ndarray, s: dict[str, np.ndarray], v: dict[str, np.ndarray],
+        clock: Callable[[], float],
+    ) -> None:
         self.policy = policy
         self.h = h
         self.s = s
@@ -136,19 +153,55 @@ class VictimCache:
         self._ident = s[policy.identity]
         self._state = s["state"]
         self._pins = s["pins"]
+        self._vslot, self._vident = v["slot"], v["ident"]
+        self._vprim, self._vsec = v["primary"], v["secondary"]
 
     def invalidate(self) -> None:
         self.h["cand_valid"] = 0
 
+    def _score(self, i: int) -> tuple[float, int]:
+        e = self.s["expiry"][i]
+        if 0 < e <= self.clock():
+            return -INF, int(_expiry_key(e))
+        return self.policy.primary_one(self.s, i, int(self.h["lfu_epoch"][0])), int(self.s["access_seq"][i])
+
     def on_score_change(self, i: int) -> None:
-        """Call after a put or hit changed slot `i`'s score."""
-        h = self.h
-        if self.policy.monotone or not h["cand_valid"][0]:
+        """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
+        if self.h["cand_valid"][0]:
+            self._offer(i)
+
+    def on_unpin(self, i: int) -> None:
+        """Call when sealed slot `i` loses its last pin: the list may have skipped it."""
+        if not self.h["cand_valid"][0]:
             return
-        p = self.policy.primary_one(self.s, i, int(h["lfu_epoch"][0]))
-        mp = float(h["cand_max_primary"][0])
-        if p < mp or (p == mp and int(self.s["access_seq"][i]) < int(h["cand_max_secondary"][0])):
-            h["cand_valid"] = 0
+        h = self.h
+        pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+        rows = np.flatnonzero(self._vslot[pos:count] == i)
+        if rows.size and self._vident[pos + rows[0]] == self._ident[i]:
+            return  # still listed, and unchanged
+        self._offer(i)
+        self.on_expiry_set(float(self.s["expiry"][i]))
+
+    def _offer(self, i: int) -> None:
+        """Put slot `i` into the list if it scores below the last listed victim."""
+        h = self.h
+        p, sec = self._score(i)
+        mp, ms = float(h["cand_max_primary"][0]), int(h["cand_max_secondary"][0])
+        if not (p < mp or (p == mp and sec < ms)):
+            return
+        pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+        prim, vsec = self._vprim[pos:count], self._vsec[pos:count]
+        after = np.flatnonzero((prim > p) | ((prim == p) & (vsec > sec)))
+        k = pos + int(after[0]) if after.size else count
+        end = count if count < CANDIDATES else count - 1  # a full list drops its last row
+        for col in (self._vslot, self._vident, self._vprim, self._vsec):
+            col[k + 1 : end + 1] = col[k:end].copy()
+        self._vslot[k], self._vident[k] = i, self._ident[i]
+        self._vprim[k], self._vsec[k] = p, sec
+        count = end + 1
+        h["cand_count"] = count
+        h["cand_max_primary"] = self._vprim[count - 1]
+        h["cand_max_secondary"] = self._vsec[count - 1]
 
     def on_expiry_set(self, expiry: float) -> None:
         h = self.h
@@ -164,12 +217,14 @@ class VictimCache:
             ):
                 if not self._fill():
                     return -1, False
-            slots, seqs = h["cand_slots"][0], h["cand_seqs"][0]
             pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+            vslot, vident = self._vslot, self._vident
             while pos < count:
-                i = int(slots[pos])
+                i = int(vslot[pos])
                 pos += 1
-                if self._state[i] == SEALED and self._pins[i] == 0 and self._ident[i] == seqs[pos - 1]:
+                # Skipped rows (pinned, changed, gone) come back through
+                # on_unpin / on_score_change if they still belong here.
+                if self._state[i] == SEALED and self._pins[i] == 0 and self._ident[i] == vident[pos - 1]:
                     h["cand_pos"] = pos
                     e = float(self.s["expiry"][i])
                     return i, (0 < e <= self.clock())
@@ -178,7 +233,7 @@ class VictimCache:
         return -1, False
 
     def _fill(self) -> bool:
-        """Scan all live entries and cache the best CANDIDATES victims; False if none."""
+        """Scan all live entries and list the best CANDIDATES victims; False if none."""
         h, s = self.h, self.s
         now = self.clock()
         epoch = int(h["lfu_epoch"][0])
@@ -191,18 +246,19 @@ class VictimCache:
             return False
         exp = s["expiry"][live]
         is_expired = (exp > 0) & (exp <= now)
-        expired = live[is_expired]
-        expired = expired[np.argsort(exp[is_expired], kind="stable")][:CANDIDATES]
-        rest = live[~is_expired]
-        future = exp[~is_expired]
+        sec_all = s["access_seq"][live]
+        expired = np.flatnonzero(is_expired)
+        expired = expired[np.argsort(exp[expired], kind="stable")][:CANDIDATES]
+        rest = np.flatnonzero(~is_expired)
+        future = exp[rest]
         future = future[future > 0]
         next_expiry = float(future.min()) if future.size else INF
         room = CANDIDATES - expired.size
         chosen = rest[:0]
-        max_p, max_s = -INF, 0
+        prim_chosen = np.empty(0)
         if room > 0 and rest.size:
-            prim = self.policy.primary(s, rest, epoch)
-            sec = s["access_seq"][rest]
+            prim = self.policy.primary(s, live[rest], epoch)
+            sec = sec_all[rest]
             if rest.size > room:
                 # O(n) preselection of the `room` smallest (primary, secondary)
                 # pairs: everything strictly below the cutoff primary, then the
@@ -218,14 +274,17 @@ class VictimCache:
                 pool = np.arange(rest.size)
             order = pool[np.lexsort((sec[pool], prim[pool]))][:room]
             chosen = rest[order]
-            max_p, max_s = float(prim[order[-1]]), int(sec[order[-1]])
-        victims = np.concatenate([expired, chosen]).astype(np.int32)
-        n = victims.size
-        h["cand_slots"][0, :n] = victims
-        h["cand_seqs"][0, :n] = s[self.policy.identity][victims]
+            prim_chosen = prim[order]
+        rows = np.concatenate([expired, chosen])
+        n = rows.size
+        victims = live[rows]
+        self._vslot[:n] = victims
+        self._vident[:n] = self._ident[victims]
+        self._vprim[:n] = np.concatenate([np.full(expired.size, -INF), prim_chosen])
+        self._vsec[:n] = np.concatenate([_expiry_key(exp[expired]), sec_all[chosen]])
         h["cand_count"] = n
-        h["cand_max_primary"] = max_p
-        h["cand_max_secondary"] = max_s
+        h["cand_max_primary"] = self._vprim[n - 1]
+        h["cand_max_secondary"] = self._vsec[n - 1]
         h["cand_next_expiry"] = next_expiry
         h["cand_valid"] = 1
         return True

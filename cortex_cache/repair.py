@@ -26,7 +26,7 @@ _CHECKSUM_BATCH = 64
 def analyse(pool: "Pool", fix: bool) -> list[str]:
     """Find (and with `fix`, repair) every inconsistency in the metadata; lock held."""
     s = pool._slots
-    n = s.size
+    n = pool._n_slots
     bs, n_blocks = pool._bs, pool._n_blocks
     state = s["state"].copy()
     problems: list[str] = []

@@ -24,16 +24,16 @@ FROZEN_HEADER = [
     ("lfu_epoch", "<u8", 304), ("lfu_period", "<u8", 312), ("ops", "<u8", 320), ("cand_valid", "<u4", 328),
     ("cand_count", "<u4", 332), ("cand_pos", "<u4", 336), ("cand_pad", "<u4", 340),
     ("cand_next_expiry", "<f8", 344), ("cand_max_primary", "<f8", 352), ("cand_max_secondary", "<u8", 360),
-    ("cand_slots", "(64,)<i4", 368), ("cand_seqs", "(64,)<u8", 624), ("cand_epoch", "<u8", 1136),
+    ("cand_epoch", "<u8", 368), ("victims_off", "<u8", 376),
 ]
-FROZEN_SLOT = [
-    ("state", "<u4", 0), ("pins", "<u4", 4), ("key_len", "<u4", 8), ("flags", "<u4", 12),
-    ("key_hash", "<u8", 16), ("value_len", "<u8", 24), ("first_block", "<u8", 32), ("n_blocks", "<u8", 40),
-    ("checksum", "<u8", 48), ("created", "<f8", 56), ("last_access", "<f8", 64), ("expiry", "<f8", 72),
-    ("insert_seq", "<u8", 80), ("access_seq", "<u8", 88), ("access_count", "<u8", 96),
-    ("lfu_epoch", "<u8", 104), ("priority", "<i8", 112), ("owner_pid", "<u4", 120), ("next", "<i4", 124),
-    ("owner_start", "<u8", 128),
+FROZEN_SLOT_COLUMNS = [
+    ("state", "<u4"), ("pins", "<u4"), ("key_len", "<u4"), ("flags", "<u4"), ("owner_pid", "<u4"),
+    ("next", "<i4"), ("key_hash", "<u8"), ("value_len", "<u8"), ("first_block", "<u8"), ("n_blocks", "<u8"),
+    ("checksum", "<u8"), ("created", "<f8"), ("last_access", "<f8"), ("expiry", "<f8"), ("insert_seq", "<u8"),
+    ("access_seq", "<u8"), ("access_count", "<u8"), ("lfu_epoch", "<u8"), ("priority", "<i8"),
+    ("owner_start", "<u8"),
 ]
+FROZEN_VICTIM_COLUMNS = [("slot", "<i4"), ("pad", "<i4"), ("ident", "<u8"), ("primary", "<f8"), ("secondary", "<u8")]
 FROZEN_PIN = [("pid", "<u4", 0), ("slot", "<i4", 4), ("start", "<u8", 8)]
 
 
@@ -41,12 +41,13 @@ def test_layout_matches_frozen_format():
     assert layout.FORMAT_VERSION == FROZEN_VERSION
     assert layout.MAGIC == b"CORTEXKV"
     assert layout.HEADER_FIELDS == FROZEN_HEADER
-    assert layout.SLOT_FIELDS == FROZEN_SLOT
+    assert layout.SLOT_COLUMNS == FROZEN_SLOT_COLUMNS
+    assert layout.VICTIM_COLUMNS == FROZEN_VICTIM_COLUMNS
     assert layout.PIN_FIELDS == FROZEN_PIN
-    assert (layout.HEADER_SIZE, layout.SLOT_SIZE, layout.PIN_SIZE) == (4096, 160, 16)
+    assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 136, 16, 512)
 
 
-@pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.SLOT_FIELDS, 160), (layout.PIN_FIELDS, 16)])
+@pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.PIN_FIELDS, 16)])
 def test_fields_do_not_overlap_and_fit(fields, size):
     spans = sorted((off, off + np.dtype(fmt).itemsize, name) for name, fmt, off in fields)
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
@@ -57,16 +58,24 @@ def test_fields_do_not_overlap_and_fit(fields, size):
 
 
 def test_word_indices_agree_with_the_tables():
-    offs = {n: o for n, _, o in layout.SLOT_FIELDS}
-    assert layout.S_STATE * 4 == offs["state"] and layout.S_NEXT * 4 == offs["next"]
-    assert layout.S_KEY_HASH * 8 == offs["key_hash"] and layout.S_OWNER_START * 8 == offs["owner_start"]
     hoffs = {n: o for n, _, o in layout.HEADER_FIELDS}
     assert layout.H_DIRTY * 4 == hoffs["dirty"] and layout.H_OPS * 8 == hoffs["ops"]
+    assert layout.H_SEQ * 8 == hoffs["seq"] and layout.H_FREE_SLOT * 8 == hoffs["free_slot"]
+    poffs = {n: o for n, _, o in layout.PIN_FIELDS}
+    assert layout.P_SLOT * 4 == poffs["slot"] and layout.P_START * 8 == poffs["start"]
+
+
+def test_slot_columns_are_packed_in_order_on_64_byte_boundaries():
+    offs = layout.column_offsets(layout.SLOT_COLUMNS, 1000, 4096)
+    names = [n for n, _ in layout.SLOT_COLUMNS]
+    assert offs["state"] == 4096 and offs["pins"] == 4096 + 4032  # 4000 bytes, aligned to 64
+    assert all(offs[a] < offs[b] for a, b in zip(names, names[1:]))
+    assert all(o % 64 == 0 for o in offs.values())
 
 
 def test_header_documents_the_layout():
     doc = layout.__doc__
-    for region in ("header", "slots", "buckets", "block map", "pins", "data"):
+    for region in ("header", "slots", "buckets", "block map", "pins", "victims", "data"):
         assert region in doc
 
 
