@@ -30,7 +30,18 @@ from typing import Callable
 
 import numpy as np
 
-from .layout import CANDIDATES, SEALED
+from .layout import (
+    CANDIDATES,
+    H_CAND_COUNT,
+    H_CAND_EPOCH,
+    H_CAND_MAX_PRIMARY,
+    H_CAND_MAX_SECONDARY,
+    H_CAND_NEXT_EXPIRY,
+    H_CAND_POS,
+    H_CAND_VALID,
+    H_LFU_EPOCH,
+    SEALED,
+)
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 
 INF = math.inf
@@ -144,38 +155,42 @@ class VictimCache:
 
     def __init__(
         self, policy: Policy, h: np.ndarray, s: dict[str, np.ndarray], v: dict[str, np.ndarray],
-        clock: Callable[[], float],
+        clock: Callable[[], float], hdr_views: tuple[memoryview, memoryview, memoryview],
+        col_views: dict[str, memoryview],
     ) -> None:
         self.policy = policy
         self.h = h
         self.s = s
         self.clock = clock
+        # numpy for the scans; memoryviews for the per-eviction scalars.
         self._ident = s[policy.identity]
         self._state = s["state"]
         self._pins = s["pins"]
         self._vslot, self._vident = v["slot"], v["ident"]
         self._vprim, self._vsec = v["primary"], v["secondary"]
+        self._hu32, self._hu64, self._hf64 = hdr_views
+        self._m_state, self._m_pins = col_views["state"], col_views["pins"]
+        self._m_ident, self._m_expiry = col_views[policy.identity], col_views["expiry"]
 
     def invalidate(self) -> None:
-        self.h["cand_valid"] = 0
+        self._hu32[H_CAND_VALID] = 0
 
     def _score(self, i: int) -> tuple[float, int]:
-        e = self.s["expiry"][i]
+        e = self._m_expiry[i]
         if 0 < e <= self.clock():
             return -INF, int(_expiry_key(e))
-        return self.policy.primary_one(self.s, i, int(self.h["lfu_epoch"][0])), int(self.s["access_seq"][i])
+        return self.policy.primary_one(self.s, i, self._hu64[H_LFU_EPOCH]), int(self.s["access_seq"][i])
 
     def on_score_change(self, i: int) -> None:
         """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
-        if self.h["cand_valid"][0]:
+        if self._hu32[H_CAND_VALID]:
             self._offer(i)
 
     def on_unpin(self, i: int) -> None:
         """Call when sealed slot `i` loses its last pin: the list may have skipped it."""
-        if not self.h["cand_valid"][0]:
+        if not self._hu32[H_CAND_VALID]:
             return
-        h = self.h
-        pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+        pos, count = self._hu32[H_CAND_POS], self._hu32[H_CAND_COUNT]
         rows = np.flatnonzero(self._vslot[pos:count] == i)
         if rows.size and self._vident[pos + rows[0]] == self._ident[i]:
             return  # still listed, and unchanged
@@ -184,52 +199,54 @@ class VictimCache:
 
     def _offer(self, i: int) -> None:
         """Put slot `i` into the list if it scores below the last listed victim."""
-        h = self.h
+        hu32 = self._hu32
         p, sec = self._score(i)
-        mp, ms = float(h["cand_max_primary"][0]), int(h["cand_max_secondary"][0])
+        mp, ms = self._hf64[H_CAND_MAX_PRIMARY], self._hu64[H_CAND_MAX_SECONDARY]
         if not (p < mp or (p == mp and sec < ms)):
             return
-        pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+        pos, count = hu32[H_CAND_POS], hu32[H_CAND_COUNT]
         prim, vsec = self._vprim[pos:count], self._vsec[pos:count]
         after = np.flatnonzero((prim > p) | ((prim == p) & (vsec > sec)))
-        k = pos + int(after[0]) if after.size else count
+        if not after.size:
+            return  # the list is used up: the next eviction rescans anyway
+        k = pos + int(after[0])
         end = count if count < CANDIDATES else count - 1  # a full list drops its last row
         for col in (self._vslot, self._vident, self._vprim, self._vsec):
             col[k + 1 : end + 1] = col[k:end].copy()
         self._vslot[k], self._vident[k] = i, self._ident[i]
         self._vprim[k], self._vsec[k] = p, sec
         count = end + 1
-        h["cand_count"] = count
-        h["cand_max_primary"] = self._vprim[count - 1]
-        h["cand_max_secondary"] = self._vsec[count - 1]
+        hu32[H_CAND_COUNT] = count
+        self._hf64[H_CAND_MAX_PRIMARY] = float(self._vprim[count - 1])
+        self._hu64[H_CAND_MAX_SECONDARY] = int(self._vsec[count - 1])
 
     def on_expiry_set(self, expiry: float) -> None:
-        h = self.h
-        if expiry > 0 and expiry < h["cand_next_expiry"][0]:
-            h["cand_next_expiry"] = expiry
+        if 0 < expiry < self._hf64[H_CAND_NEXT_EXPIRY]:
+            self._hf64[H_CAND_NEXT_EXPIRY] = expiry
 
     def next_victim(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, or (-1, False) if none can be."""
-        h = self.h
+        hu32, hu64 = self._hu32, self._hu64
         for attempt in range(2):
-            if not h["cand_valid"][0] or self.clock() >= h["cand_next_expiry"][0] or (
-                h["cand_epoch"][0] != h["lfu_epoch"][0]
+            if not hu32[H_CAND_VALID] or self.clock() >= self._hf64[H_CAND_NEXT_EXPIRY] or (
+                hu64[H_CAND_EPOCH] != hu64[H_LFU_EPOCH]
             ):
                 if not self._fill():
                     return -1, False
-            pos, count = int(h["cand_pos"][0]), int(h["cand_count"][0])
+            pos, count = hu32[H_CAND_POS], hu32[H_CAND_COUNT]
             vslot, vident = self._vslot, self._vident
+            state, pins, ident = self._m_state, self._m_pins, self._m_ident
             while pos < count:
                 i = int(vslot[pos])
                 pos += 1
                 # Skipped rows (pinned, changed, gone) come back through
                 # on_unpin / on_score_change if they still belong here.
-                if self._state[i] == SEALED and self._pins[i] == 0 and self._ident[i] == vident[pos - 1]:
-                    h["cand_pos"] = pos
-                    e = float(self.s["expiry"][i])
+                if state[i] == SEALED and pins[i] == 0 and ident[i] == vident[pos - 1]:
+                    hu32[H_CAND_POS] = pos
+                    e = self._m_expiry[i]
                     return i, (0 < e <= self.clock())
-            h["cand_pos"] = pos
-            h["cand_valid"] = 0
+            hu32[H_CAND_POS] = pos
+            hu32[H_CAND_VALID] = 0
         return -1, False
 
     def _fill(self) -> bool:

@@ -324,7 +324,12 @@ def _word(fields: list[tuple[str, str, int]], name: str, width: int) -> int:
 P64, P32 = PIN_SIZE // 8, PIN_SIZE // 4
 P_PID, P_SLOT = _word(PIN_FIELDS, "pid", 4), _word(PIN_FIELDS, "slot", 4)
 P_START = _word(PIN_FIELDS, "start", 8)
-H_DIRTY = _word(HEADER_FIELDS, "dirty", 4)
+H_DIRTY, H_CAND_VALID, H_CAND_COUNT, H_CAND_POS = (
+    _word(HEADER_FIELDS, n, 4) for n in ("dirty", "cand_valid", "cand_count", "cand_pos")
+)
+H_CAND_NEXT_EXPIRY, H_CAND_MAX_PRIMARY, H_CAND_MAX_SECONDARY, H_CAND_EPOCH = (
+    _word(HEADER_FIELDS, n, 8) for n in ("cand_next_expiry", "cand_max_primary", "cand_max_secondary", "cand_epoch")
+)
 (H_SEQ, H_USED_BLOCKS, H_N_ENTRIES, H_ALLOC_HINT, H_FREE_SLOT, H_HITS, H_MISSES, H_PUTS, H_DELETES,
  H_EVICTIONS, H_EXPIRATIONS, H_BYTES_EVICTED, H_REPAIRS, H_LFU_EPOCH, H_LFU_PERIOD, H_OPS) = (
     _word(HEADER_FIELDS, n, 8)

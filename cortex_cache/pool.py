@@ -219,7 +219,11 @@ class Pool:
         self.policy = pol.name
         vo = g.victim_columns()
         victims = {name: np.frombuffer(mm, fmt, CANDIDATES, vo[name]) for name, fmt in VICTIM_COLUMNS}
-        self._victims = VictimCache(pol, hdr, s, victims, self.clock)
+        self._hf64 = hdr_mv.cast("d")
+        self._typed_views.append(self._hf64)
+        self._victims = VictimCache(
+            pol, hdr, s, victims, self.clock, (self._hu32, self._hu64, self._hf64), views
+        )
         _live_pools.add(self)
 
     @classmethod
@@ -616,7 +620,9 @@ class Pool:
         self._count_eviction(i, expired)
         self._remove(i)
         if want_blocks:
-            return run_around(self._map, first, n, want_blocks)
+            # The victim's own run is enough when it is as long (the common
+            # case of equal-sized KV chunks); else look at its neighbours.
+            return first if n >= want_blocks else run_around(self._map, first, n, want_blocks)
         return True
 
     def _count_eviction(self, i: int, expired: bool) -> None:
