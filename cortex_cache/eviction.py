@@ -47,6 +47,20 @@ from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 INF = math.inf
 
 
+def _fold(prim: np.ndarray, sec: np.ndarray) -> np.ndarray | None:
+    """One uint64 per entry that sorts like (prim, sec), or None if it cannot fit.
+
+    prim holds whole numbers; both are shifted to start at 0, and prim goes
+    in the high bits above as many bits as the secondary range needs.
+    """
+    pi = prim.astype(np.int64)
+    pmin, smin = int(pi.min()), int(sec.min())
+    bits = (int(sec.max()) - smin).bit_length()
+    if (int(pi.max()) - pmin).bit_length() + bits > 63:
+        return None
+    return ((pi - pmin).astype(np.uint64) << np.uint64(bits)) | (sec - np.uint64(smin))
+
+
 def _expiry_key(expiry):
     """Secondary key of an expired entry: its expiry time, soonest first.
 
@@ -63,6 +77,12 @@ class Policy:
     # True when every put or hit gives its entry a score above every existing
     # score, so no change can ever jump ahead of the cached victims.
     monotone = False
+    # True when the primary score is the same for every entry (order by the
+    # secondary key alone), which lets a scan skip a selection pass.
+    constant_primary = False
+    # True when primary scores are whole numbers: a scan can then fold
+    # (primary, secondary) into one exact uint64 key and select once.
+    integer_primary = False
     # Which slot field identifies "the same entry with the same score" for a
     # cached victim.  A hit changes access_seq, which is right for every
     # policy whose order a hit changes.
@@ -79,6 +99,7 @@ class Policy:
 class LRU(Policy):
     name = "lru"
     monotone = True
+    constant_primary = True
 
 
 class FIFO(Policy):
@@ -92,6 +113,7 @@ class FIFO(Policy):
 
 class LFU(Policy):
     name = "lfu"
+    integer_primary = True
 
     def primary(self, s, idx, epoch):
         age = np.minimum(epoch - s["lfu_epoch"][idx], 63).astype(np.uint64)
@@ -103,6 +125,7 @@ class LFU(Policy):
 
 class PriorityPolicy(Policy):
     name = "priority"
+    integer_primary = True
 
     def primary(self, s, idx, epoch):
         return s["priority"][idx].astype(np.float64)
@@ -125,6 +148,7 @@ class TTLPolicy(Policy):
 
 class SizePolicy(Policy):
     name = "size"
+    integer_primary = True
 
     def primary(self, s, idx, epoch):
         return -(s["value_len"][idx].astype(np.float64))
@@ -276,7 +300,12 @@ class VictimCache:
         if room > 0 and rest.size:
             prim = self.policy.primary(s, live[rest], epoch)
             sec = sec_all[rest]
-            if rest.size > room:
+            folded = _fold(prim, sec) if rest.size > room and self.policy.integer_primary else None
+            if rest.size > room and self.policy.constant_primary:
+                pool = np.argpartition(sec, room - 1)[:room]
+            elif folded is not None:
+                pool = np.argpartition(folded, room - 1)[:room]
+            elif rest.size > room:
                 # O(n) preselection of the `room` smallest (primary, secondary)
                 # pairs: everything strictly below the cutoff primary, then the
                 # least recent of the entries tied at the cutoff.

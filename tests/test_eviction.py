@@ -826,3 +826,33 @@ def test_stats_sum_over_concurrent_processes(make_pool):
     assert st["evictions"] == 3 * n - 16 and st["expirations"] == 0
     assert st["bytes_evicted"] == 100 * st["evictions"]
     assert p.verify()["ok"]
+
+
+# --------------------------------------------------------------------------- large pools: the scan's fast paths
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size"])
+def test_victim_order_is_exact_in_a_pool_larger_than_the_victim_list(make_pool, clock, policy):
+    """With more live entries than the shared victim list holds (1024), the scan's
+    selection shortcuts (one-key fold, constant primary, tie handling) must still
+    pick exactly the entries the plain definition names, in order."""
+    n = 3000
+    p = make_pool(n * BS, block_size=BS, policy=policy, clock=clock, max_entries=n, lfu_period=10**9)
+    model = Model(policy, n, 10**9, clock)
+    rng = random.Random(f"big-{policy}")
+    for i in range(n):
+        size = rng.choice([100, 200, 300])
+        ttl = 100 + rng.randrange(5000) + i / 10_000 if rng.random() < 0.5 else None
+        prio = rng.randrange(4)
+        model.put(f"k{i}", size, ttl, prio)
+        p.put(f"k{i}", b"z" * size, ttl=ttl, priority=prio)
+    for _ in range(2000):  # skewed reads: counts and recency differ, with many ties
+        k = f"k{min(int(rng.expovariate(1 / 300)), n - 1)}"
+        assert (p.get(k) is not None) == model.get(k)
+    for step in range(1500):  # each new put evicts exactly one victim
+        clock.tick(0.001)
+        model.put(f"new{step}", 100, None, 3)
+        p.put(f"new{step}", b"z" * 100, priority=3)
+        if step % 100 == 0:
+            assert present(p) == set(model.e), step
+    assert present(p) == set(model.e)
