@@ -517,6 +517,101 @@ def verify(
         raise typer.Exit(EX_PROBLEM)
 
 
+def _progress_bar(description: str):
+    """A rich progress bar on stderr when it is a terminal; else None (silent)."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn(description), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=_console(stderr=True), transient=True,
+    )
+
+
+def _run_with_progress(description: str, fn):
+    bar = _progress_bar(description)
+    if bar is None:
+        return fn(None)
+    with bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return fn(update)
+
+
+@cache.command()
+def persist(
+    name: str = NAME_ARG,
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the snapshot to this file instead of the snapshot directory."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Write an atomic, checksummed snapshot of a pool's live entries.
+
+    Without --output the snapshot goes to the snapshot directory
+    (CORTEX_CACHE_SNAPSHOT_DIR) as NAME-<UTC time>.ccsnap, and NAME.ccsnap
+    always names the newest.  A second persist of the same pool while one
+    runs exits 75 at once.
+
+    Example: cortex cache persist llama --keep 5
+    """
+    from . import persist as snap
+    from .pool import Pool
+
+    with Pool.open(name, lock_timeout=10) as p:
+        result = _run_with_progress(f"persist {name}", lambda cb: snap.persist(p, output, keep=keep, progress=cb))
+    doc = {"pool": name, **result.as_dict()}
+    if as_json:
+        _print_json(doc)
+    else:
+        _console().print(
+            f"persisted {doc['entries']} entries, {_fmt_size(doc['bytes'])} of {name} to {doc['path']} "
+            f"in {doc['seconds']:.2f}s ({doc['gbps']:.2f} GB/s)"
+        )
+        if result.skipped_corrupt:
+            _console(stderr=True).print(
+                f"cortex: warning: {result.skipped_corrupt} entries failed their checksum in memory and were left out"
+            )
+
+
+@cache.command()
+def restore(
+    name: str = NAME_ARG,
+    input_: Optional[str] = typer.Option(None, "--input", "-i", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
+    replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Rebuild a pool from a snapshot, verified whole before anything changes.
+
+    A missing pool is created with the snapshot's size, policy and mode; an
+    existing one is only overwritten with --replace.  Expired entries are
+    not restored.  A damaged, truncated or foreign file exits 65.
+
+    Example: cortex cache restore llama --input /var/lib/cortex-cache/snapshots/llama.ccsnap
+    """
+    from . import persist as snap
+
+    pool, report = _run_with_progress(
+        f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb)
+    )
+    pool.close()
+    secs = report["seconds"]
+    report["gbps"] = round(report["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0
+    if as_json:
+        _print_json(report)
+    else:
+        _console().print(
+            f"restored {report['entries']} entries, {_fmt_size(report['bytes'])} into {report['pool']} "
+            f"from {report['path']} in {secs:.2f}s"
+            + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
+        )
+
+
 # ---------------------------------------------------------------- entry point
 
 

@@ -105,6 +105,18 @@ class LockTimeout(CortexCacheError, TimeoutError):
     exit_code = EX_TEMPFAIL
 
 
+class PersistBusy(LockTimeout):
+    """Another persist (or restore) of the same pool is running."""
+
+
+class SnapshotCorrupt(SegmentCorrupt):
+    """A snapshot that is truncated, damaged, foreign or of a newer format version."""
+
+
+class SnapshotNotFound(PoolNotFound):
+    """No snapshot file at the given path (or no latest snapshot of the pool)."""
+
+
 class PoolBusy(CortexCacheError):
     """A temporary shortage (all pin slots taken); retry later."""
 
@@ -144,6 +156,9 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "PermissionDenied",
     "LockTimeout",
     "PoolBusy",
+    "PersistBusy",
+    "SnapshotCorrupt",
+    "SnapshotNotFound",
     "PoolClosed",
     "ServiceUnavailable",
 ]

@@ -1049,6 +1049,144 @@ class Pool:
             "gid": st.st_gid,
         }
 
+    # ------------------------------------------------------------------ snapshots (persist.py)
+
+    def persist(
+        self,
+        path: str | os.PathLike | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        keep: int | None = None,
+    ) -> "os.PathLike":
+        """Write an atomic, checksummed snapshot of the live entries; return its path.
+
+        Without `path` it goes to the snapshot directory (CORTEX_CACHE_SNAPSHOT_DIR)
+        as a timestamped file, `<name>.ccsnap` names the newest, and the newest
+        `keep` (default 3) are kept.  Raises PersistBusy if one is already running.
+        """
+        from . import persist as _persist
+
+        return _persist.persist(self, path, keep=keep, progress=progress).path
+
+    @classmethod
+    def restore(
+        cls,
+        path: str | os.PathLike | None = None,
+        name: str | None = None,
+        replace: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> "Pool":
+        """Rebuild a pool from a snapshot (verified whole first) and return it open.
+
+        Creates the pool from the snapshot's configuration when it does not
+        exist; an existing pool only with `replace`.  Raises SnapshotCorrupt
+        (65), SnapshotNotFound (66), PoolExists (73).
+        """
+        from . import persist as _persist
+
+        return _persist.restore(path, name=name, replace=replace, progress=progress)[0]
+
+    def _note_snapshot(self, when: float) -> None:
+        self._hdr["last_snapshot"] = when
+
+    def _snapshot_config(self) -> dict[str, Any]:
+        h = self._hdr[0]
+        from .persist import COUNTERS
+
+        return {
+            "name": self.name.encode(),
+            "size": self.geometry.data_size,
+            "block_size": self._bs,
+            "max_entries": self._n_slots,
+            "policy": int(h["policy"]),
+            "flags": int(h["flags"]) & FLAG_MULTI_THREADED,
+            "mode": self._seg.stat().st_mode & 0o777,
+            "lfu_period": int(h["lfu_period"]),
+            "counters": {c: int(h[c]) for c in COUNTERS},
+        }
+
+    def _pin_for_snapshot(self, slots: list[int]) -> list[tuple]:
+        """Pin the still-live entries among `slots`; return what the writer needs for each."""
+        from .persist import REC_HEAD, REC_MAGIC
+
+        out = []
+        epoch = self._hu64[H_LFU_EPOCH]
+        for i in slots:
+            if self._c_state[i] != SEALED or self._expired(i):
+                continue
+            vlen, klen = self._c_vlen[i], self._c_klen[i]
+            off = self._data_off + self._c_first[i] * self._bs
+            key = self._mv[off + vlen : off + vlen + klen].tobytes()
+            age = epoch - self._c_lfuep[i]
+            head = REC_HEAD.pack(
+                REC_MAGIC, klen, self._c_flags[i], 0, vlen, self._c_created[i], self._c_lastacc[i],
+                self._c_expiry[i], self._c_iseq[i], self._c_aseq[i], self._c_acount[i] >> min(63, age),
+                self._c_prio[i], self._c_cks[i], 0,
+            )
+            out.append((head, key, off, vlen, self._c_cks[i], self._pin(i), i))
+        return out
+
+    def _unpin_snapshot_batch(self, batch: list[tuple]) -> None:
+        for *_, j, i in batch:
+            self._unpin(j, i)
+
+    def _restore_begin(self, counters: dict[str, int] | None) -> int:
+        """Start a restore: return the offset added to the snapshot's sequence numbers."""
+        return 0 if counters is not None else self._hu64[H_SEQ]
+
+    def _restore_entry(self, rec: Any, base: int) -> None:
+        """Insert one snapshot record with its metadata (like put, outside-lock copy for large values)."""
+        kb, vb = rec.key, rec.value
+        vlen, klen = len(vb), len(kb)
+        nblk = max(1, -(-(vlen + klen) // self._bs))
+        if nblk > self._n_blocks:
+            raise ValueTooLarge(f"snapshot entry of {format_size(vlen)} does not fit in pool {self.name!r}")
+        kh = xxh3_64_intdigest(kb)
+        flags = rec.flags & SLOT_FLAG_STR_KEY
+        if vlen <= COPY_IN_LOCK:
+            self._locked(self._restore_small, rec, kh, flags, nblk, base)
+            return
+        off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
+        i = self._reserved_slot
+        try:
+            self._mv[off : off + vlen] = vb
+            self._mv[off + vlen : off + vlen + klen] = kb
+        except BaseException:
+            self._locked(self._abort, i)
+            raise
+        self._locked(self._seal_restored, i, rec, kh, base)
+
+    def _restore_small(self, rec: Any, kh: int, flags: int, nblk: int, base: int) -> None:
+        kb, vb = rec.key, rec.value
+        old = self._find(kb, kh)
+        if old >= 0:
+            self._remove(old)
+        off = self._reserve(kb, flags, len(vb), nblk, kh)
+        self._mv[off : off + len(vb)] = vb
+        self._mv[off + len(vb) : off + len(vb) + len(kb)] = kb
+        self._seal_restored(self._reserved_slot, rec, kh, base)
+
+    def _seal_restored(self, i: int, rec: Any, kh: int, base: int) -> None:
+        self._seal(i, rec.key, kh, rec.checksum, None, rec.priority)
+        self._hu64[H_PUTS] -= 1  # a restore is not a put
+        self._c_created[i] = rec.created
+        self._c_lastacc[i] = rec.last_access
+        self._c_expiry[i] = rec.expiry
+        self._c_iseq[i] = base + rec.insert_seq
+        self._c_aseq[i] = base + rec.access_seq
+        self._c_acount[i] = max(1, rec.access_count)
+        if base + rec.access_seq > self._hu64[H_SEQ]:
+            self._hu64[H_SEQ] = base + rec.access_seq
+        self._victims.invalidate()  # the scores just changed behind its back
+        if rec.expiry:
+            self._victims.on_expiry_set(rec.expiry)
+
+    def _restore_end(self, counters: dict[str, int] | None) -> None:
+        if counters:
+            for c, v in counters.items():
+                if c != "seq":
+                    self._hdr[c] = v
+        self._victims.invalidate()
+
     # ------------------------------------------------------------------ repair and verify
 
     def _reap_dead(self) -> bool:

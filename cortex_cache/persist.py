@@ -1,0 +1,571 @@
+"""Atomic, checksummed snapshots of a pool: write (persist) and read (restore).
+
+Snapshot format, version 1.  All integers little-endian::
+
+    file header  FILE_HEAD (320 bytes)
+      0   8s  magic b"CRTXSNAP"
+      8   u32 version (1)
+      12  u32 header size (320)
+      16  f64 created (wall clock of the persist)
+      24  u64 pool data size      32  u64 block size     40  u64 max entries
+      48  u32 policy id           52  u32 pool flags     56  u32 mode     60 u32 reserved
+      64  u64 lfu period
+      72  64s pool name (NUL padded)
+      136 u64 x 8 counters: seq, hits, misses, puts, deletes, evictions, expirations, bytes evicted
+      200 112 bytes reserved (zero)
+      312 u64 xxh3_64 of bytes 0..311
+    records, one per live entry: REC_HEAD (104 bytes), key, value
+      0   4s  magic b"CREC"       4  u32 key length      8  u32 flags (bit 0: str key)
+      12  u32 reserved            16 u64 value length
+      24  f64 created             32 f64 last access     40 f64 expiry (0 = never)
+      48  u64 insert seq          56 u64 access seq      64 u64 access count (aged)
+      72  i64 priority            80 u64 xxh3_64 of the value
+      88  u64 reserved
+      96  u64 xxh3_64 of bytes 0..95 of this head plus the key
+    trailer TRAILER (32 bytes)
+      0   8s  magic b"CRTXEND\\0"  8 u64 record count    16 u64 value bytes
+      24  u64 xxh3_64 of every byte of the file before the trailer
+
+Writing: a temp file in the target directory (mode 0600, O_EXCL), fsync,
+rename over the target, fsync of the directory: a crash at any point leaves
+the previous snapshot whole.  Entries are pinned in small batches and copied
+without the pool lock, so writers are never blocked for more than the
+metadata of one batch.  Reading verifies every checksum and every length
+against the file's size before a single byte reaches a pool.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import xxhash
+
+from .errors import (
+    CortexCacheError,
+    NoSpace,
+    PermissionDenied,
+    PersistBusy,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    StorageIOError,
+    UsageError,
+)
+from .layout import MAX_KEY_BYTES, SEALED, Geometry
+from .policy_names import POLICY_IDS
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+MAGIC = b"CRTXSNAP"
+VERSION = 1
+REC_MAGIC = b"CREC"
+END_MAGIC = b"CRTXEND\0"
+SUFFIX = ".ccsnap"
+SNAPSHOT_DIR_ENV = "CORTEX_CACHE_SNAPSHOT_DIR"
+DEFAULT_KEEP = 3
+
+FILE_HEAD = struct.Struct("<8sIId QQQ IIII Q 64s 8Q 112x")
+HEAD_CHECK = struct.Struct("<Q")
+REC_HEAD = struct.Struct("<4sIII Q ddd QQQ q Q Q")
+REC_CHECK = struct.Struct("<Q")
+TRAILER = struct.Struct("<8sQQQ")
+assert FILE_HEAD.size + HEAD_CHECK.size == 320 and REC_HEAD.size + REC_CHECK.size == 104 and TRAILER.size == 32
+
+COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expirations", "bytes_evicted")
+_BATCH_ENTRIES = 64
+_BATCH_BYTES = 64 << 20
+_STAMP_RE = r"\d{8}T\d{6}\.\d{6}Z"
+
+
+# ---------------------------------------------------------------- places
+
+
+def snapshot_dir() -> Path:
+    """CORTEX_CACHE_SNAPSHOT_DIR, else $XDG_STATE_HOME/cortex-cache/snapshots, else /var/lib/... for root."""
+    env = os.environ.get(SNAPSHOT_DIR_ENV)
+    if env:
+        return Path(env)
+    if os.geteuid() == 0 and not os.environ.get("XDG_STATE_HOME"):
+        return Path("/var/lib/cortex-cache/snapshots")
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "cortex-cache" / "snapshots"
+
+
+def latest_path(name: str, directory: Path | None = None) -> Path:
+    """The stable name of pool `name`'s newest snapshot in the snapshot directory."""
+    return (directory or snapshot_dir()) / f"{name}{SUFFIX}"
+
+
+def _timestamped(name: str, directory: Path, now: float) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+    return directory / f"{name}-{stamp}{SUFFIX}"
+
+
+def _os_error(e: OSError, what: str) -> CortexCacheError:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"permission denied {what}: {e.strerror}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageIOError(f"no space left {what}")
+    return StorageIOError(f"I/O error {what}: {e.strerror or e}")
+
+
+# ---------------------------------------------------------------- persist
+
+
+@dataclass
+class PersistResult:
+    path: Path
+    entries: int
+    bytes: int
+    seconds: float
+    skipped_corrupt: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return {"path": str(self.path), "entries": self.entries, "bytes": self.bytes,
+                "seconds": round(self.seconds, 6), "gbps": round(gbps, 3), "skipped_corrupt": self.skipped_corrupt}
+
+
+_local_persists = threading.Lock()  # handles of one process share nothing else
+
+
+def persist(
+    pool: "Pool",
+    path: str | os.PathLike | None = None,
+    keep: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PersistResult:
+    """Write a snapshot of `pool`'s live entries.
+
+    With `path`, write exactly that file.  Without, write a timestamped file in
+    the snapshot directory, point `<name>.ccsnap` at it and keep the newest
+    `keep` (default 3) timestamped snapshots of the pool.  Raises PersistBusy
+    (exit 75) if another persist of this pool is running, PermissionDenied,
+    StorageIOError (disk full, I/O error); on any error the previous snapshot
+    is untouched and no temp file is left.
+    """
+    if keep is not None and keep < 1:
+        raise UsageError(f"--keep must be at least 1, not {keep}")
+    if path is not None and keep is not None:
+        raise UsageError("--keep applies to the snapshot directory; it cannot be combined with --output")
+    from .lock import PERSIST_BYTE, RecordLock
+
+    lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
+    if not _local_persists.acquire(blocking=False) or not _try(lock):
+        if _local_persists.locked():
+            try:
+                _local_persists.release()
+            except RuntimeError:
+                pass
+        raise PersistBusy(f"a persist of pool {pool.name!r} is already running")
+    try:
+        return _persist_locked(pool, path, keep, progress)
+    finally:
+        lock.release()
+        _local_persists.release()
+
+
+def _try(lock) -> bool:
+    return lock.try_acquire()
+
+
+def _persist_locked(pool, path, keep, progress) -> PersistResult:
+    t0 = time.perf_counter()
+    now = time.time()
+    if path is None:
+        directory = snapshot_dir()
+        target = _timestamped(pool.name, directory, now)
+    else:
+        target = Path(path)
+        directory = target.parent if str(target.parent) else Path(".")
+        if target.is_dir():
+            raise UsageError(f"{str(target)!r} is a directory; give a file name")
+    try:
+        if path is None:  # our own directory: make it (private); a given one must exist
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not directory.is_dir():
+            raise SnapshotNotFound(f"no directory {str(directory)!r} to write {target.name!r} in")
+    except OSError as e:
+        raise _os_error(e, f"creating {str(directory)!r}") from None
+    _clean_stale_temps(directory, pool.name, target.name)
+    tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise _os_error(e, f"writing in {str(directory)!r}") from None
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            entries, nbytes, skipped = _write_snapshot(pool, f, now, progress)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, target)
+        if path is None:
+            _link_latest(target, latest_path(pool.name, directory))
+        _fsync_dir(directory)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError) and not isinstance(e, CortexCacheError):
+            raise _os_error(e, f"writing {str(target)!r}") from None
+        raise
+    if path is None:
+        _prune(pool.name, directory, DEFAULT_KEEP if keep is None else keep)
+    pool._locked(pool._note_snapshot, now)
+    return PersistResult(target, entries, nbytes, time.perf_counter() - t0, skipped)
+
+
+def _write_snapshot(pool: "Pool", f, now: float, progress) -> tuple[int, int, int]:
+    """Write header, records and trailer to `f`; return (entries, value bytes, skipped)."""
+    import numpy as np
+
+    file_hash = xxhash.xxh3_64()
+
+    def out(data) -> None:
+        f.write(data)
+        file_hash.update(data)
+
+    cfg = pool._locked(pool._snapshot_config)
+    head = FILE_HEAD.pack(
+        MAGIC, VERSION, FILE_HEAD.size + HEAD_CHECK.size, now,
+        cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
+        cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS],
+    )
+    out(head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)))
+    # Live entries at the start, oldest insert first; entries put later are
+    # not part of this snapshot, entries deleted meanwhile are skipped.
+    order = pool._locked(lambda: _live_in_insert_order(pool, np))
+    total = int(pool._vlen[order].sum()) if len(order) else 0
+    entries = nbytes = skipped = 0
+    k = 0
+    while k < len(order):
+        batch_slots = []
+        batch_bytes = 0
+        while k < len(order) and len(batch_slots) < _BATCH_ENTRIES and batch_bytes < _BATCH_BYTES:
+            batch_slots.append(int(order[k]))
+            batch_bytes += int(pool._vlen[order[k]])
+            k += 1
+        batch = pool._locked(pool._pin_for_snapshot, batch_slots)
+        try:
+            for head_bytes, key, off, vlen, checksum, _pin, _slot in batch:
+                value = pool._mv[off : off + vlen]
+                if xxhash.xxh3_64_intdigest(value) != checksum:
+                    skipped += 1  # bytes damaged in memory: never write them as good
+                    continue
+                rh = head_bytes + REC_CHECK.pack(xxhash.xxh3_64_intdigest(head_bytes + key))
+                out(rh)
+                out(key)
+                out(value)
+                entries += 1
+                nbytes += vlen
+                if progress is not None:
+                    progress(nbytes, total)
+        finally:
+            pool._locked(pool._unpin_snapshot_batch, batch)
+    out_trailer = TRAILER.pack(END_MAGIC, entries, nbytes, file_hash.intdigest())
+    f.write(out_trailer)
+    return entries, nbytes, skipped
+
+
+def _live_in_insert_order(pool: "Pool", np) -> "np.ndarray":
+    live = np.flatnonzero(pool._live_mask())
+    return live[np.argsort(pool._iseq[live], kind="stable")]
+
+
+def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> None:
+    """Remove temp files that a killed persist of this pool left (we hold its persist lock)."""
+    tmp = r"\.tmp-[0-9a-f]{12}$"
+    patterns = [
+        re.compile(r"^\." + re.escape(target_name) + tmp),  # an explicit --output
+        re.compile(r"^\." + re.escape(pool_name) + "-" + _STAMP_RE + re.escape(SUFFIX) + tmp),  # timestamped
+        re.compile(r"^\." + re.escape(pool_name) + re.escape(SUFFIX) + tmp),  # the latest link
+    ]
+    try:
+        for entry in os.scandir(directory):
+            if any(p.match(entry.name) for p in patterns):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+    except OSError:
+        pass
+
+
+def _link_latest(target: Path, latest: Path) -> None:
+    """Point the stable name at `target` atomically (a hard link renamed into place)."""
+    tmp = latest.parent / f".{latest.name}.tmp-{secrets.token_hex(6)}"
+    os.link(target, tmp)
+    try:
+        os.rename(tmp, latest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def snapshots_of(name: str, directory: Path | None = None) -> list[Path]:
+    """Timestamped snapshots of pool `name` in the directory, oldest first."""
+    directory = directory or snapshot_dir()
+    pattern = re.compile(r"^" + re.escape(name) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
+    try:
+        return sorted(p for p in directory.iterdir() if pattern.match(p.name))
+    except FileNotFoundError:
+        return []
+
+
+def _prune(name: str, directory: Path, keep: int) -> None:
+    for old in snapshots_of(name, directory)[:-keep]:
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---------------------------------------------------------------- read and verify
+
+
+@dataclass
+class SnapshotHeader:
+    created: float
+    size: int
+    block_size: int
+    max_entries: int
+    policy: str
+    flags: int
+    mode: int
+    lfu_period: int
+    name: str
+    counters: dict[str, int]
+
+
+@dataclass
+class Record:
+    key: bytes
+    flags: int
+    value: memoryview
+    created: float
+    last_access: float
+    expiry: float
+    insert_seq: int
+    access_seq: int
+    access_count: int
+    priority: int
+    checksum: int
+
+
+class Snapshot:
+    """A snapshot file, mapped read-only and verified whole on open.
+
+    Raises SnapshotNotFound (66), SnapshotCorrupt (65: truncated, damaged,
+    foreign or of a newer version), PermissionDenied (77).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"no snapshot {str(self.path)!r}") from None
+        except IsADirectoryError:
+            raise UsageError(f"{str(self.path)!r} is a directory, not a snapshot") from None
+        except OSError as e:
+            raise _os_error(e, f"reading {str(self.path)!r}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
+                raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
+            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._mv = memoryview(self._mm)
+        self.size = size
+        try:
+            self.header = self._read_header()
+            self.entries, self.value_bytes = self._verify()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._mv is not None:
+            self._mv.release()
+            self._mv = None  # type: ignore[assignment]
+            self._mm.close()
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _corrupt(self, why: str) -> SnapshotCorrupt:
+        return SnapshotCorrupt(f"snapshot {str(self.path)!r} is damaged: {why}")
+
+    def _read_header(self) -> SnapshotHeader:
+        mv = self._mv
+        if bytes(mv[:8]) != MAGIC:
+            raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot")
+        fields = FILE_HEAD.unpack_from(mv, 0)
+        (_, version, hsize, created, size, bsize, max_entries, policy, flags, mode, _r, lfu_period, name,
+         *counters) = fields
+        if version != VERSION:
+            raise SnapshotCorrupt(
+                f"snapshot {str(self.path)!r} has format version {version}; this cortex_cache reads version {VERSION}"
+            )
+        (check,) = HEAD_CHECK.unpack_from(mv, FILE_HEAD.size)
+        if hsize != FILE_HEAD.size + HEAD_CHECK.size or check != xxhash.xxh3_64_intdigest(mv[: FILE_HEAD.size]):
+            raise self._corrupt("header checksum mismatch")
+        if policy >= len(POLICY_IDS):
+            raise self._corrupt(f"unknown policy {policy}")
+        try:
+            Geometry.compute(size, bsize, max_entries)
+            pool_name = name.rstrip(b"\0").decode()
+        except (CortexCacheError, UnicodeDecodeError):
+            raise self._corrupt("impossible pool configuration") from None
+        return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
+                              lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)))
+
+    def _verify(self) -> tuple[int, int]:
+        mv = self._mv
+        end = self.size - TRAILER.size
+        magic, count, value_bytes, file_check = TRAILER.unpack_from(mv, end)
+        if magic != END_MAGIC:
+            raise self._corrupt("truncated (no trailer)")
+        if xxhash.xxh3_64_intdigest(mv[:end]) != file_check:
+            raise self._corrupt("file checksum mismatch")
+        n = total = 0
+        for _ in self.records(verify=True):
+            n += 1
+        for rec in self.records(verify=False):
+            total += len(rec.value)
+        if n != count or total != value_bytes:
+            raise self._corrupt(f"trailer says {count} entries / {value_bytes} bytes, found {n} / {total}")
+        return n, total
+
+    def records(self, verify: bool = False) -> Iterator[Record]:
+        """The records in file order; with `verify`, check every checksum and length."""
+        mv = self._mv
+        pos = FILE_HEAD.size + HEAD_CHECK.size
+        end = self.size - TRAILER.size
+        while pos < end:
+            if end - pos < REC_HEAD.size + REC_CHECK.size:
+                raise self._corrupt(f"record at byte {pos} is cut short")
+            (magic, klen, flags, _r, vlen, created, last_access, expiry, iseq, aseq, count, prio, checksum,
+             _r2) = REC_HEAD.unpack_from(mv, pos)
+            if magic != REC_MAGIC:
+                raise self._corrupt(f"no record at byte {pos}")
+            kpos = pos + REC_HEAD.size + REC_CHECK.size
+            if not 0 < klen <= MAX_KEY_BYTES or vlen > end - kpos - klen:
+                raise self._corrupt(f"record at byte {pos} has impossible lengths")
+            key = bytes(mv[kpos : kpos + klen])
+            value = mv[kpos + klen : kpos + klen + vlen]
+            if verify:
+                (rcheck,) = REC_CHECK.unpack_from(mv, pos + REC_HEAD.size)
+                if rcheck != xxhash.xxh3_64_intdigest(bytes(mv[pos : pos + REC_HEAD.size]) + key):
+                    raise self._corrupt(f"record at byte {pos} fails its checksum")
+                if xxhash.xxh3_64_intdigest(value) != checksum:
+                    raise self._corrupt(f"value of record at byte {pos} fails its checksum")
+            yield Record(key, flags, value, created, last_access, expiry, iseq, aseq, count, prio, checksum)
+            pos = kpos + klen + vlen
+
+
+def restore(
+    path: str | os.PathLike | None,
+    name: str | None = None,
+    replace: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> tuple["Pool", dict[str, Any]]:
+    """Rebuild a pool from a snapshot; return (pool, report).
+
+    The snapshot is verified whole before any pool is touched.  A pool that
+    does not exist is created from the snapshot's configuration; an existing
+    one is refused (PoolExists) unless `replace`, which empties it and fills
+    it from the snapshot (keeping its own size and policy).  Expired entries
+    are skipped.  `path` None means the stable latest snapshot of `name`.
+    """
+    from . import segment
+    from .errors import PoolExists, PoolNotFound
+    from .pool import Pool
+
+    if path is None:
+        if name is None:
+            raise UsageError("restore needs a snapshot path or a pool name")
+        path = latest_path(segment.validate_name(name))
+    t0 = time.perf_counter()
+    with Snapshot(path) as snap:
+        h = snap.header
+        target = segment.validate_name(name or h.name)
+        created = False
+        if segment.exists(target):
+            if not replace:
+                raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
+            pool = Pool.open(target, clock=clock)
+        else:
+            pool = Pool.create(
+                target, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+                mode=h.mode | 0o600, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
+            )
+            created = True
+        try:
+            report = _fill_pool(pool, snap, replace and not created, created, progress)
+        except BaseException:
+            pool.close()
+            if created:
+                try:
+                    Pool.unlink(target)
+                except PoolNotFound:
+                    pass
+            raise
+    report["seconds"] = round(time.perf_counter() - t0, 6)
+    report["path"] = str(Path(path))
+    report["pool"] = target
+    return pool, report
+
+
+def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress) -> dict[str, Any]:
+    from .lock import PERSIST_BYTE, RecordLock
+
+    lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
+    if not lock.try_acquire():
+        raise PersistBusy(f"a persist of pool {pool.name!r} is running; restore later")
+    try:
+        if clear:
+            pool.evict(all=True)
+        now = pool.clock()
+        restored = expired = nbytes = 0
+        base = pool._locked(pool._restore_begin, snap.header.counters if fresh else None)
+        for rec in snap.records():
+            if 0 < rec.expiry <= now:
+                expired += 1
+                continue
+            pool._restore_entry(rec, base)
+            restored += 1
+            nbytes += len(rec.value)
+            if progress is not None:
+                progress(nbytes, snap.value_bytes)
+        pool._locked(pool._restore_end, snap.header.counters if fresh else None)
+        return {"entries": restored, "bytes": nbytes, "expired_skipped": expired}
+    finally:
+        lock.release()
+
+
+__all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of"]
