@@ -190,13 +190,13 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
         directory = target.parent if str(target.parent) else Path(".")
         if target.is_dir():
             raise UsageError(f"{str(target)!r} is a directory; give a file name")
-    try:
-        if path is None:  # our own directory: make it (private); a given one must exist
+    if path is None:  # our own directory: make it (private); a given one must exist
+        try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif not directory.is_dir():
-            raise SnapshotNotFound(f"no directory {str(directory)!r} to write {target.name!r} in")
-    except OSError as e:
-        raise _os_error(e, f"creating {str(directory)!r}") from None
+        except OSError as e:
+            raise _os_error(e, f"creating {str(directory)!r}") from None
+    elif not directory.is_dir():
+        raise SnapshotNotFound(f"no directory {str(directory)!r} to write {target.name!r} in")
     _clean_stale_temps(directory, pool.name, target.name)
     tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     try:

@@ -1,0 +1,374 @@
+"""Persist and restore of a full pool against plain file I/O of the same size.
+
+    python benchmarks/bench_persist.py [--quick] [--dir DIR] [--json PATH]
+
+A pool holding ~2 GiB of live data (2048 values of 1 MiB; --quick: 256 MiB)
+is persisted and restored; each beside a plain baseline of the same number
+of bytes, measured in the same run, in the same directory, interleaved
+(the order within a pair alternates between rounds):
+
+  persist    persist(pool, path) to a new file: records, checksums, fsync,
+             rename, fsync of the directory.
+  write      a plain write + fsync of as many bytes as the snapshot file to a
+             new file, 1 MiB os.write calls from a 64 MiB in-memory buffer
+             (larger than the CPU caches, like the pool's data).
+  restore    restore(path, name=<new pool>): creates and pre-faults a fresh
+             pool of the snapshot's size, verifies the whole file, copies the
+             entries in.  The restored pool is closed and unlinked untimed.
+  read       a plain read of the snapshot file, 1 MiB readinto calls into a
+             pre-faulted 64 MiB buffer.
+  create     Pool.create + Pool.unlink of an empty pool of the same size and
+             block size: the part of restore that any restore into a fresh,
+             pre-faulted pool pays; "restore - create" is what restore costs
+             beyond it.
+
+Page-cache state.  Caches cannot be dropped reliably without root, so this
+says what it measured: "warm" means the snapshot was just written (persist
+leaves it in the page cache); "dropped" means posix_fadvise(DONTNEED) was
+called on the clean file first, which evicts its pages from this kernel's
+page cache (the fraction still resident, measured with mincore, is printed).
+The disk is virtual: the host may still cache it, so "dropped" is not a
+guaranteed cold-disk read.  Every number is a median over rounds (3; --quick
+2) with min-max; these machines are noisy, so compare the ratios.  Targets:
+persist >= 0.7x write + fsync; restore >= 0.7x read (both page-cache states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VALUE = 1 << 20
+CHUNK = 1 << 20
+RING = 64 << 20  # baseline source/destination buffer: bigger than any CPU cache
+BLOCK = 64 << 10
+TARGET = 0.7
+
+# ---------------------------------------------------------------- where to write
+
+
+def _fs_type(path: str) -> str:
+    """Filesystem type of the mount holding `path` (longest mount-point prefix in /proc/mounts)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def pick_parent(given: str | None, need: int) -> tuple[str, str]:
+    """The directory to make our temp dir in, and its filesystem type; prefer a real disk."""
+    if given:
+        return given, _fs_type(given)
+    for cand in (os.getcwd(), tempfile.gettempdir()):
+        kind = _fs_type(cand)
+        if kind not in ("tmpfs", "ramfs") and os.access(cand, os.W_OK) and _free(cand) >= need:
+            return cand, kind
+    raise SystemExit(f"no disk-backed directory with {need >> 20} MiB free; give one with --dir")
+
+
+# ---------------------------------------------------------------- page cache
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident(path: Path) -> float:
+    """Fraction of the file's pages in the page cache (mincore of a mapping that touches nothing); -1 if unknown."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 1.0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return -1.0
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                return -1.0
+            return float(np.frombuffer(vec, np.uint8).__and__(1).sum()) / pages
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def drop_from_cache(path: Path) -> float:
+    """fsync and fadvise(DONTNEED) the file; return the fraction still resident."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return resident(path)
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def plain_write(path: Path, nbytes: int, ring: memoryview) -> float:
+    """Seconds to write `nbytes` to a new file in 1 MiB chunks, then fsync and close."""
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        pos = done = 0
+        while done < nbytes:
+            n = min(CHUNK, nbytes - done)
+            if pos + n > len(ring):
+                pos = 0
+            done += os.write(fd, ring[pos : pos + n])
+            pos += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def plain_read(path: Path, ring: memoryview) -> float:
+    """Seconds to read the whole file in 1 MiB readinto calls into a rotating buffer."""
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while True:
+            if pos + CHUNK > len(ring):
+                pos = 0
+            n = f.readinto(ring[pos : pos + CHUNK])
+            if not n:
+                break
+            pos += n
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------- the run
+
+
+def summarise(times: list[float], nbytes: int) -> dict:
+    med = statistics.median(times)
+    return {"seconds": times, "median_s": med, "gbps": nbytes / med / 1e9,
+            "gbps_min": nbytes / max(times) / 1e9, "gbps_max": nbytes / min(times) / 1e9}
+
+
+def run(args, workdir: Path) -> dict:
+    from cortex_cache import Pool
+    from cortex_cache.persist import persist, restore
+
+    n_values = args.mib * (1 << 20) // VALUE
+    rounds = 2 if args.quick else 3
+    keys = [f"k{i:06d}" for i in range(n_values)]
+    blocks_per = -(-(VALUE + len(keys[0])) // BLOCK)
+    pool_size = n_values * blocks_per * BLOCK + 16 * BLOCK
+    src, dst, empty = "src", "restored", "empty"
+    created: list[str] = []
+    rng = np.random.default_rng(0)
+    ring = np.frombuffer(rng.bytes(RING), np.uint8).copy()  # random, writable, faulted
+    ring_mv = memoryview(ring).cast("B")
+    times: dict[str, list[float]] = {k: [] for k in (
+        "persist", "write", "read_warm", "restore_warm", "read_dropped", "restore_dropped", "create", "unlink")}
+    residency: dict[str, list[float]] = {"warm": [], "dropped_read": [], "dropped_restore": []}
+    pool = None
+    try:
+        t = time.perf_counter()
+        pool = Pool.create(src, pool_size, block_size=BLOCK)
+        created.append(src)
+        t_create_src = time.perf_counter() - t
+        t = time.perf_counter()
+        for i, k in enumerate(keys):
+            off = (i * VALUE) % (RING - VALUE + 1)
+            pool.put(k, ring[off : off + VALUE])
+        t_fill = time.perf_counter() - t
+        st = pool.stats()
+        if len(pool) != n_values or st.get("evictions", 0):
+            raise SystemExit(f"pool holds {len(pool)} of {n_values} values ({st.get('evictions')} evicted): too small")
+        live = n_values * VALUE
+        print(f"pool {pool_size / 2**30:.2f} GiB, {n_values} x {VALUE >> 10} KiB values "
+              f"({live / 2**30:.2f} GiB live); create {t_create_src:.2f} s, fill {live / t_fill / 1e9:.2f} GB/s; "
+              f"dir {workdir} ({args.fs_type}); {rounds} rounds", flush=True)
+        file_bytes = 0
+        for r in range(rounds):
+            snap, plain = workdir / f"snap-{r}.ccsnap", workdir / f"plain-{r}.bin"
+            # --- persist vs write + fsync (order alternates)
+            if r % 2:
+                size_hint = file_bytes or live
+                times["write"].append(plain_write(plain, size_hint, ring_mv))
+                res = persist(pool, path=snap)
+                times["persist"].append(res.seconds)
+            else:
+                res = persist(pool, path=snap)
+                times["persist"].append(res.seconds)
+                file_bytes = snap.stat().st_size
+                times["write"].append(plain_write(plain, file_bytes, ring_mv))
+            file_bytes = snap.stat().st_size
+            if plain.stat().st_size != file_bytes:  # first odd round guessed before the file existed
+                raise SystemExit("baseline size mismatch")
+            plain.unlink()
+            # --- warm: the snapshot was just written, so it is in the page cache
+            residency["warm"].append(resident(snap))
+            for step in (("read", "restore") if r % 2 == 0 else ("restore", "read")):
+                if step == "read":
+                    times["read_warm"].append(plain_read(snap, ring_mv))
+                else:
+                    t = time.perf_counter()
+                    p2, _rep = restore(snap, name=dst)
+                    created.append(dst)
+                    times["restore_warm"].append(time.perf_counter() - t)
+                    p2.close()
+                    Pool.unlink(dst)
+                    created.remove(dst)
+            # --- dropped: fadvise(DONTNEED) before each
+            residency["dropped_read"].append(drop_from_cache(snap))
+            times["read_dropped"].append(plain_read(snap, ring_mv))
+            residency["dropped_restore"].append(drop_from_cache(snap))
+            t = time.perf_counter()
+            p2, _rep = restore(snap, name=dst)
+            created.append(dst)
+            times["restore_dropped"].append(time.perf_counter() - t)
+            p2.close()
+            Pool.unlink(dst)
+            created.remove(dst)
+            # --- create + unlink an empty pool of the same size
+            t = time.perf_counter()
+            p3 = Pool.create(empty, pool_size, block_size=BLOCK)
+            created.append(empty)
+            times["create"].append(time.perf_counter() - t)
+            p3.close()
+            t = time.perf_counter()
+            Pool.unlink(empty)
+            created.remove(empty)
+            times["unlink"].append(time.perf_counter() - t)
+            snap.unlink()
+            print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+        for name in created:
+            try:
+                Pool.unlink(name)
+            except Exception:
+                pass
+
+    s = {k: summarise(v, file_bytes) for k, v in times.items()}
+    beyond = [a - b for a, b in zip(times["restore_dropped"], times["create"])]
+    beyond_warm = [a - b for a, b in zip(times["restore_warm"], times["create"])]
+    s["restore_dropped_minus_create"] = summarise(beyond, file_bytes)
+    s["restore_warm_minus_create"] = summarise(beyond_warm, file_bytes)
+    ratios = {
+        "persist_vs_write": s["write"]["median_s"] / s["persist"]["median_s"],
+        "restore_vs_read_dropped": s["read_dropped"]["median_s"] / s["restore_dropped"]["median_s"],
+        "restore_vs_read_warm": s["read_warm"]["median_s"] / s["restore_warm"]["median_s"],
+        "restore_minus_create_vs_read_dropped":
+            s["read_dropped"]["median_s"] / s["restore_dropped_minus_create"]["median_s"],
+        "restore_minus_create_vs_read_warm":
+            s["read_warm"]["median_s"] / s["restore_warm_minus_create"]["median_s"],
+    }
+    return {"live_bytes": live, "file_bytes": file_bytes, "pool_size": pool_size, "values": n_values,
+            "value_size": VALUE, "rounds": rounds, "dir_fs": args.fs_type, "results": s,
+            "residency": residency, "ratios": ratios}
+
+
+def report(out: dict) -> dict[str, bool]:
+    s, ratios = out["results"], out["ratios"]
+    fb = out["file_bytes"]
+    print(f"\nsnapshot file {fb / 2**30:.3f} GiB ({fb} bytes); GB/s = file bytes / seconds, median [min-max]")
+    rows = [
+        ("persist", "persist (write+fsync+rename)"),
+        ("write", "plain write + fsync"),
+        ("restore_dropped", "restore, file dropped"),
+        ("read_dropped", "plain read, file dropped"),
+        ("restore_warm", "restore, file warm"),
+        ("read_warm", "plain read, file warm"),
+        ("create", "create empty pool (prefault)"),
+        ("unlink", "unlink empty pool"),
+        ("restore_dropped_minus_create", "restore - create, dropped"),
+        ("restore_warm_minus_create", "restore - create, warm"),
+    ]
+    print(f"{'':32} {'seconds':>8} {'GB/s':>7}  {'min-max':>12}")
+    for key, label in rows:
+        r = s[key]
+        if key == "unlink":  # frees the memory; no bytes move
+            print(f"{label:32} {r['median_s']:>8.3f} {'-':>7}  {'-':>12}")
+            continue
+        print(f"{label:32} {r['median_s']:>8.3f} {r['gbps']:>7.2f}  {r['gbps_min']:>5.2f}-{r['gbps_max']:<6.2f}")
+    res = out["residency"]
+    fmt = lambda v: "/".join(f"{x:.0%}" if x >= 0 else "?" for x in v)  # noqa: E731
+    print(f"page cache resident before: warm {fmt(res['warm'])}; dropped read {fmt(res['dropped_read'])}, "
+          f"dropped restore {fmt(res['dropped_restore'])} (per round; fadvise DONTNEED, host may still cache)")
+    print(f"ratios: persist/write {ratios['persist_vs_write']:.2f}; restore/read dropped "
+          f"{ratios['restore_vs_read_dropped']:.2f}, warm {ratios['restore_vs_read_warm']:.2f}; "
+          f"(restore - create)/read dropped {ratios['restore_minus_create_vs_read_dropped']:.2f}, "
+          f"warm {ratios['restore_minus_create_vs_read_warm']:.2f}")
+    targets = {
+        f"persist >= {TARGET}x write+fsync": ratios["persist_vs_write"] >= TARGET,
+        f"restore >= {TARGET}x read (file dropped from page cache)": ratios["restore_vs_read_dropped"] >= TARGET,
+        f"restore >= {TARGET}x read (file warm in page cache)": ratios["restore_vs_read_warm"] >= TARGET,
+    }
+    for t, ok in targets.items():
+        print(f"target {t}: {'met' if ok else 'MISSED'}")
+    return targets
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256 MiB and 2 rounds instead of 2 GiB and 3")
+    ap.add_argument("--dir", help="make the temp directory here (default: under the working directory, "
+                    "else the temp dir, whichever is not tmpfs)")
+    ap.add_argument("--json", metavar="PATH", help="also write results as JSON")
+    args = ap.parse_args()
+    args.mib = 256 if args.quick else 2048
+    live = args.mib << 20
+    parent, args.fs_type = pick_parent(args.dir, 2 * live + (256 << 20))
+    if args.fs_type in ("tmpfs", "ramfs"):
+        print(f"warning: {parent} is {args.fs_type}: this measures memory, not a disk", file=sys.stderr)
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and _free(shm) < 2 * live + (512 << 20):
+        raise SystemExit(f"{shm} has {_free(shm) >> 20} MiB free; need {(2 * live + (512 << 20)) >> 20}")
+    workdir = Path(tempfile.mkdtemp(prefix="ccbench-persist-", dir=parent))
+    # Before cortex_cache is imported: private segment names and snapshot dir.
+    os.environ["CORTEX_CACHE_SHM_PREFIX"] = f"ccbench-{os.getpid()}."
+    os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = str(workdir)
+    try:
+        out = run(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    targets = report(out)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**out, "targets": targets}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
