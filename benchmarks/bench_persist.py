@@ -85,15 +85,37 @@ def _free(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _git_top(path: str) -> str | None:
+    """The top of the git work tree holding `path`, if any."""
+    p = Path(os.path.realpath(path))
+    for d in (p, *p.parents):
+        if (d / ".git").exists():
+            return str(d)
+    return None
+
+
 def pick_parent(given: str | None, need: int) -> tuple[str, str]:
-    """The directory to make our temp dir in, and its filesystem type; prefer a real disk."""
+    """The directory to make our temp dir in, and its filesystem type.
+
+    Prefer a real disk, never tmpfs, and never inside a git work tree (a
+    concurrent `git add -A` would sweep up gigabytes of snapshot): the temp
+    dir when it is disk-backed, else the directory holding the working
+    directory's repository (same filesystem), else the home directory.
+    """
     if given:
+        if _git_top(given):
+            print(f"warning: {given} is inside a git work tree; a concurrent `git add -A` would pick up "
+                  "the benchmark's files", file=sys.stderr)
         return given, _fs_type(given)
-    for cand in (os.getcwd(), tempfile.gettempdir()):
+    cwd = os.getcwd()
+    top = _git_top(cwd)
+    for cand in (tempfile.gettempdir(), os.path.dirname(top) if top else cwd, os.path.expanduser("~")):
         kind = _fs_type(cand)
-        if kind not in ("tmpfs", "ramfs") and os.access(cand, os.W_OK) and _free(cand) >= need:
+        if (kind not in ("tmpfs", "ramfs") and not _git_top(cand) and os.access(cand, os.W_OK)
+                and _free(cand) >= need):
             return cand, kind
-    raise SystemExit(f"no disk-backed directory with {need >> 20} MiB free; give one with --dir")
+    raise SystemExit(f"no disk-backed directory outside a git work tree with {need >> 20} MiB free; "
+                     "give one with --dir")
 
 
 # ---------------------------------------------------------------- page cache
@@ -344,8 +366,8 @@ def report(out: dict) -> dict[str, bool]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="256 MiB and 2 rounds instead of 2 GiB and 3")
-    ap.add_argument("--dir", help="make the temp directory here (default: under the working directory, "
-                    "else the temp dir, whichever is not tmpfs)")
+    ap.add_argument("--dir", help="make the temp directory here (default: the temp dir if it is on a disk, "
+                    "else beside the working directory's git repository; never tmpfs)")
     ap.add_argument("--json", metavar="PATH", help="also write results as JSON")
     args = ap.parse_args()
     args.mib = 256 if args.quick else 2048

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 PREFIX = f"cctest-{os.getpid()}-{secrets.token_hex(3)}."
 os.environ["CORTEX_CACHE_SHM_PREFIX"] = PREFIX
+# Snapshots of tests never land in the user's (or root's) real snapshot directory.
+SNAPSHOT_DIR = tempfile.mkdtemp(prefix="cctest-snapshots-")
+os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = SNAPSHOT_DIR
 os.environ.pop("CORTEX_CACHE_DEBUG", None)
 
 SHM = Path("/dev/shm")
@@ -63,3 +68,9 @@ def make_pool(pool_name):
         p.close()
         if Pool.exists(n):
             Pool.unlink(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_snapshot_dir():
+    yield
+    shutil.rmtree(SNAPSHOT_DIR, ignore_errors=True)
