@@ -27,6 +27,24 @@ EXIT_CODES_HELP = (
     "75 temporary failure (lock held); 77 permission denied."
 )
 
+
+class _Output:
+    """Process-wide output settings; main() resets them for every run."""
+
+    quiet = False
+
+
+def _set_quiet(value: bool) -> bool:
+    # Any -q on the line (before or after the command) makes the whole run quiet.
+    if value:
+        _Output.quiet = True
+    return value
+
+
+QUIET_HELP = "Print no confirmations or progress bars; data, --json output, warnings and errors still appear."
+QUIET_OPT = typer.Option(False, "--quiet", "-q", help=QUIET_HELP, callback=_set_quiet)
+
+
 app = typer.Typer(
     name="cortex",
     help="cortex-cache: named KV-cache pools in POSIX shared memory.\n\n" + EXIT_CODES_HELP,
@@ -42,6 +60,17 @@ cache = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(cache, name="cache")
+
+
+@app.callback()
+def _root(quiet: bool = QUIET_OPT) -> None:
+    pass
+
+
+@cache.callback()
+def _cache(quiet: bool = QUIET_OPT) -> None:
+    pass
+
 
 Policy = Enum("Policy", {name: name for name in POLICY_IDS}, type=str)  # type: ignore[misc]
 
@@ -60,6 +89,7 @@ NAME_ARG = typer.Argument(..., metavar="NAME", help="Pool name: 1-64 of A-Z a-z 
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 
 
+
 # ---------------------------------------------------------------- output helpers
 
 
@@ -75,6 +105,12 @@ def _console(stderr: bool = False):  # rich is imported by typer already
 
 def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _say(msg: str, stderr: bool = False) -> None:
+    """A confirmation or note for a person: silenced by -q/--quiet."""
+    if not _Output.quiet:
+        _console(stderr=stderr).print(msg)
 
 
 def _fmt_size(n: int | float) -> str:
@@ -129,6 +165,7 @@ def create(
     no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
     multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Create a pool.
 
@@ -152,7 +189,7 @@ def create(
     if as_json:
         _print_json(st)
     else:
-        _console().print(
+        _say(
             f"created pool {name}: {_fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
             f"{_fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
         )
@@ -183,7 +220,7 @@ def _status_word(e: CortexCacheError) -> str:
 
 
 @cache.command("list")
-def list_(as_json: bool = JSON_OPT) -> None:
+def list_(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT) -> None:
     """List every pool under the current prefix (CORTEX_CACHE_SHM_PREFIX).
 
     Segments that are damaged, of another format version, or not readable by
@@ -211,7 +248,7 @@ def list_(as_json: bool = JSON_OPT) -> None:
     if rows:
         _console().print(t)
     else:
-        _console(stderr=True).print("no pools")
+        _say("no pools", stderr=True)
 
 
 def _prometheus(rows: list[dict[str, Any]]) -> str:
@@ -252,6 +289,7 @@ def status(
     name: Optional[str] = typer.Argument(None, help="Pool name (default: every pool).", show_default=False),
     as_json: bool = JSON_OPT,
     fmt: Format = typer.Option(Format.table, "--format", help="table, json, or prometheus (text exposition format)."),
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Show usage, entries, counters and policy of one pool or all pools.
 
@@ -280,7 +318,7 @@ def status(
         sys.stdout.write(_prometheus(rows))
         return
     if not rows:
-        _console(stderr=True).print("no pools")
+        _say("no pools", stderr=True)
         return
     from rich.table import Table
 
@@ -314,6 +352,7 @@ def status(
 def delete(
     name: str = NAME_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped."),
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Remove a pool.
 
@@ -363,6 +402,7 @@ def put(
     source: Optional[str] = typer.Argument(None, metavar="[FILE|-]", help="Read the value from FILE, or from stdin with '-'.", show_default=False),
     ttl: Optional[float] = typer.Option(None, "--ttl", help="Seconds until the entry expires."),
     priority: int = typer.Option(0, "--priority", help="Priority (the priority policy evicts lowest first)."),
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Store a value under a key.
 
@@ -380,6 +420,7 @@ def get(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., help="Key to read.", show_default=False),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the value to this new file (mode 0600) instead of stdout."),
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
 
@@ -425,6 +466,7 @@ def keys(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many keys."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """List keys of live entries, oldest first.
 
@@ -470,6 +512,7 @@ def evict(
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Evict entries now and report what was freed.  Give exactly one selector.
 
@@ -487,7 +530,7 @@ def evict(
     if as_json:
         _print_json({"pool": name, "entries": count, "bytes": freed})
     else:
-        _console().print(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes)")
+        _say(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes)")
 
 
 @cache.command()
@@ -496,6 +539,7 @@ def verify(
     repair: bool = typer.Option(False, "--repair", help="Fix what is found (drops entries that cannot be trusted)."),
     no_checksums: bool = typer.Option(False, "--no-checksums", help="Check metadata only, not every value's checksum."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Check a pool's consistency; exit 1 if a problem was found (even if --repair fixed it).
 
@@ -510,7 +554,7 @@ def verify(
     else:
         con = _console()
         if report["ok"]:
-            con.print(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified)")
+            _say(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified)")
         for prob in report["problems"]:
             con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""))
     if not report["ok"]:
@@ -519,7 +563,7 @@ def verify(
 
 def _progress_bar(description: str):
     """A rich progress bar on stderr when it is a terminal; else None (silent)."""
-    if not sys.stderr.isatty():
+    if _Output.quiet or not sys.stderr.isatty():
         return None
     from rich.progress import (
         BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
@@ -550,6 +594,7 @@ def persist(
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the snapshot to this file instead of the snapshot directory."),
     keep: Optional[int] = typer.Option(None, "--keep", min=1, help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Write an atomic, checksummed snapshot of a pool's live entries.
 
@@ -569,7 +614,7 @@ def persist(
     if as_json:
         _print_json(doc)
     else:
-        _console().print(
+        _say(
             f"persisted {doc['entries']} entries, {_fmt_size(doc['bytes'])} of {name} to {doc['path']} "
             f"in {doc['seconds']:.2f}s ({doc['gbps']:.2f} GB/s)"
         )
@@ -585,6 +630,7 @@ def restore(
     input_: Optional[str] = typer.Option(None, "--input", "-i", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
     replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ) -> None:
     """Rebuild a pool from a snapshot, verified whole before anything changes.
 
@@ -605,7 +651,7 @@ def restore(
     if as_json:
         _print_json(report)
     else:
-        _console().print(
+        _say(
             f"restored {report['entries']} entries, {_fmt_size(report['bytes'])} into {report['pool']} "
             f"from {report['path']} in {secs:.2f}s"
             + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
@@ -627,9 +673,19 @@ def _is_usage_error(e: BaseException) -> bool:
     )
 
 
+COMPLETE_VAR = "_CORTEX_COMPLETE"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return (and exit with) its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _Output.quiet = False
+    if os.environ.get(COMPLETE_VAR):
+        # A shell asking for completions the Typer way (e.g. _CORTEX_COMPLETE=complete_bash):
+        # register Typer's shell classes, which add_completion=False leaves out.
+        from typer.completion import completion_init
+
+        completion_init()
     debug = os.environ.get("CORTEX_CACHE_DEBUG", "") not in ("", "0")
     # --debug is accepted anywhere before a "--" separator.
     options = args[: args.index("--")] if "--" in args else args
@@ -638,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("--debug")
     code = 0
     try:
-        rc = typer.main.get_command(app).main(args=args, prog_name="cortex", standalone_mode=False)
+        rc = typer.main.get_command(app).main(
+            args=args, prog_name="cortex", complete_var=COMPLETE_VAR, standalone_mode=False
+        )
         # Without standalone mode, the parser turns `raise typer.Exit(n)` into a return value.
         if isinstance(rc, int):
             code = rc
