@@ -136,7 +136,10 @@ class PersistResult:
                 "seconds": round(self.seconds, 6), "gbps": round(gbps, 3), "skipped_corrupt": self.skipped_corrupt}
 
 
-_local_persists = threading.Lock()  # handles of one process share nothing else
+# Persists running in this process, by pool name: an OFD lock does not
+# exclude two threads that share one pool handle (one open file description).
+_running: set[str] = set()
+_running_guard = threading.Lock()
 
 
 def persist(
@@ -160,23 +163,22 @@ def persist(
         raise UsageError("--keep applies to the snapshot directory; it cannot be combined with --output")
     from .lock import PERSIST_BYTE, RecordLock
 
-    lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
-    if not _local_persists.acquire(blocking=False) or not _try(lock):
-        if _local_persists.locked():
-            try:
-                _local_persists.release()
-            except RuntimeError:
-                pass
-        raise PersistBusy(f"a persist of pool {pool.name!r} is already running")
+    busy = PersistBusy(f"a persist of pool {pool.name!r} is already running")
+    with _running_guard:
+        if pool.name in _running:
+            raise busy
+        _running.add(pool.name)
     try:
-        return _persist_locked(pool, path, keep, progress)
+        lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
+        if not lock.try_acquire():  # another process persists (or restores) this pool
+            raise busy
+        try:
+            return _persist_locked(pool, path, keep, progress)
+        finally:
+            lock.release()
     finally:
-        lock.release()
-        _local_persists.release()
-
-
-def _try(lock) -> bool:
-    return lock.try_acquire()
+        with _running_guard:
+            _running.discard(pool.name)
 
 
 def _persist_locked(pool, path, keep, progress) -> PersistResult:
