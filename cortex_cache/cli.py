@@ -156,12 +156,12 @@ def _show_key(k: str | bytes) -> str:
 @cache.command()
 def create(
     name: str = NAME_ARG,
-    size: str = typer.Option(..., "--size", "-s", help="Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)."),
-    tier: Tier = typer.Option(Tier.cpu, "--tier", help="Storage tier: cpu (shared memory)."),
-    block_size: str = typer.Option("64K", "--block-size", help="Allocation unit; a power of two."),
-    policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", help="Eviction policy: " + "; ".join(f"{k}: {v}" for k, v in POLICY_HELP.items()) + "."),
-    max_entries: Optional[int] = typer.Option(None, "--max-entries", help="Index capacity (default: one entry per block, at most 1,048,576)."),
-    mode: str = typer.Option("0600", "--mode", help="Permission bits of the segment (octal)."),
+    size: str = typer.Option(..., "--size", "-s", metavar="SIZE", help="Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)."),
+    tier: Tier = typer.Option(Tier.cpu, "--tier", metavar="TIER", help="Storage tier: cpu (shared memory)."),
+    block_size: str = typer.Option("64K", "--block-size", metavar="SIZE", help="Allocation unit; a power of two."),
+    policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", metavar="POLICY", help="Eviction policy: " + "; ".join(f"{k}: {v}" for k, v in POLICY_HELP.items()) + "."),
+    max_entries: Optional[int] = typer.Option(None, "--max-entries", metavar="N", help="Index capacity (default: one entry per block, at most 1,048,576)."),
+    mode: str = typer.Option("0600", "--mode", metavar="MODE", help="Permission bits of the segment (octal)."),
     no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
     multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
     as_json: bool = JSON_OPT,
@@ -286,9 +286,9 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
 
 @cache.command()
 def status(
-    name: Optional[str] = typer.Argument(None, help="Pool name (default: every pool).", show_default=False),
+    name: Optional[str] = typer.Argument(None, metavar="NAME", help="Pool name (default: every pool).", show_default=False),
     as_json: bool = JSON_OPT,
-    fmt: Format = typer.Option(Format.table, "--format", help="table, json, or prometheus (text exposition format)."),
+    fmt: Format = typer.Option(Format.table, "--format", metavar="FORMAT", help="table, json, or prometheus (text exposition format)."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Show usage, entries, counters and policy of one pool or all pools.
@@ -398,10 +398,10 @@ def _read_value(source: Optional[str]) -> bytes:
 @cache.command()
 def put(
     name: str = NAME_ARG,
-    key: str = typer.Argument(..., help="Key (UTF-8 string).", show_default=False),
-    source: Optional[str] = typer.Argument(None, metavar="[FILE|-]", help="Read the value from FILE, or from stdin with '-'.", show_default=False),
-    ttl: Optional[float] = typer.Option(None, "--ttl", help="Seconds until the entry expires."),
-    priority: int = typer.Option(0, "--priority", help="Priority (the priority policy evicts lowest first)."),
+    key: str = typer.Argument(..., metavar="KEY", help="Key (UTF-8 string).", show_default=False),
+    source: Optional[str] = typer.Argument(None, metavar="FILE|-", help="Read the value from FILE, or from stdin with '-'.", show_default=False),
+    ttl: Optional[float] = typer.Option(None, "--ttl", metavar="SECONDS", help="Seconds until the entry expires."),
+    priority: int = typer.Option(0, "--priority", metavar="N", help="Priority (the priority policy evicts lowest first)."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Store a value under a key.
@@ -418,8 +418,8 @@ def put(
 @cache.command()
 def get(
     name: str = NAME_ARG,
-    key: str = typer.Argument(..., help="Key to read.", show_default=False),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the value to this new file (mode 0600) instead of stdout."),
+    key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
@@ -462,8 +462,8 @@ def get(
 @cache.command()
 def keys(
     name: str = NAME_ARG,
-    prefix: Optional[str] = typer.Option(None, "--prefix", help="Only keys starting with this."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many keys."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Only keys starting with this."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, metavar="N", help="At most this many keys."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
@@ -505,11 +505,11 @@ def keys(
 @cache.command()
 def evict(
     name: str = NAME_ARG,
-    percent: Optional[float] = typer.Option(None, "--percent", help="Evict this percentage of the stored bytes, by policy."),
-    nbytes: Optional[str] = typer.Option(None, "--bytes", help="Evict at least this many value bytes, by policy (e.g. 1G)."),
+    percent: Optional[float] = typer.Option(None, "--percent", metavar="PERCENT", help="Evict this percentage of the stored bytes, by policy."),
+    nbytes: Optional[str] = typer.Option(None, "--bytes", metavar="SIZE", help="Evict at least this many value bytes, by policy (e.g. 1G)."),
     expired: bool = typer.Option(False, "--expired", help="Evict expired entries only."),
-    key: Optional[list[str]] = typer.Option(None, "--key", help="Evict this key (repeatable)."),
-    prefix: Optional[str] = typer.Option(None, "--prefix", help="Evict every key starting with this."),
+    key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
@@ -591,8 +591,8 @@ def _run_with_progress(description: str, fn):
 @cache.command()
 def persist(
     name: str = NAME_ARG,
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the snapshot to this file instead of the snapshot directory."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=1, help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -627,7 +627,7 @@ def persist(
 @cache.command()
 def restore(
     name: str = NAME_ARG,
-    input_: Optional[str] = typer.Option(None, "--input", "-i", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
+    input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
     replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
@@ -638,7 +638,7 @@ def restore(
     existing one is only overwritten with --replace.  Expired entries are
     not restored.  A damaged, truncated or foreign file exits 65.
 
-    Example: cortex cache restore llama --input /var/lib/cortex-cache/snapshots/llama.ccsnap
+    Example: cortex cache restore llama --input /backup/llama.ccsnap --replace
     """
     from . import persist as snap
 

@@ -211,3 +211,387 @@ def test_typer_completion_protocol_through_main():
     assert r.returncode == 0 and r.stdout.split() == [b"lru", b"lfu", b"fifo", b"priority", b"ttl", b"size"], show(r)
     r = cli(env={"_CORTEX_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "cortex cache del"})
     assert r.returncode == 0 and b'"delete"' in r.stdout, show(r)
+
+
+# ---------------------------------------------------------------- generated files
+
+
+def _gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gen_docs"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen_docs = _gen_docs()
+
+
+def test_completions_and_man_page_are_not_stale():
+    rendered = gen_docs.render_all()
+    assert set(rendered) == {"completions/cortex.bash", "completions/_cortex", "completions/cortex.fish", "man/cortex.1"}
+    stale = gen_docs.stale(rendered)
+    assert not stale, f"{stale} differ from what the CLI makes now: run `python scripts/gen_docs.py` and commit them"
+
+
+def test_gen_docs_check_mode_names_a_stale_file(tmp_path):
+    """`gen_docs.py --check` (the CI-friendly form) fails on a changed file and passes on the committed one."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_docs.py"), "--check"], capture_output=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    gen_docs_copy = tmp_path / "repo"
+    for rel in ("scripts/gen_docs.py", *gen_docs.OUTPUTS):
+        (gen_docs_copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, gen_docs_copy / rel)
+    fish = gen_docs_copy / "completions" / "cortex.fish"
+    fish.write_text(fish.read_text().replace("-l policy", "-l polcy"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, str(gen_docs_copy / "scripts" / "gen_docs.py"), "--check"], capture_output=True, env=env)
+    assert r.returncode == 1 and r.stderr.decode() == "stale: completions/cortex.fish (run: python scripts/gen_docs.py)\n", r
+
+
+def _tree():
+    """{command: [option names]} straight from the Typer/click command tree."""
+    import typer
+
+    from cortex_cache.cli import app
+
+    root = typer.main.get_command(app)
+    group = root.commands["cache"]
+    out = {}
+    for name, cmd in group.commands.items():
+        ctx = typer.Context(cmd, info_name=name)
+        opts = [o for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]
+        out[name] = opts + list(cmd.get_help_option(ctx).opts)
+    return out, [o for p in root.params for o in p.opts], [o for p in group.params for o in p.opts]
+
+
+# ---------------------------------------------------------------- completions: bash
+
+BASH_DRIVER = r"""
+source completions/cortex.bash
+while IFS= read -r line; do
+    read -ra COMP_WORDS <<< "$line"
+    words=()
+    for w in "${COMP_WORDS[@]}"; do  # as readline splits at COMP_WORDBREAKS' "="
+        if [[ $w == --*=* ]]; then
+            words+=("${w%%=*}" "=")
+            [[ -n ${w#*=} ]] && words+=("${w#*=}")
+        else
+            words+=("$w")
+        fi
+    done
+    COMP_WORDS=("${words[@]}")
+    [[ $line == *" " ]] && COMP_WORDS+=("")
+    COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
+    COMPREPLY=()
+    _cortex
+    printf '%s\t' "${COMPREPLY[@]}"
+    printf '\n'
+done
+"""
+
+
+def bash_complete(lines: list[str], env: dict | None = None) -> list[list[str]]:
+    r = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", BASH_DRIVER], input="\n".join(lines) + "\n", capture_output=True,
+        text=True, cwd=REPO, env=dict(os.environ, **(env or {})), timeout=60,
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    out = [sorted(x for x in ln.split("\t") if x) for ln in r.stdout.split("\n")[:-1]]
+    assert len(out) == len(lines), r.stdout
+    return out
+
+
+POLICIES = ["fifo", "lfu", "lru", "priority", "size", "ttl"]
+COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore"])
+
+# (command line as typed, the candidates offered: exactly these)
+SHELL_CASES = [
+    ("cortex ca", ["cache"]),
+    ("cortex cache cr", ["create"]),
+    ("cortex cache ", COMMANDS),
+    ("cortex -q cache create x --pol", ["--policy"]),
+    ("cortex cache create x --policy ", POLICIES),
+    ("cortex cache create x --size 4M --policy l", ["lfu", "lru"]),
+    ("cortex cache create x --tier ", ["cpu"]),
+    ("cortex cache status --format ", ["json", "prometheus", "table"]),
+    ("cortex cache evict p --a", ["--all"]),
+    ("cortex cache verify p --re", ["--repair"]),
+    ("cortex cache keys p --l", ["--limit", "--long"]),
+    ("cortex cache restore p --rep", ["--replace"]),
+    ("cortex cache persist p --k", ["--keep"]),
+    ("cortex cache delete p --f", ["--force"]),
+    ("cortex cache create x --size ", []),  # a size: nothing to offer, certainly not files
+    ("cortex cache put p ", []),  # a key
+]
+
+
+def test_bash_completion():
+    lines = [line for line, _ in SHELL_CASES]
+    got = bash_complete(lines + ["cortex -", "cortex cache create x --policy=", "cortex cache get p k -o scr",
+                                 "cortex cache put p k scr", "cortex cache put p -- ", "cortex cache create x -"])
+    for (line, want), have in zip(SHELL_CASES, got):
+        assert have == sorted(want), (line, have)
+    rest = got[len(SHELL_CASES):]
+    assert rest[0] == ["--debug", "--help", "--quiet", "-q"]
+    assert rest[1] == POLICIES  # --policy=<TAB>
+    assert rest[2] == ["scripts"] and rest[3] == ["scripts"]  # file arguments
+    assert rest[4] == []  # after --, the next word is the KEY
+    tree, _, _ = _tree()
+    assert rest[5] == sorted(tree["create"])  # every option of create, as the parser knows them
+
+
+def _pools_and_snapshots(new_pool, tmp_path) -> tuple[str, str, dict]:
+    """Two pools (a, b) and snapshot files of b and of a pool that is gone; the env the shells need."""
+    a, b = new_pool("alpha"), new_pool("beta")
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    gone = a.rsplit("-", 1)[0] + "-gone"
+    for f in (f"{b}.ccsnap", f"{gone}.ccsnap", f"{gone}-20260101T010203.123456Z.ccsnap"):
+        (snaps / f).write_bytes(b"x")
+    return a, b, {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps), "gone": gone}
+
+
+def test_bash_completes_pool_names(new_pool, tmp_path):
+    a, b, env = _pools_and_snapshots(new_pool, tmp_path)
+    gone = env.pop("gone")
+    stem = a.rsplit("-", 1)[0]
+    got = bash_complete([f"cortex cache status {stem}", f"cortex cache evict {stem}-a", f"cortex cache create {stem}",
+                         f"cortex cache restore {stem}", f"cortex cache put {a} {stem}"], env)
+    assert got[0] == [a, b]
+    assert got[1] == [a]
+    assert got[2] == []  # create takes a new name
+    assert got[3] == sorted([a, b, gone])  # pools, and pools known by their latest snapshot only
+    assert got[4] == []  # the KEY is not a pool
+    # Another prefix sees other pools.
+    assert bash_complete([f"cortex cache status {stem}"], {"CORTEX_CACHE_SHM_PREFIX": "no-such-prefix."}) == [[]]
+
+
+# ---------------------------------------------------------------- completions: zsh
+
+ZSH_CAPTURE = r"""
+# zsh -f capture.zsh COMPDIR 'command line' -> the candidates, one a line.
+# A zsh in a pty with compinit and our fpath; compadd is wrapped to print what it adds.
+zmodload zsh/zpty || exit 3
+compdir=$1; shift
+init=$TMPDIR/capture-init.zsh
+cat > $init <<'INIT'
+PROMPT=
+RPROMPT=
+autoload -Uz compinit
+compinit -u -d $TMPDIR/zcompdump
+bindkey '^M' undefined
+bindkey '^J' undefined
+bindkey '^I' complete-word
+null-line () { print -rn -- $'\0\n' }
+compprefuncs=( null-line )
+comppostfuncs=( null-line exit )
+zstyle ':completion:*' list-grouped false
+zstyle ':completion:*' insert-tab false
+compadd () {
+  if [[ ${@[1,(i)(-|--)]} == *-(O|A|D)\ * ]]; then
+    builtin compadd "$@"
+    return $?
+  fi
+  typeset -a __hits
+  builtin compadd -A __hits "$@"
+  local h
+  for h in $__hits; do print -r -- "HIT $h"; done
+}
+print -r -- READY
+INIT
+zpty z zsh -f -i
+zpty -w z "fpath=(${(q)compdir} \$fpath); source ${(q)init}"
+local line
+repeat 50; do
+  zpty -r z line || exit 4
+  [[ $line == READY* ]] && break
+done
+zpty -w -n z "$*"$'\t'
+integer tog=0
+while zpty -r z line; do
+  if [[ $line == *$'\0'* ]]; then
+    (( tog++ )) && break || continue
+  fi
+  (( tog )) && [[ $line == *HIT\ * ]] && print -r -- ${${line#*HIT }%%[$'\r\n']#}
+done
+zpty -d z
+"""
+
+
+def zsh_complete(tmp_path: Path, line: str, env: dict | None = None) -> list[str]:
+    harness = tmp_path / "capture.zsh"
+    harness.write_text(ZSH_CAPTURE)
+    home = tmp_path / "zhome"
+    home.mkdir(exist_ok=True)
+    r = subprocess.run(
+        ["zsh", "-f", str(harness), str(REPO / "completions"), line], capture_output=True, text=True, timeout=60, cwd=REPO,
+        env=dict(os.environ, TMPDIR=str(home), HOME=str(home), ZDOTDIR=str(home), **(env or {})),
+    )
+    assert r.returncode == 0, r
+    return sorted(set(x for x in r.stdout.splitlines() if x))
+
+
+needs_zsh = pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+needs_fish = pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
+
+
+@needs_zsh
+def test_zsh_completion_file_parses():
+    r = subprocess.run(["zsh", "-n", str(REPO / "completions" / "_cortex")], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@needs_zsh
+@pytest.mark.parametrize("line, want", [pytest.param(*c, id=c[0]) for c in SHELL_CASES])
+def test_zsh_completion(tmp_path, line, want):
+    assert zsh_complete(tmp_path, line) == sorted(want)
+
+
+@needs_zsh
+def test_zsh_completes_files_and_pools(new_pool, tmp_path):
+    a, b, env = _pools_and_snapshots(new_pool, tmp_path)
+    gone = env.pop("gone")
+    stem = a.rsplit("-", 1)[0]
+    assert zsh_complete(tmp_path, "cortex cache get p k -o scr") == ["scripts"]
+    assert zsh_complete(tmp_path, "cortex cache put p k READ") == ["README.md"]
+    assert zsh_complete(tmp_path, "cortex cache create x --size ") == []
+    assert zsh_complete(tmp_path, f"cortex cache status {stem}", env) == [a, b]
+    assert zsh_complete(tmp_path, f"cortex cache restore {stem}", env) == sorted([a, b, gone])
+
+
+# ---------------------------------------------------------------- completions: fish
+
+
+def fish_complete(line: str, env: dict | None = None) -> list[str]:
+    r = subprocess.run(
+        ["fish", "--no-config", "-c", f"source completions/cortex.fish; complete -C {shlex_quote(line)}"],
+        capture_output=True, text=True, cwd=REPO, timeout=60, env=dict(os.environ, **(env or {})),
+    )
+    assert r.returncode == 0 and r.stderr == "", r
+    return sorted(x.split("\t")[0] for x in r.stdout.splitlines() if x)
+
+
+def shlex_quote(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@needs_fish
+def test_fish_completion_file_parses():
+    r = subprocess.run(["fish", "--no-config", "-n", str(REPO / "completions" / "cortex.fish")], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@needs_fish
+def test_fish_completion(new_pool, tmp_path):
+    for line, want in SHELL_CASES:
+        assert fish_complete(line) == sorted(want), line
+    assert fish_complete("cortex cache get p k -o scr") == ["scripts/"]
+    assert fish_complete("cortex cache put p -- ") == []
+    a, b, env = _pools_and_snapshots(new_pool, tmp_path)
+    gone = env.pop("gone")
+    stem = a.rsplit("-", 1)[0]
+    assert fish_complete(f"cortex cache status {stem}", env) == [a, b]
+    assert fish_complete(f"cortex cache restore {stem}", env) == sorted([a, b, gone])
+    assert fish_complete(f"cortex cache create {stem}", env) == []
+
+
+# ---------------------------------------------------------------- man page
+
+MAN = REPO / "man" / "cortex.1"
+
+
+def _roff_text(src: str) -> str:
+    """The words of a roff source, without requests' names or font escapes."""
+    out = []
+    for line in src.splitlines():
+        if line.startswith('.\\"'):
+            continue
+        if line.startswith("."):
+            line = line.split(None, 1)[1] if " " in line else ""
+        line = re.sub(r"\\f[BIRP]", "", line)
+        line = line.replace("\\-", "-").replace("\\~", " ").replace("\\:", "").replace("\\&", "").replace("\\e", "\\").replace("\\(aq", "'")
+        out.append(line.strip('"'))
+    return "\n".join(out)
+
+
+def _man_sections() -> dict[str, str]:
+    """{section name: text} for .SH sections and {"cmd:NAME": text} for each .SS of COMMANDS."""
+    src = MAN.read_text()
+    parts: dict[str, str] = {}
+    key = ""
+    for line in src.splitlines():
+        m = re.match(r'\.(SH|SS) "?([^"]*)"?$', line)
+        if m:
+            key = m.group(2) if m.group(1) == "SH" else f"cmd:{m.group(2)}"
+            parts[key] = ""
+            continue
+        parts[key] = parts.get(key, "") + line + "\n"
+    return {k: _roff_text(v) for k, v in parts.items()}
+
+
+def test_man_page_has_the_sections():
+    sections = _man_sections()
+    for name in ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "COMMANDS", "SIZES", "EXIT STATUS", "ENVIRONMENT",
+                 "FILES", "EXAMPLES", "SEE ALSO"):
+        assert name in sections, name
+    assert sections["NAME"].strip().startswith("cortex - ")
+
+
+def test_man_page_names_every_command_and_option():
+    tree, root_opts, group_opts = _tree()
+    sections = _man_sections()
+    missing = []
+    for cmd, opts in tree.items():
+        text = sections.get(f"cmd:{cmd}")
+        if text is None:
+            missing.append(f"command {cmd}")
+            continue
+        synopsis = [ln for ln in sections["SYNOPSIS"].splitlines() if ln.startswith(f"cache {cmd} ") or ln == f"cache {cmd}"]
+        if not synopsis:
+            missing.append(f"SYNOPSIS of {cmd}")
+        for o in opts:
+            # in the command's own section, as a word (--prefix is not --prefix-x)
+            if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text):
+                missing.append(f"{cmd} {o}")
+    for o in set(root_opts + group_opts) | {"--debug"}:
+        if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", sections["OPTIONS"]):
+            missing.append(f"global {o}")
+    assert not missing, f"not in man/cortex.1: {missing}"
+
+
+def test_man_page_exit_codes_are_errors_py():
+    from cortex_cache import errors
+
+    codes = sorted({getattr(errors, n) for n in dir(errors) if n.startswith("EX_")})
+    listed = [int(x) for x in re.findall(r"^\.B (\d+)$", MAN.read_text().split(".SH EXIT STATUS", 1)[1].split(".SH", 1)[0], re.M)]
+    assert listed == codes
+    # and --help says the same numbers
+    r = ok(cli("--help"))
+    said = " ".join(r.stdout.decode().split("Exit status:", 1)[1].split("\n\n", 1)[0].split())
+    assert sorted(int(item.split()[0]) for item in said.split(";")) == codes, said
+
+
+def test_man_page_shows_the_readme_examples_and_environment():
+    readme = (REPO / "README.md").read_text()
+    examples = _man_sections()["EXAMPLES"]
+    for block in re.findall(r"```(?:cron|ini)\n(.*?)```", readme, re.S):
+        for line in block.splitlines():
+            if "cortex cache" in line:
+                assert line.strip() in examples, line
+    env = _man_sections()["ENVIRONMENT"]
+    for var in sorted(set(re.findall(r"\bCORTEX_CACHE_[A-Z_]+", readme))):
+        assert var in env, var
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man (man-db) is not installed")
+@pytest.mark.parametrize("width", ["80", "60"])
+def test_man_page_renders_without_warnings(width):
+    r = subprocess.run(["man", "--warnings", "-l", str(MAN)], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, MANWIDTH=width, MANPAGER="cat", PAGER="cat", LANG="C.UTF-8"))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    text = r.stdout
+    assert "CORTEX(1)" in text and "EXIT STATUS" in text
+    for cmd in COMMANDS:
+        assert f"cortex cache {cmd}" in text, cmd
