@@ -642,6 +642,9 @@ def restore(
     """
     from . import persist as snap
 
+    if input_ is not None and os.path.isdir(input_):
+        # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
+        raise UsageError(f"{input_!r} is a directory, not a snapshot")
     pool, report = _run_with_progress(
         f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb)
     )

@@ -499,8 +499,48 @@ BAD = [
     ("missing-evict", ["evict", "{missing}", "--all"], 66, None, ["{missing}"]),
     ("missing-verify", ["verify", "{missing}"], 66, None, ["{missing}"]),
     ("missing-delete", ["delete", "{missing}"], 66, None, ["{missing}"]),
+    # restore: the snapshot is read and verified whole before any pool is touched
+    ("restore-missing-file", ["restore", "{new}", "--input", "{nofile}"], 66, None, ["{nofile}"]),
+    ("restore-missing-file-replace", ["restore", "{pool}", "--input", "{nofile}", "--replace"], 66, None, ["{nofile}"]),
+    ("restore-no-snapshot", ["restore", "{new}"], 66, None, ["{new}"]),
+    ("restore-empty-file", ["restore", "{new}", "--input", "{empty}"], 65, None, ["{empty}"]),
+    ("restore-empty-file-replace", ["restore", "{pool}", "-i", "{empty}", "--replace"], 65, None, ["{empty}"]),
+    ("restore-garbage", ["restore", "{new}", "-i", "{garbage}"], 65, None, ["{garbage}"]),
+    ("restore-damaged-value", ["restore", "{new}", "-i", "{damaged}"], 65, None, ["{damaged}"]),
+    ("restore-damaged-value-replace", ["restore", "{pool}", "-i", "{damaged}", "--replace"], 65, None, ["{damaged}"]),
+    ("restore-truncated-replace", ["restore", "{pool}", "-i", "{truncated}", "--replace"], 65, None, ["{truncated}"]),
+    ("restore-directory", ["restore", "{new}", "-i", "{dir}"], 2, None, []),
+    ("restore-exists", ["restore", "{pool}", "-i", "{snap}"], 73, None, ["--replace"]),
+    ("restore-bad-name", ["restore", "bad/name", "-i", "{snap}"], 2, None, ["bad/name"]),
+    ("persist-missing", ["persist", "{missing}"], 66, None, ["{missing}"]),
+    ("persist-keep-0", ["persist", "{pool}", "--keep", "0"], 2, None, []),
+    ("persist-keep-and-output", ["persist", "{pool}", "-o", "{dir}/s.ccsnap", "--keep", "2"], 2, None, []),
 ]
 WATCHED = ("entries", "puts", "deletes", "evictions", "expirations", "value_bytes", "blocks_used", "policy", "size_bytes")
+
+
+def _snapshot_files(pool: str, tmp_path: Path) -> dict[str, str]:
+    """Snapshot files for restore's bad inputs: empty, not a snapshot, a value damaged, truncated, and a good one."""
+    from cortex_cache import Pool, persist
+
+    good = tmp_path / "good.ccsnap"
+    with Pool.open(pool) as p:
+        persist.persist(p, good)
+    data = good.read_bytes()
+    at = data.index(b"twotwotwo")  # inside w2's value: only that record's checksum can tell
+    files = {
+        "{snap}": data,
+        "{empty}": b"",
+        "{garbage}": bytes(range(256)) * 64,
+        "{damaged}": data[:at] + b"X" + data[at + 1:],
+        "{truncated}": data[: len(data) * 2 // 3],
+    }
+    out = {}
+    for key, content in files.items():
+        f = tmp_path / (key.strip("{}") + ".ccsnap")
+        f.write_bytes(content)
+        out[key] = str(f)
+    return out
 
 
 @pytest.mark.parametrize("args, code, stdin, words", [pytest.param(*c[1:], id=c[0]) for c in BAD])
@@ -516,6 +556,8 @@ def test_bad_input(new_pool, pool_name, tmp_path, args, code, stdin, words):
         "{dir}": str(tmp_path),
         "{nofile}": str(tmp_path / "no-such-file"),
     }
+    if any(a in " ".join(args) for a in ("{empty}", "{garbage}", "{damaged}", "{truncated}", "{snap}")):
+        subst.update(_snapshot_files(witness, tmp_path))
 
     def fmt(s: str) -> str:
         for k, v in subst.items():
