@@ -284,6 +284,13 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _others_attached(name: str) -> list[int]:
+    """Pids that have the pool mapped, this `cortex` process (which just read it) aside."""
+    from . import segment
+
+    return [p for p in segment.attached_pids(name) if p != os.getpid()]
+
+
 @cache.command()
 def status(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="Pool name (default: every pool).", show_default=False),
@@ -304,13 +311,13 @@ def status(
         with Pool.open(name, lock_timeout=5) as p:
             st = p.stats()
         st["status"] = "ok"
-        st["attached_pids"] = segment.attached_pids(name)
+        st["attached_pids"] = _others_attached(name)
         rows = [st]
     else:
         rows = [_pool_summary(n) for n in segment.list_names()]
         for r in rows:
             if r["status"] == "ok":
-                r["attached_pids"] = segment.attached_pids(r["name"])
+                r["attached_pids"] = _others_attached(r["name"])
     if fmt is Format.json:
         _print_json(rows[0] if name is not None else {"pools": rows})
         return

@@ -914,6 +914,98 @@ def man(m: Model) -> str:
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------- README usage examples
+#
+# The README's ```console blocks are a walkthrough: `$ command` lines and the
+# output they give.  `--readme` runs them in order, in a scratch directory
+# with a pool prefix, HOME and snapshot directory of its own, and writes the
+# real output back; the test runs them again and compares (times, durations
+# and speeds aside).
+
+README = REPO / "README.md"
+DISPLAY_HOME = "/home/ops"
+_CONSOLE_RE = re.compile(r"(```console\n)(.*?)(```)", re.S)
+
+
+def console_commands(text: str) -> list[list[str]]:
+    """The `$ ` command lines of each ```console block of `text`."""
+    return [[ln[2:] for ln in body.splitlines() if ln.startswith("$ ")] for _, body, _ in _CONSOLE_RE.findall(text)]
+
+
+def console_outputs(text: str) -> list[list[str]]:
+    """What each ```console block of `text` shows after its commands: one string per command."""
+    out = []
+    for _, body, _ in _CONSOLE_RE.findall(text):
+        shown: list[str] = []
+        for ln in body.splitlines():
+            if ln.startswith("$ "):
+                shown.append("")
+            elif shown:
+                shown[-1] += ln + "\n"
+        out.append(shown)
+    return out
+
+
+def run_console(blocks: list[list[str]], workdir: Path, prefix: str) -> list[list[str]]:
+    """Run the commands of `blocks` in order with bash; their stdout+stderr, with paths shown as on an operator's machine."""
+    import os
+    import subprocess
+
+    bindir, home = workdir / "bin", workdir / "home"
+    bindir.mkdir(parents=True)
+    home.mkdir()
+    (bindir / "cortex").write_text(f'#!/bin/sh\nexec {sys.executable} -m cortex_cache "$@"\n')
+    (bindir / "cortex").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORTEX_CACHE_")}
+    env.update(
+        PATH=f"{bindir}:{env.get('PATH', '/usr/bin:/bin')}", HOME=str(home), XDG_STATE_HOME=str(home / ".local" / "state"),
+        CORTEX_CACHE_SHM_PREFIX=prefix, PYTHONPATH=str(REPO), NO_COLOR="1", LC_ALL="C.UTF-8",
+    )
+    results = []
+    try:
+        for block in blocks:
+            outs = []
+            for cmd in block:
+                r = subprocess.run(["bash", "-c", cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, timeout=120)
+                text = r.stdout.decode("utf-8", "replace").replace(str(home), DISPLAY_HOME)
+                outs.append("".join(ln.rstrip() + "\n" for ln in text.splitlines()))
+            results.append(outs)
+    finally:
+        for f in Path("/dev/shm").glob(prefix + "*"):  # a walkthrough that failed half-way
+            f.unlink(missing_ok=True)
+    return results
+
+
+def normalize(text: str) -> str:
+    """Output with what changes from run to run (times, durations, speeds, ids) replaced by placeholders."""
+    text = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", "<time>", text)
+    text = re.sub(r"\d{8}T\d{6}\.\d{6}Z", "<stamp>", text)
+    text = re.sub(r"\d+(\.\d+)? GB/s", "<rate>", text)
+    text = re.sub(r"\b\d+(\.\d+)?[smhd]\b", "<dur>", text)
+    text = re.sub(r"\buid \d+ gid \d+", "uid <n> gid <n>", text)
+    return "\n".join(" ".join(ln.split()) for ln in text.splitlines()).strip()
+
+
+def update_readme(workdir: Path) -> bool:
+    """Rerun the README's console blocks and write their output in; True if the README changed."""
+    import os
+
+    text = README.read_text()
+    outputs = run_console(console_commands(text), workdir, f"cortex-readme-{os.getpid()}.")
+    blocks = iter(outputs)
+
+    def fill(mt: re.Match) -> str:
+        outs = iter(next(blocks))
+        body = "".join(f"{ln}\n{next(outs)}" for ln in mt.group(2).splitlines() if ln.startswith("$ "))
+        return mt.group(1) + body + mt.group(3)
+
+    new = _CONSOLE_RE.sub(fill, text)
+    if new != text:
+        README.write_text(new)
+    return new != text
+
+
 # ---------------------------------------------------------------- main
 
 OUTPUTS = {
@@ -942,7 +1034,15 @@ def stale(rendered: dict[str, str] | None = None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed file differs; write nothing")
+    ap.add_argument("--readme", action="store_true",
+                    help="also rerun the README's ```console examples and write their real output in")
     args = ap.parse_args(argv)
+    if args.readme and not args.check:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="cortex-readme-") as d:
+            if update_readme(Path(d)):
+                print("wrote README.md")
     rendered = render_all()
     if args.check:
         bad = stale(rendered)

@@ -595,3 +595,43 @@ def test_man_page_renders_without_warnings(width):
     assert "CORTEX(1)" in text and "EXIT STATUS" in text
     for cmd in COMMANDS:
         assert f"cortex cache {cmd}" in text, cmd
+
+
+# ---------------------------------------------------------------- README usage
+
+
+def test_readme_has_a_usage_example_per_command():
+    readme = (REPO / "README.md").read_text()
+    usage = readme.split("### Usage", 1)[1].split("\n## ", 1)[0]
+    for cmd in COMMANDS:
+        section = usage.split(f"#### {cmd}\n", 1)
+        assert len(section) == 2, f"no usage subsection for {cmd}"
+        body = section[1].split("\n#### ", 1)[0]
+        assert re.search(rf"^\$ cortex (-q )?cache {cmd}\b", body, re.M), f"no `$ cortex cache {cmd}` example under #### {cmd}"
+
+
+def test_readme_usage_output_is_real(tmp_path):
+    """Rerun every `$ ...` line of the README's console blocks, in order; the output must be what the README shows."""
+    readme = (REPO / "README.md").read_text()
+    commands = gen_docs.console_commands(readme)
+    shown = gen_docs.console_outputs(readme)
+    assert sum(map(len, commands)) >= 20
+    got = gen_docs.run_console(commands, tmp_path / "work", os.environ["CORTEX_CACHE_SHM_PREFIX"] + "readme.")
+    differ = []
+    for cmds, want_block, got_block in zip(commands, shown, got):
+        for cmd, want, have in zip(cmds, want_block, got_block):
+            if gen_docs.normalize(want) != gen_docs.normalize(have):
+                differ.append(f"$ {cmd}\n--- README\n{want}--- now\n{have}")
+    assert not differ, "README output is stale (python scripts/gen_docs.py --readme):\n" + "\n".join(differ)
+
+
+def test_readme_normalize_keeps_what_matters():
+    """The comparison above ignores times and speeds, but not counts, sizes or messages."""
+    n = gen_docs.normalize
+    assert n("persisted 1 entries in 0.01s (1.20 GB/s)") == n("persisted 1 entries in 3.50s (0.07 GB/s)")
+    assert n("created  2026-01-01 10:00:00") == n("created 2027-02-02 11:11:11")
+    assert n("llama-20261129T175048.267719Z.ccsnap") == n("llama-20270101T000000.000000Z.ccsnap")
+    assert n("evicted 1 entries, 293.0KiB (300000 bytes)") != n("evicted 2 entries, 293.0KiB (300000 bytes)")
+    assert n("entries 2 of 4096") != n("entries 2 of 4095")
+    assert n("size 64.0MiB") != n("size 64.0KiB")
+    assert n("exit 66") != n("exit 65")
