@@ -89,7 +89,6 @@ NAME_ARG = typer.Argument(..., metavar="NAME", help="Pool name: 1-64 of A-Z a-z 
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 
 
-
 # ---------------------------------------------------------------- output helpers
 
 

@@ -171,6 +171,15 @@ def test_quiet_silences_the_progress_bar_on_a_terminal(new_pool, tmp_path, quiet
         assert f"persist {name}".encode() in err, err  # the bar, drawn on the terminal
 
 
+def test_status_does_not_list_itself_as_attached(new_pool):
+    """`attached` is for the operator's other processes: the `cortex` that reads the pool is not one of them."""
+    name = new_pool()
+    assert json.loads(ok(cli("cache", "status", name, "--json")).stdout)["attached_pids"] == []
+    doc = json.loads(ok(cli("cache", "status", "--json")).stdout)
+    assert [p["attached_pids"] for p in doc["pools"] if p["name"] == name] == [[]]
+    assert re.search(r"^attached\s+none\s*$", ok(cli("cache", "status", name)).stdout.decode(), re.M)
+
+
 # ---------------------------------------------------------------- startup
 
 
