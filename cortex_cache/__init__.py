@@ -25,6 +25,7 @@ _EXPORTS = {
     "KeyNotFound": ".errors",
     "PoolExists": ".errors",
     "NoSpace": ".errors",
+    "CannotCreate": ".errors",
     "PoolFull": ".errors",
     "ValueTooLarge": ".errors",
     "BufferTooSmall": ".errors",

@@ -443,6 +443,10 @@ def get(
             from .errors import PoolExists
 
             raise PoolExists(f"{output!r} already exists; remove it first") from None
+        except FileNotFoundError:
+            from .errors import CannotCreate
+
+            raise CannotCreate(f"cannot create {output!r}: no such directory") from None
         except OSError as e:
             from .errors import StorageIOError
 

@@ -65,6 +65,12 @@ class PoolExists(CortexCacheError, FileExistsError):
     exit_code = EX_CANTCREAT
 
 
+class CannotCreate(CortexCacheError):
+    """An output file cannot be created where asked (missing directory)."""
+
+    exit_code = EX_CANTCREAT
+
+
 class NoSpace(CortexCacheError):
     """Not enough shared memory (or disk) to create what was asked."""
 
@@ -149,6 +155,7 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "BufferTooSmall",
     "PoolExists",
     "NoSpace",
+    "CannotCreate",
     "PoolFull",
     "ValueTooLarge",
     "SegmentCorrupt",

@@ -41,6 +41,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import xxhash
 
 from .errors import (
+    CannotCreate,
     CortexCacheError,
     NoSpace,
     PermissionDenied,
@@ -198,7 +200,7 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
         except OSError as e:
             raise _os_error(e, f"creating {str(directory)!r}") from None
     elif not directory.is_dir():
-        raise SnapshotNotFound(f"no directory {str(directory)!r} to write {target.name!r} in")
+        raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, pool.name, target.name)
     tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     try:
@@ -391,7 +393,10 @@ class Snapshot:
         except OSError as e:
             raise _os_error(e, f"reading {str(self.path)!r}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{str(self.path)!r} is not a file, so not a snapshot")
+            size = st.st_size
             if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
                 raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)

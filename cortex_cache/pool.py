@@ -349,7 +349,9 @@ class Pool:
             v.release()
         self._closed = True
         _live_pools.discard(self)
+        # Drop every numpy array over the mapping, or munmap would be refused.
         self._victims = None  # type: ignore[assignment]
+        self._slots = None  # type: ignore[assignment]
         for attr in [a for a, v in vars(self).items() if isinstance(v, np.ndarray)]:
             setattr(self, attr, None)
         self._h = None  # type: ignore[assignment]

@@ -369,3 +369,11 @@ def test_random_damage_is_always_detected(sample_snapshot, tmp_path, data):
     f.write_bytes(bytes(damaged))
     with pytest.raises(SnapshotCorrupt):
         snap.Snapshot(f)
+
+
+def test_a_directory_is_not_a_snapshot(tmp_path, pool_name):
+    from cortex_cache import UsageError
+
+    with pytest.raises(UsageError):
+        Pool.restore(tmp_path, name=pool_name)
+    assert not Pool.exists(pool_name)

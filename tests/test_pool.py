@@ -315,3 +315,26 @@ def test_handle_refuses_use_after_fork(make_pool):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_close_unmaps_and_releases_the_fd(make_pool):
+    p = make_pool("1M", block_size="4K")
+    p.put("k", b"v")
+    name = p.name
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if line.rstrip().endswith(shm_path(name)))
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):  # every operation kind, then close: nothing may stay behind
+        q = Pool.open(name)
+        q.get("k")
+        q.put("k2", os.urandom(300_000))
+        with q.view("k"):
+            pass
+        q.stats()
+        q.verify()
+        q.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert mapped() == 1  # only `p` itself
