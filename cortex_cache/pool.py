@@ -241,13 +241,16 @@ class Pool:
         lfu_period: int | None = None,
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
+        prefault: bool = True,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
         Raises InvalidName, InvalidSize, UsageError (policy, mode), PoolExists,
         NoSpace (not enough free shared memory, exit 73), PermissionDenied.
         With `reserve` (default) the memory is allocated and pre-faulted now,
-        so later writes can never hit SIGBUS on a full /dev/shm.
+        so later writes can never hit SIGBUS on a full /dev/shm; `prefault=False`
+        keeps the reservation but skips mapping every page now (restore does,
+        since it writes the pages through the file anyway).
         """
         segment.validate_name(name)
         nbytes = parse_size(size)
@@ -264,7 +267,7 @@ class Pool:
         try:
             # Openers that find no magic yet wait on this lock until we are done.
             init_lock.acquire()
-            if reserve:
+            if reserve and prefault:
                 seg.prefault()
             cls._initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period)
             init_lock.release()
@@ -1150,7 +1153,11 @@ class Pool:
         off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
         i = self._reserved_slot
         try:
-            self._mv[off : off + vlen] = vb
+            # Through the segment's fd, not the mapping: the kernel fills the
+            # pages without a page fault each (~1.5x faster into fresh memory).
+            done = 0
+            while done < vlen:
+                done += os.pwrite(self._seg.fd, vb[done:], off + done)
             self._mv[off + vlen : off + vlen + klen] = kb
         except BaseException:
             self._locked(self._abort, i)
