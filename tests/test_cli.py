@@ -813,3 +813,33 @@ def test_mode_is_exact_whatever_the_umask(pool_name, cleanup):
         name,
     )
     assert seg_path(name).stat().st_mode & 0o777 == 0o660
+
+
+def test_list_and_status_show_damaged_segments_instead_of_crashing(pool_name):
+    from cortex_cache import Pool
+    from cortex_cache.segment import shm_path
+
+    good, junk, future = pool_name + "-good", pool_name + "-junk", pool_name + "-v9"
+    Pool.create(good, "64K", block_size="4K").close()
+    try:
+        with open(shm_path(junk), "wb") as f:
+            f.write(b"definitely not a pool" * 500)
+        Pool.create(future, "64K", block_size="4K").close()
+        with open(shm_path(future), "r+b") as f:
+            f.seek(8)
+            f.write((9).to_bytes(4, "little"))  # a format version from the future
+        for args in (["list", "--json"], ["status", "--json"]):
+            r = cli("cache", *args)
+            assert r.returncode == 0, r.stderr
+            rows = {row["name"]: row for row in json.loads(r.stdout)["pools"]}
+            assert rows[good]["status"] == "ok"
+            assert rows[junk]["status"] == "corrupt"
+            assert rows[future]["status"] == "corrupt" and "version 9" in rows[future]["error"]
+        r = cli("cache", "list")
+        assert r.returncode == 0 and junk in r.stdout.decode() and "corrupt" in r.stdout.decode()
+        r = cli("cache", "status", junk)
+        assert r.returncode == 65 and len(r.stderr.splitlines()) == 1
+    finally:
+        for n in (good, junk, future):
+            if os.path.exists(shm_path(n)):
+                os.unlink(shm_path(n))
