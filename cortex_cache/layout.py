@@ -8,7 +8,7 @@ starting on a 4096-byte boundary::
     buckets_off   buckets    n_buckets x int32: head slot of each hash chain, -1 empty
     blockmap_off  block map  n_blocks  x uint8: 0 free, 1 used
     pins_off      pins       n_pins    x 16 bytes, PIN_FIELDS below
-    victims_off   victims    CANDIDATES (1024) x 32 bytes, VICTIM_COLUMNS below
+    victims_off   victims    CANDIDATES (4096) x 32 bytes, VICTIM_COLUMNS below
     data_off      data       n_blocks  x block_size bytes
 
 All integers are little-endian.  The tables below are the single source of
@@ -143,7 +143,7 @@ SLOT_COLUMNS: list[tuple[str, str]] = [
 SLOT_BYTES = sum(np.dtype(f).itemsize for _, f in SLOT_COLUMNS)  # 136 per slot
 
 # The shared victim list (eviction.py): CANDIDATES rows, by column.
-CANDIDATES = 1024
+CANDIDATES = 4096
 VICTIM_COLUMNS: list[tuple[str, str]] = [
     ("slot", "<i4"),  # cached victims, best first
     ("pad", "<i4"),

@@ -44,7 +44,7 @@ def test_layout_matches_frozen_format():
     assert layout.SLOT_COLUMNS == FROZEN_SLOT_COLUMNS
     assert layout.VICTIM_COLUMNS == FROZEN_VICTIM_COLUMNS
     assert layout.PIN_FIELDS == FROZEN_PIN
-    assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 136, 16, 1024)
+    assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 136, 16, 4096)
 
 
 @pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.PIN_FIELDS, 16)])
