@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
 import xxhash
 
 from .errors import (
     CannotCreate,
     CortexCacheError,
-    NoSpace,
     PermissionDenied,
     PersistBusy,
     SnapshotCorrupt,
@@ -62,7 +62,7 @@ from .errors import (
     StorageIOError,
     UsageError,
 )
-from .layout import MAX_KEY_BYTES, SEALED, Geometry
+from .layout import MAX_KEY_BYTES, Geometry
 from .policy_names import POLICY_IDS
 
 if TYPE_CHECKING:
@@ -291,8 +291,6 @@ def _sync_file_range():
 
 def _write_snapshot(pool: "Pool", f, now: float, progress) -> tuple[int, int, int]:
     """Write header, records and trailer to `f`; return (entries, value bytes, skipped)."""
-    import numpy as np
-
     file_hash = xxhash.xxh3_64()
 
     def out(data) -> None:
@@ -308,7 +306,7 @@ def _write_snapshot(pool: "Pool", f, now: float, progress) -> tuple[int, int, in
     out(head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)))
     # Live entries at the start, oldest insert first; entries put later are
     # not part of this snapshot, entries deleted meanwhile are skipped.
-    order = pool._locked(lambda: _live_in_insert_order(pool, np))
+    order = pool._locked(lambda: _live_in_insert_order(pool))
     total = int(pool._vlen[order].sum()) if len(order) else 0
     entries = nbytes = skipped = 0
     k = 0
@@ -341,7 +339,7 @@ def _write_snapshot(pool: "Pool", f, now: float, progress) -> tuple[int, int, in
     return entries, nbytes, skipped
 
 
-def _live_in_insert_order(pool: "Pool", np) -> "np.ndarray":
+def _live_in_insert_order(pool: "Pool") -> np.ndarray:
     live = np.flatnonzero(pool._live_mask())
     return live[np.argsort(pool._iseq[live], kind="stable")]
 

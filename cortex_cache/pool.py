@@ -64,7 +64,7 @@ from .layout import (
     Geometry,
 )
 from .lock import PoolLock, RecordLock
-from .units import ceil_div, format_size, parse_size
+from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes
 
 # Values up to this size are copied while holding the lock: two extra lock
@@ -297,7 +297,6 @@ class Pool:
         h["name"] = name.encode()
         h["lfu_period"] = lfu_period or max(1024, geo.n_slots)
         h["cand_next_expiry"] = np.inf
-        h["victims_off"] = geo.victims_off
         nxt = np.frombuffer(mm, np.int32, geo.n_slots, geo.slot_columns()["next"])
         nxt[:-1] = np.arange(1, geo.n_slots, dtype=np.int32)
         nxt[-1] = -1
