@@ -88,12 +88,14 @@ class Policy:
     # policy whose order a hit changes.
     identity = "access_seq"
 
-    def primary(self, s: np.ndarray, idx: np.ndarray, epoch: int) -> np.ndarray:
-        """Primary score of slots `idx` of the slot table `s`."""
-        return np.zeros(idx.size)
+    def primary(self, s: dict, idx, epoch: int) -> np.ndarray:
+        """Primary scores (float64) of slots `idx` (an index array or a slice) of the columns `s`."""
+        return np.zeros(s["state"][idx].shape[0])
 
-    def primary_one(self, s: np.ndarray, i: int, epoch: int) -> float:
-        return float(self.primary(s, np.array([i]), epoch)[0])
+    def primary_one(self, m: dict, i: int, epoch: int) -> float:
+        """Primary score of slot `i`; `m` maps field names to the slot columns
+        (memoryviews on the hot path: one scalar read, no numpy)."""
+        return 0.0
 
 
 class LRU(Policy):
@@ -110,6 +112,9 @@ class FIFO(Policy):
     def primary(self, s, idx, epoch):
         return s["insert_seq"][idx].astype(np.float64)
 
+    def primary_one(self, m, i, epoch):
+        return float(m["insert_seq"][i])
+
 
 class LFU(Policy):
     name = "lfu"
@@ -119,8 +124,8 @@ class LFU(Policy):
         age = np.minimum(epoch - s["lfu_epoch"][idx], 63).astype(np.uint64)
         return np.right_shift(s["access_count"][idx], age).astype(np.float64)
 
-    def primary_one(self, s, i, epoch):
-        return float(int(s["access_count"][i]) >> min(63, epoch - int(s["lfu_epoch"][i])))
+    def primary_one(self, m, i, epoch):
+        return float(m["access_count"][i] >> min(63, epoch - m["lfu_epoch"][i]))
 
 
 class PriorityPolicy(Policy):
@@ -130,8 +135,8 @@ class PriorityPolicy(Policy):
     def primary(self, s, idx, epoch):
         return s["priority"][idx].astype(np.float64)
 
-    def primary_one(self, s, i, epoch):
-        return float(s["priority"][i])
+    def primary_one(self, m, i, epoch):
+        return float(m["priority"][i])
 
 
 class TTLPolicy(Policy):
@@ -141,8 +146,8 @@ class TTLPolicy(Policy):
         e = s["expiry"][idx]
         return np.where(e > 0, e, INF)
 
-    def primary_one(self, s, i, epoch):
-        e = float(s["expiry"][i])
+    def primary_one(self, m, i, epoch):
+        e = m["expiry"][i]
         return e if e > 0 else INF
 
 
@@ -153,8 +158,8 @@ class SizePolicy(Policy):
     def primary(self, s, idx, epoch):
         return -(s["value_len"][idx].astype(np.float64))
 
-    def primary_one(self, s, i, epoch):
-        return -float(s["value_len"][i])
+    def primary_one(self, m, i, epoch):
+        return -float(m["value_len"][i])
 
 
 # The one table of policy implementations.  Names, help and segment ids live
@@ -195,6 +200,7 @@ class VictimCache:
         self._hu32, self._hu64, self._hf64 = hdr_views
         self._m_state, self._m_pins = col_views["state"], col_views["pins"]
         self._m_ident, self._m_expiry = col_views[policy.identity], col_views["expiry"]
+        self._m = col_views
 
     def invalidate(self) -> None:
         self._hu32[H_CAND_VALID] = 0
@@ -203,7 +209,8 @@ class VictimCache:
         e = self._m_expiry[i]
         if 0 < e <= self.clock():
             return -INF, int(_expiry_key(e))
-        return self.policy.primary_one(self.s, i, self._hu64[H_LFU_EPOCH]), int(self.s["access_seq"][i])
+        m = self._m
+        return self.policy.primary_one(m, i, self._hu64[H_LFU_EPOCH]), m["access_seq"][i]
 
     def on_score_change(self, i: int) -> None:
         """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
@@ -274,38 +281,54 @@ class VictimCache:
         return -1, False
 
     def _fill(self) -> bool:
-        """Scan all live entries and list the best CANDIDATES victims; False if none."""
+        """Scan all live entries and list the best CANDIDATES victims; False if none.
+
+        In the steady state of a full cache every entry is live and none has
+        expired: then the scan works on the columns themselves (views), with
+        no index gathers, which halves its cost.
+        """
         h, s = self.h, self.s
         now = self.clock()
         epoch = int(h["lfu_epoch"][0])
-        live = np.flatnonzero((self._state == SEALED) & (self._pins == 0))
         h["cand_epoch"] = epoch
         h["cand_pos"] = 0
-        if live.size == 0:
+        live_mask = (self._state == SEALED) & (self._pins == 0)
+        n_live = int(np.count_nonzero(live_mask))
+        if n_live == 0:
             h["cand_valid"] = 0
             h["cand_count"] = 0
             return False
-        exp = s["expiry"][live]
-        is_expired = (exp > 0) & (exp <= now)
-        sec_all = s["access_seq"][live]
-        expired = np.flatnonzero(is_expired)
-        expired = expired[np.argsort(exp[expired], kind="stable")][:CANDIDATES]
-        rest = np.flatnonzero(~is_expired)
-        future = exp[rest]
-        future = future[future > 0]
-        next_expiry = float(future.min()) if future.size else INF
+        # `live`: slot numbers of live entries, or None for "every slot".
+        live = None if n_live == live_mask.size else np.flatnonzero(live_mask)
+        exp = s["expiry"] if live is None else s["expiry"][live]
+        sec_all = s["access_seq"] if live is None else s["access_seq"][live]
+        expired = np.empty(0, dtype=np.int64)
+        rest = None  # positions (within live) of unexpired entries; None for all
+        next_expiry = INF
+        if exp.any():
+            is_expired = (exp > 0) & (exp <= now)
+            expired = np.flatnonzero(is_expired)
+            expired = expired[np.argsort(exp[expired], kind="stable")][:CANDIDATES]
+            if expired.size:
+                rest = np.flatnonzero(~is_expired)
+            future = exp[exp > now]
+            next_expiry = float(future.min()) if future.size else INF
+        n_rest = n_live if rest is None else rest.size
         room = CANDIDATES - expired.size
-        chosen = rest[:0]
+        chosen = np.empty(0, dtype=np.int64)  # positions within live
         prim_chosen = np.empty(0)
-        if room > 0 and rest.size:
-            prim = self.policy.primary(s, live[rest], epoch)
-            sec = sec_all[rest]
-            folded = _fold(prim, sec) if rest.size > room and self.policy.integer_primary else None
-            if rest.size > room and self.policy.constant_primary:
+        if room > 0 and n_rest:
+            if rest is None:
+                prim = self.policy.primary(s, slice(None) if live is None else live, epoch)
+                sec = sec_all
+            else:
+                prim = self.policy.primary(s, rest if live is None else live[rest], epoch)
+                sec = sec_all[rest]
+            if n_rest > room and self.policy.constant_primary:
                 pool = np.argpartition(sec, room - 1)[:room]
-            elif folded is not None:
+            elif n_rest > room and self.policy.integer_primary and (folded := _fold(prim, sec)) is not None:
                 pool = np.argpartition(folded, room - 1)[:room]
-            elif rest.size > room:
+            elif n_rest > room:
                 # O(n) preselection of the `room` smallest (primary, secondary)
                 # pairs: everything strictly below the cutoff primary, then the
                 # least recent of the entries tied at the cutoff.
@@ -317,13 +340,13 @@ class VictimCache:
                     ties = ties[np.argpartition(sec[ties], need - 1)[:need]]
                 pool = np.concatenate([below, ties])
             else:
-                pool = np.arange(rest.size)
+                pool = np.arange(n_rest)
             order = pool[np.lexsort((sec[pool], prim[pool]))][:room]
-            chosen = rest[order]
+            chosen = order if rest is None else rest[order]
             prim_chosen = prim[order]
         rows = np.concatenate([expired, chosen])
         n = rows.size
-        victims = live[rows]
+        victims = rows if live is None else live[rows]
         self._vslot[:n] = victims
         self._vident[:n] = self._ident[victims]
         self._vprim[:n] = np.concatenate([np.full(expired.size, -INF), prim_chosen])
