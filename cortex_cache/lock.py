@@ -27,6 +27,7 @@ from .errors import LockTimeout
 _FLOCK = struct.Struct("@hhqqi4x")
 
 METADATA_BYTE = 0
+_SPIN = 20  # non-blocking attempts before a blocking wait (~1 us each)
 PERSIST_BYTE = 1
 
 
@@ -47,6 +48,16 @@ class RecordLock:
     def acquire(self, timeout: float | None = None) -> None:
         """Block until held; with `timeout` (seconds), raise LockTimeout after it."""
         if timeout is None:
+            # Critical sections last a few microseconds and the holder is
+            # usually running on another core: retrying briefly beats going
+            # to sleep in the kernel and paying a wake-up per hand-over.
+            for _ in range(_SPIN):
+                try:
+                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._lock)
+                    return
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
             # fcntl releases the GIL while it waits.
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._lock)
             return
