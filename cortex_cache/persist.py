@@ -439,7 +439,13 @@ class Snapshot:
     foreign or of a newer version), PermissionDenied (77).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
+        """Map `path` and check its header; with `verify` (default) check the whole file now.
+
+        Without `verify` only the header and the trailer's place are checked:
+        the caller must then read every record through `records(hasher=...)`
+        and call `check_trailer` before trusting anything it read.
+        """
         self.path = Path(path)
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -463,16 +469,26 @@ class Snapshot:
         self.size = size
         try:
             self.header = self._read_header()
-            self.entries, self.value_bytes = self._verify()
+            end = self.size - TRAILER.size
+            magic, self.entries, self.value_bytes, self._file_check = TRAILER.unpack_from(self._mv, end)
+            if magic != END_MAGIC:
+                raise self._corrupt("truncated (no trailer)")
+            if verify:
+                self._verify()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         if self._mv is not None:
-            self._mv.release()
-            self._mv = None  # type: ignore[assignment]
-            self._mm.close()
+            mv, self._mv = self._mv, None
+            try:
+                mv.release()
+                self._mm.close()
+            except BufferError:
+                # A record's value view is still alive (say, in a traceback):
+                # the mapping goes when the last view does.
+                pass
 
     def __enter__(self) -> "Snapshot":
         return self
@@ -507,31 +523,35 @@ class Snapshot:
         return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
                               lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)))
 
-    def _verify(self) -> tuple[int, int]:
-        mv = self._mv
+    def _verify(self) -> None:
         end = self.size - TRAILER.size
-        magic, count, value_bytes, file_check = TRAILER.unpack_from(mv, end)
-        if magic != END_MAGIC:
-            raise self._corrupt("truncated (no trailer)")
-        if xxhash.xxh3_64_intdigest(mv[:end]) != file_check:
+        if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
             raise self._corrupt("file checksum mismatch")
         # The file hash covers every byte, and the writer checked each value
         # against its checksum before writing it: here only the structure
         # (magic, lengths, header checksums) is left to check.
-        n = total = 0
-        for rec in self.records(verify=True, values=False):
-            n += 1
-            total += len(rec.value)
-        if n != count or total != value_bytes:
-            raise self._corrupt(f"trailer says {count} entries / {value_bytes} bytes, found {n} / {total}")
-        return n, total
+        self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
 
-    def records(self, verify: bool = False, values: bool = True) -> Iterator[Record]:
+    def check_trailer(self, count: int, hasher: Any | None) -> None:
+        """Compare what a full pass over the records found with the trailer."""
+        total = sum(len(r.value) for r in self.records()) if hasher is None else self._seen_bytes
+        if hasher is not None and hasher.intdigest() != self._file_check:
+            raise self._corrupt("file checksum mismatch")
+        if count != self.entries or total != self.value_bytes:
+            raise self._corrupt(
+                f"trailer says {self.entries} entries / {self.value_bytes} bytes, found {count} / {total}"
+            )
+
+    def records(self, verify: bool = False, values: bool = True, hasher: Any | None = None) -> Iterator[Record]:
         """The records in file order; with `verify`, check every checksum and length
-        (with `values=False`, all but the values' own checksums)."""
+        (with `values=False`, all but the values' own checksums).  A `hasher`
+        (xxh3_64) is fed every byte before the trailer, for `check_trailer`."""
         mv = self._mv
         pos = FILE_HEAD.size + HEAD_CHECK.size
         end = self.size - TRAILER.size
+        self._seen_bytes = 0
+        if hasher is not None:
+            hasher.update(mv[:pos])
         while pos < end:
             if end - pos < REC_HEAD.size + REC_CHECK.size:
                 raise self._corrupt(f"record at byte {pos} is cut short")
@@ -550,6 +570,9 @@ class Snapshot:
                     raise self._corrupt(f"record at byte {pos} fails its checksum")
                 if values and xxhash.xxh3_64_intdigest(value) != checksum:
                     raise self._corrupt(f"value of record at byte {pos} fails its checksum")
+            if hasher is not None:
+                hasher.update(mv[pos : kpos + klen + vlen])
+            self._seen_bytes += vlen
             yield Record(key, flags, value, created, last_access, expiry, iseq, aseq, count, prio, checksum)
             pos = kpos + klen + vlen
 
@@ -578,38 +601,53 @@ def restore(
             raise UsageError("restore needs a snapshot path or a pool name")
         path = latest_path(segment.validate_name(name))
     t0 = time.perf_counter()
-    with Snapshot(path) as snap:
+    if name is not None:
+        segment.validate_name(name)
+    # A new pool is filled under a temporary name in one pass over the file
+    # (hashing as it copies) and appears under its real name only once the
+    # whole snapshot checked out.  An existing pool (--replace) is emptied, so
+    # the file is verified whole first, in a pass of its own.
+    with Snapshot(path, verify=False) as snap:
         h = snap.header
-        target = segment.validate_name(name or h.name)
-        created = False
+        target = name or segment.validate_name(h.name)
         if segment.exists(target):
             if not replace:
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
+            snap._verify()
             pool = Pool.open(target, clock=clock)
+            try:
+                report = _fill_pool(pool, snap, True, False, progress, None)
+            except BaseException:
+                pool.close()
+                raise
         else:
+            staging = f"restoring-{secrets.token_hex(8)}"
             pool = Pool.create(
-                target, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+                staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
                 mode=h.mode | 0o600, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
                 prefault=False,
             )
-            created = True
-        try:
-            report = _fill_pool(pool, snap, replace and not created, created, progress)
-        except BaseException:
-            pool.close()
-            if created:
+            try:
+                report = _fill_pool(pool, snap, False, True, progress, xxhash.xxh3_64())
+                pool._hdr["name"] = target.encode()
+                segment.publish(staging, target)
+            except BaseException:
+                pool.close()
                 try:
-                    Pool.unlink(target)
+                    Pool.unlink(staging)
                 except PoolNotFound:
                     pass
-            raise
+                raise
+            pool.close()
+            Pool.unlink(staging)
+            pool = Pool.open(target, clock=clock)
     report["seconds"] = round(time.perf_counter() - t0, 6)
     report["path"] = str(Path(path))
     report["pool"] = target
     return pool, report
 
 
-def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress) -> dict[str, Any]:
+def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress, hasher) -> dict[str, Any]:
     from .lock import PERSIST_BYTE, RecordLock
 
     lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
@@ -621,7 +659,9 @@ def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress)
         now = pool.clock()
         restored = expired = nbytes = 0
         base = pool._locked(pool._restore_begin, snap.header.counters if fresh else None)
-        for rec in snap.records():
+        count = 0
+        for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
+            count += 1
             if 0 < rec.expiry <= now:
                 expired += 1
                 continue
@@ -630,6 +670,8 @@ def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress)
             nbytes += len(rec.value)
             if progress is not None:
                 progress(nbytes, snap.value_bytes)
+        if hasher is not None:
+            snap.check_trailer(count, hasher)
         pool._locked(pool._restore_end, snap.header.counters if fresh else None)
         return {"entries": restored, "bytes": nbytes, "expired_skipped": expired}
     finally:

@@ -190,6 +190,21 @@ def unlink(name: str) -> None:
         raise PermissionDenied(f"permission denied removing pool {name!r}") from None
 
 
+def publish(staging: str, name: str) -> None:
+    """Give segment `staging` the name `name` as well, atomically; PoolExists if taken.
+
+    A hard link in /dev/shm (POSIX has no shm rename): the new name appears
+    with the complete pool behind it, or not at all.  The caller unlinks
+    `staging` afterwards.
+    """
+    try:
+        os.link(shm_path(staging), shm_path(name))
+    except FileExistsError:
+        raise PoolExists(f"pool {name!r} already exists") from None
+    except PermissionError:
+        raise PermissionDenied(f"permission denied creating pool {name!r}") from None
+
+
 def exists(name: str) -> bool:
     return os.path.exists(shm_path(name))
 

@@ -396,3 +396,24 @@ def test_write_behind_windows_produce_the_same_snapshot(make_pool, tmp_path, mon
     assert len(q) == 30
     for k in q.keys():
         check_value(q.get(k))
+
+
+@pytest.mark.parametrize("where", ["first-value", "last-value", "trailer-count"])
+def test_restore_of_a_damaged_file_creates_nothing(make_pool, tmp_path, pool_name, where):
+    """A fresh restore copies while it verifies: damage found late must leave no pool behind."""
+    p = make_pool("4M", block_size="4K")
+    for i in range(8):
+        p.put(f"k{i}", make_value(i, 0, 50_000))
+    path = snap.persist(p, tmp_path / "s.ccsnap").path
+    data = bytearray(path.read_bytes())
+    if where == "first-value":
+        data[320 + 104 + 2 + 100] ^= 0x40  # inside k0's value
+    elif where == "last-value":
+        data[-32 - 10] ^= 0x01  # near the end of the last value
+    else:
+        struct.pack_into("<Q", data, len(data) - 24, 7)  # trailer claims 7 entries
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt):
+        Pool.restore(path, name=pool_name)
+    assert not Pool.exists(pool_name)
+    assert not [n for n in Pool.list() if n.startswith("restoring-")]
