@@ -30,8 +30,11 @@ Writing: a temp file in the target directory (mode 0600, O_EXCL), fsync,
 rename over the target, fsync of the directory: a crash at any point leaves
 the previous snapshot whole.  Entries are pinned in small batches and copied
 without the pool lock, so writers are never blocked for more than the
-metadata of one batch.  Reading verifies every checksum and every length
-against the file's size before a single byte reaches a pool.
+metadata of one batch.  Reading checks every length against the file's size
+and every checksum before a pool anyone can see changes: a new pool is
+filled under a temporary name in the same pass and linked under its real
+name only when the whole file checked out; an existing pool (replace) is
+emptied only after a verification pass of its own.
 """
 
 from __future__ import annotations
