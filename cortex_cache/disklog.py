@@ -1,0 +1,320 @@
+"""Storage for the disk tier: a bounded ring of preallocated files of checksummed records.
+
+This is the disk tier's storage engine only; wiring it under a pool (spill on
+eviction, promote on a miss, a shared index) is the next step of issue [5/9].
+
+Directory layout (a fixed number of files, whatever the number of entries)::
+
+    DIR/cortex-tier.meta    META (4096 bytes): magic, version, file count and
+                            size, alignment, then the shared append cursor
+    DIR/tier-00.log ...     FILES data files of file_size bytes each,
+                            reserved with posix_fallocate at create
+
+Every record starts on an ALIGN (4096) boundary, so the files can also be
+written with O_DIRECT::
+
+    0   4s  magic b"CDSK"      4  u16 version (1)   6 u16 flags
+    8   u32 key length         12 u32 reserved
+    16  u64 value length       24 u64 seq (unique, increasing across the log)
+    32  f64 expiry (0 never)   40 i64 priority
+    48  u64 xxh3_64 of the value
+    56  u64 xxh3_64 of bytes 0..55 plus the key
+    64  key, value, zero padding to the next ALIGN boundary
+
+Appends go round the files in order.  The cursor (file, offset, next seq)
+lives in the meta file and is advanced under an OFD lock on it, so any
+number of processes can append; each then writes its record outside the
+lock.  When the cursor enters a file, that file's old records are gone: the
+ring drops what was spilled longest ago (entries read back are promoted to
+memory and spilled again later, so it is least-recently-used by spill).
+A location handed out earlier is checked on every read (magic, seq, key,
+checksums): an overwritten one reads as stale, a damaged one as corrupt;
+neither ever returns wrong bytes.  `scan` finds every intact record again
+after a restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import xxhash
+
+from .errors import NoSpace, SegmentCorrupt, StorageIOError, UsageError
+from .layout import MAX_KEY_BYTES
+from .lock import RecordLock
+
+META_NAME = "cortex-tier.meta"
+META_MAGIC = b"CRTXTIER"
+META = struct.Struct("<8sIIQQ QQQ")  # magic, version, files, file_size, align | cursor file, offset, next seq
+META_SIZE = 4096
+CURSOR_OFF = struct.calcsize("<8sIIQQ")  # where the cursor (file, offset, next seq) starts
+VERSION = 1
+FILES = 16
+ALIGN = 4096
+REC_MAGIC = b"CDSK"
+REC = struct.Struct("<4sHHII QQ dq Q")
+REC_CHECK = struct.Struct("<Q")
+HEAD = REC.size + REC_CHECK.size
+assert HEAD == 64
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a record was written: file number, offset, length on disk, its seq."""
+
+    file: int
+    offset: int
+    length: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Found:
+    key: bytes
+    value: bytes
+    seq: int
+    expiry: float
+    priority: int
+
+
+STALE = "stale"  # the location was overwritten since: an ordinary miss
+CORRUPT = "corrupt"  # the bytes there fail their checksums: a counted, reported miss
+
+
+class DiskLog:
+    """A disk tier directory, open in this process."""
+
+    def __init__(self, directory: Path, meta_fd: int, files: int, file_size: int, o_direct: bool) -> None:
+        self.directory = directory
+        self._meta_fd = meta_fd
+        self.files = files
+        self.file_size = file_size
+        self._lock = RecordLock(meta_fd, 0)
+        self._fds = [self._open_data(i, o_direct) for i in range(files)]
+        self.o_direct = o_direct and all(d for _, d in self._fds)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, directory: str | os.PathLike, capacity: int, o_direct: bool = False) -> "DiskLog":
+        """Make a new tier of `capacity` bytes in `directory` (created 0700); reserve the space now.
+
+        Raises NoSpace (exit 73) when the filesystem lacks the room, UsageError
+        when the directory already holds a tier or the capacity is too small.
+        """
+        d = Path(directory)
+        file_size = _round_up(capacity // FILES)
+        if capacity < FILES * ALIGN * 2:
+            raise UsageError(f"disk tier of {capacity} bytes is too small: at least {FILES * ALIGN * 2}")
+        try:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageIOError(f"cannot create {str(d)!r}: {e.strerror}") from None
+        st = os.statvfs(d)
+        if st.f_bavail * st.f_frsize < file_size * FILES:
+            raise NoSpace(f"not enough disk in {str(d)!r} for a {capacity}-byte tier")
+        try:
+            meta_fd = os.open(d / META_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise UsageError(f"{str(d)!r} already holds a disk tier; open it instead") from None
+        made = [d / META_NAME]
+        try:
+            for i in range(FILES):
+                path = d / f"tier-{i:02d}.log"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                made.append(path)
+                try:
+                    _reserve(fd, file_size)
+                finally:
+                    os.close(fd)
+            header = META.pack(META_MAGIC, VERSION, FILES, file_size, ALIGN, 0, 0, 1)
+            os.pwrite(meta_fd, header.ljust(META_SIZE, b"\0"), 0)
+            os.fsync(meta_fd)
+        except BaseException:
+            os.close(meta_fd)
+            for p in made:
+                p.unlink(missing_ok=True)
+            raise
+        return cls(d, meta_fd, FILES, file_size, o_direct)
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, o_direct: bool = False) -> "DiskLog":
+        """Open an existing tier; SegmentCorrupt (65) if it is not one of ours."""
+        d = Path(directory)
+        try:
+            meta_fd = os.open(d / META_NAME, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StorageIOError(f"no disk tier in {str(d)!r}") from None
+        raw = os.pread(meta_fd, META.size, 0)
+        if len(raw) < META.size or raw[:8] != META_MAGIC:
+            os.close(meta_fd)
+            raise SegmentCorrupt(f"{str(d)!r} does not hold a cortex disk tier")
+        _, version, files, file_size, align, *_ = META.unpack(raw)
+        if version != VERSION or files != FILES or align != ALIGN or file_size % ALIGN or file_size < 2 * ALIGN:
+            os.close(meta_fd)
+            raise SegmentCorrupt(f"disk tier in {str(d)!r} has an unknown layout (version {version})")
+        return cls(d, meta_fd, files, file_size, o_direct)
+
+    def _open_data(self, i: int, o_direct: bool) -> tuple[int, bool]:
+        path = self.directory / f"tier-{i:02d}.log"
+        if o_direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
+                    raise
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+
+    def close(self) -> None:
+        for fd, _ in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._meta_fd >= 0:
+            os.close(self._meta_fd)
+            self._meta_fd = -1
+
+    def __enter__(self) -> "DiskLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ append
+
+    def _reserve(self, length: int) -> tuple[int, int, int]:
+        """Advance the shared cursor by `length`; return (file, offset, seq)."""
+        self._lock.acquire()
+        try:
+            cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
+            if cur_off + length > self.file_size:
+                cur_file, cur_off = (cur_file + 1) % self.files, 0  # the next file's old records go
+            os.pwrite(self._meta_fd, struct.pack("<QQQ", cur_file, cur_off + length, seq + 1), CURSOR_OFF)
+            return cur_file, cur_off, seq
+        finally:
+            self._lock.release()
+
+    def append(self, key: bytes, value, expiry: float = 0.0, priority: int = 0) -> Location:
+        """Write one record; return its location.  Safe from many processes at once."""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise UsageError(f"keys must be 1 to {MAX_KEY_BYTES} bytes long")
+        value = memoryview(value).cast("B")
+        length = _round_up(HEAD + len(key) + value.nbytes)
+        if length > self.file_size:
+            raise UsageError(f"value of {value.nbytes} bytes is larger than a disk tier file ({self.file_size})")
+        file, off, seq = self._reserve(length)
+        head = REC.pack(REC_MAGIC, VERSION, 0, len(key), 0, value.nbytes, seq, expiry, priority,
+                        xxhash.xxh3_64_intdigest(value))
+        head += REC_CHECK.pack(xxhash.xxh3_64_intdigest(head + key))
+        fd, direct = self._fds[file]
+        if direct:
+            buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT needs
+            try:
+                buf[: HEAD + len(key)] = head + key
+                buf[HEAD + len(key) : HEAD + len(key) + value.nbytes] = value
+                _pwrite_all(fd, memoryview(buf), off)
+            finally:
+                buf.close()
+        else:
+            _pwrite_all(fd, memoryview(head + key), off)
+            _pwrite_all(fd, value, off + HEAD + len(key))
+        return Location(file, off, length, seq)
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, loc: Location, key: bytes) -> Found | str:
+        """The record at `loc` if it is still `key`'s and intact; else STALE or CORRUPT."""
+        if not (0 <= loc.file < self.files and 0 <= loc.offset and loc.offset + loc.length <= self.file_size):
+            return CORRUPT
+        fd, direct = self._fds[loc.file]
+        if direct:
+            buf = mmap.mmap(-1, loc.length)
+            try:
+                n = os.preadv(fd, [buf], loc.offset)
+                data = bytes(buf[:n])
+            finally:
+                buf.close()
+        else:
+            data = os.pread(fd, loc.length, loc.offset)
+        return _parse(data, loc.seq, key)
+
+    # ------------------------------------------------------------------ recovery
+
+    def scan(self) -> Iterator[tuple[bytes, Location, float, int]]:
+        """Every intact record in the tier: (key, location, expiry, priority), file by file."""
+        for file in range(self.files):
+            fd = self._fds[file][0]
+            off = 0
+            while off + HEAD <= self.file_size:
+                head = os.pread(fd, HEAD, off)
+                if head[:4] != REC_MAGIC:
+                    off += ALIGN  # never written, or torn: look at the next boundary
+                    continue
+                _, _, _, klen, _, vlen, seq, expiry, prio, _ = REC.unpack_from(head)
+                length = _round_up(HEAD + klen + vlen)
+                if not 0 < klen <= MAX_KEY_BYTES or off + length > self.file_size:
+                    off += ALIGN
+                    continue
+                data = os.pread(fd, length, off)
+                key = data[HEAD : HEAD + klen]
+                found = _parse(data, seq, key)
+                if isinstance(found, Found):
+                    yield key, Location(file, off, length, seq), expiry, prio
+                    off += length
+                else:
+                    off += ALIGN
+
+    def usage(self) -> dict[str, int]:
+        cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
+        return {"capacity": self.files * self.file_size, "files": self.files, "file_size": self.file_size,
+                "cursor_file": cur_file, "cursor_offset": cur_off, "next_seq": seq}
+
+
+def _parse(data: bytes, seq: int, key: bytes) -> Found | str:
+    if len(data) < HEAD or data[:4] != REC_MAGIC:
+        return STALE
+    _, version, _, klen, _, vlen, rseq, expiry, prio, vcheck = REC.unpack_from(data)
+    if rseq != seq or klen != len(key):
+        return STALE  # another record lives here now
+    (hcheck,) = REC_CHECK.unpack_from(data, REC.size)
+    if version != VERSION or HEAD + klen + vlen > len(data):
+        return CORRUPT
+    if hcheck != xxhash.xxh3_64_intdigest(data[: REC.size] + data[HEAD : HEAD + klen]):
+        return CORRUPT
+    if data[HEAD : HEAD + klen] != key:
+        return STALE
+    value = data[HEAD + klen : HEAD + klen + vlen]
+    if xxhash.xxh3_64_intdigest(value) != vcheck:
+        return CORRUPT
+    return Found(key, value, rseq, expiry, prio)
+
+
+def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], off + done)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate `size` bytes for real (so a full disk fails now, not mid-spill)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"not enough disk for the tier ({size} bytes per file)") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise StorageIOError(f"cannot reserve disk tier space: {e.strerror}") from None
+        os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, best effort
+
+
+__all__ = ["DiskLog", "Location", "Found", "STALE", "CORRUPT", "FILES", "ALIGN"]
+
