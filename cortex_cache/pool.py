@@ -476,7 +476,7 @@ class Pool:
         mv = self._mv
         mv[off : off + vlen] = vb
         mv[off + vlen : off + vlen + len(kb)] = kb
-        self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority)
+        self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, replace=False)
 
     def _reserve(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> int:
         """Take a slot and a run of blocks for a new entry (state WRITING).
@@ -503,11 +503,14 @@ class Pool:
         self._reserved_slot = i
         return self._data_off + first * self._bs
 
-    def _seal(self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int) -> None:
-        """Make WRITING slot `i` the visible entry for its key (replacing any old one)."""
+    def _seal(
+        self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int, replace: bool = True
+    ) -> None:
+        """Make WRITING slot `i` the visible entry for its key, replacing any old one
+        (`replace=False`: the caller already removed it under this same lock hold)."""
         hu64 = self._hu64
         now = self.clock()
-        old = self._find(kb, kh)
+        old = self._find(kb, kh) if replace else -1
         if old >= 0:
             self._remove(old)
         seq = hu64[H_SEQ] + 1
@@ -1171,10 +1174,10 @@ class Pool:
         off = self._reserve(kb, flags, len(vb), nblk, kh)
         self._mv[off : off + len(vb)] = vb
         self._mv[off + len(vb) : off + len(vb) + len(kb)] = kb
-        self._seal_restored(self._reserved_slot, rec, kh, base)
+        self._seal_restored(self._reserved_slot, rec, kh, base, replace=False)
 
-    def _seal_restored(self, i: int, rec: Any, kh: int, base: int) -> None:
-        self._seal(i, rec.key, kh, rec.checksum, None, rec.priority)
+    def _seal_restored(self, i: int, rec: Any, kh: int, base: int, replace: bool = True) -> None:
+        self._seal(i, rec.key, kh, rec.checksum, None, rec.priority, replace)
         self._hu64[H_PUTS] -= 1  # a restore is not a put
         self._c_created[i] = rec.created
         self._c_lastacc[i] = rec.last_access
