@@ -102,6 +102,17 @@ def _console(stderr: bool = False):  # rich is imported by typer already
     return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width)
 
 
+def _print_table(table, console=None) -> None:
+    """Print a rich table; off a terminal, without the padding rich leaves at line ends."""
+    con = console or _console()
+    if con.is_terminal:
+        con.print(table)
+        return
+    with con.capture() as cap:
+        con.print(table)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
+
+
 def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
@@ -245,7 +256,7 @@ def list_(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT) -> None:
         used = r["used_bytes"] / r["size_bytes"] * 100
         t.add_row(r["name"], _fmt_size(r["size_bytes"]), f"{used:.1f}%", str(r["entries"]), r["policy"], r["mode"], "ok")
     if rows:
-        _console().print(t)
+        _print_table(t)
     else:
         _say("no pools", stderr=True)
 
@@ -351,7 +362,7 @@ def status(
         t.add_row("last snapshot", _fmt_time(r["last_snapshot"]) + (f" ({_fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
         if r["repairs"]:
             t.add_row("repairs", str(r["repairs"]))
-        con.print(t)
+        _print_table(t, con)
 
 
 @cache.command()
@@ -509,7 +520,7 @@ def keys(
     for inf in infos:
         ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
         t.add_row(_show_key(inf["key"]), str(inf["size"]), _fmt_age(inf["created"]), ttl, str(inf["access_count"]), str(inf["priority"]))
-    _console().print(t)
+    _print_table(t)
 
 
 @cache.command()

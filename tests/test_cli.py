@@ -843,3 +843,15 @@ def test_list_and_status_show_damaged_segments_instead_of_crashing(pool_name):
         for n in (good, junk, future):
             if os.path.exists(shm_path(n)):
                 os.unlink(shm_path(n))
+
+
+def test_tables_have_no_trailing_blanks_when_piped(pool_name):
+    from cortex_cache import Pool
+
+    Pool.create(pool_name, "64K", block_size="4K").close()
+    try:
+        for args in (["status", pool_name], ["list"], ["keys", pool_name, "--long"]):
+            out = cli("cache", *args).stdout.decode()
+            assert out and all(line == line.rstrip() for line in out.splitlines()), args
+    finally:
+        Pool.unlink(pool_name)
