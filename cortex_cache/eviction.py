@@ -214,8 +214,16 @@ class VictimCache:
 
     def on_score_change(self, i: int) -> None:
         """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
-        if self._hu32[H_CAND_VALID]:
-            self._offer(i)
+        if not self._hu32[H_CAND_VALID]:
+            return
+        # Fast exit for the usual case, an unexpired entry scoring above the
+        # last listed victim: one primary score, one comparison.
+        e = self._m_expiry[i]
+        if (e == 0 or e > self.clock()) and self.policy.primary_one(
+            self._m, i, self._hu64[H_LFU_EPOCH]
+        ) > self._hf64[H_CAND_MAX_PRIMARY]:
+            return
+        self._offer(i)
 
     def on_unpin(self, i: int) -> None:
         """Call when sealed slot `i` loses its last pin: the list may have skipped it."""
