@@ -463,7 +463,8 @@ class Pool:
             raise
         self._locked(self._seal, i, kb, kh, hasher.intdigest(), ttl, int(priority))
 
-    def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority) -> None:
+    def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority, rec=None, base=0) -> None:
+        """Store a small value in one lock hold (`rec`: a snapshot record being restored)."""
         # Replacing a key: free the old value first, so a full pool reuses its
         # blocks instead of evicting an unrelated entry.  (Readers holding a
         # pin keep the old bytes; if the new value then cannot be placed,
@@ -476,7 +477,10 @@ class Pool:
         mv = self._mv
         mv[off : off + vlen] = vb
         mv[off + vlen : off + vlen + len(kb)] = kb
-        self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, replace=False)
+        if rec is None:
+            self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, replace=False)
+        else:
+            self._seal_restored(self._reserved_slot, rec, kh, base, replace=False)
 
     def _reserve(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> int:
         """Take a slot and a run of blocks for a new entry (state WRITING).
@@ -1150,7 +1154,7 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         flags = rec.flags & SLOT_FLAG_STR_KEY
         if vlen <= COPY_IN_LOCK:
-            self._locked(self._restore_small, rec, kh, flags, nblk, base)
+            self._locked(self._put_small, kb, kh, flags, vb, nblk, rec.checksum, None, rec.priority, rec, base)
             return
         off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
         i = self._reserved_slot
@@ -1165,16 +1169,6 @@ class Pool:
             self._locked(self._abort, i)
             raise
         self._locked(self._seal_restored, i, rec, kh, base)
-
-    def _restore_small(self, rec: Any, kh: int, flags: int, nblk: int, base: int) -> None:
-        kb, vb = rec.key, rec.value
-        old = self._find(kb, kh)
-        if old >= 0:
-            self._remove(old)
-        off = self._reserve(kb, flags, len(vb), nblk, kh)
-        self._mv[off : off + len(vb)] = vb
-        self._mv[off + len(vb) : off + len(vb) + len(kb)] = kb
-        self._seal_restored(self._reserved_slot, rec, kh, base, replace=False)
 
     def _seal_restored(self, i: int, rec: Any, kh: int, base: int, replace: bool = True) -> None:
         self._seal(i, rec.key, kh, rec.checksum, None, rec.priority, replace)
@@ -1203,13 +1197,7 @@ class Pool:
     def _reap_dead(self) -> bool:
         """Reclaim reservations of dead writers and pins of dead readers; True if anything was freed."""
         freed = False
-        alive_cache: dict[tuple[int, int], bool] = {}
-
-        def alive(pid: int, start: int) -> bool:
-            k = (pid, start)
-            if k not in alive_cache:
-                alive_cache[k] = procs.alive(pid, start)
-            return alive_cache[k]
+        alive = procs.alive_checker()
 
         for j in map(int, np.flatnonzero(self._ppid != 0)):
             if not alive(int(self._ppid[j]), int(self._pstart[j])):

@@ -52,4 +52,17 @@ def alive(pid: int, start: int) -> bool:
     return start == 0 or st == start
 
 
-__all__ = ["start_time", "me", "alive"]
+def alive_checker():
+    """An `alive(pid, start)` that asks /proc once per process, for one scan."""
+    seen: dict[tuple[int, int], bool] = {}
+
+    def check(pid: int, start: int) -> bool:
+        key = (pid, start)
+        if key not in seen:
+            seen[key] = alive(pid, start)
+        return seen[key]
+
+    return check
+
+
+__all__ = ["start_time", "me", "alive", "alive_checker"]

@@ -30,13 +30,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     bs, n_blocks = pool._bs, pool._n_blocks
     state = s["state"].copy()
     problems: list[str] = []
-    alive_cache: dict[tuple[int, int], bool] = {}
-
-    def alive(pid: int, start: int) -> bool:
-        k = (pid, start)
-        if k not in alive_cache:
-            alive_cache[k] = procs.alive(pid, start)
-        return alive_cache[k]
+    alive = procs.alive_checker()
 
     h = pool._h
     if h.dirty[0]:
