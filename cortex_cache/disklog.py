@@ -1,19 +1,20 @@
 """Storage for the disk tier: a bounded ring of preallocated files of checksummed records.
 
-This is the disk tier's storage engine only; wiring it under a pool (spill on
-eviction, promote on a miss, a shared index) is the next step of issue [5/9].
+This is the disk tier's storage engine; disktier.py puts it under a pool
+(spill on eviction, promote on a miss, the shared index in the segment).
 
 Directory layout (a fixed number of files, whatever the number of entries)::
 
     DIR/cortex-tier.meta    META (4096 bytes): magic, version, file count and
-                            size, alignment, then the shared append cursor
+                            size, alignment, then the shared append cursor;
+                            at 64 the owner (the shm name of the pool, NUL padded)
     DIR/tier-00.log ...     FILES data files of file_size bytes each,
                             reserved with posix_fallocate at create
 
 Every record starts on an ALIGN (4096) boundary, so the files can also be
 written with O_DIRECT::
 
-    0   4s  magic b"CDSK"      4  u16 version (1)   6 u16 flags
+    0   4s  magic b"CDSK"      4  u16 version (1)   6 u16 flags (bit 0: str key)
     8   u32 key length         12 u32 reserved
     16  u64 value length       24 u64 seq (unique, increasing across the log)
     32  f64 expiry (0 never)   40 i64 priority
@@ -30,7 +31,8 @@ memory and spilled again later, so it is least-recently-used by spill).
 A location handed out earlier is checked on every read (magic, seq, key,
 checksums): an overwritten one reads as stale, a damaged one as corrupt;
 neither ever returns wrong bytes.  `scan` finds every intact record again
-after a restart.
+after a restart.  A record whose entry was deleted, replaced or promoted is
+killed (its magic becomes b"CDSX"), so a restart never brings it back.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ VERSION = 1
 FILES = 16
 ALIGN = 4096
 REC_MAGIC = b"CDSK"
+DEAD_MAGIC = b"CDSX"  # a killed record: skipped by scan, stale to read
+OWNER_OFF, OWNER_BYTES = 64, 256
+REC_FLAG_STR_KEY = 1
+_SCAN_CHUNK = 4 << 20
 REC = struct.Struct("<4sHHII QQ dq Q")
 REC_CHECK = struct.Struct("<Q")
 HEAD = REC.size + REC_CHECK.size
@@ -85,6 +91,34 @@ class Found:
     seq: int
     expiry: float
     priority: int
+    flags: int = 0
+    checksum: int = 0  # xxh3_64 of the value, as checked
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """One record found by `scan`."""
+
+    key: bytes
+    loc: Location
+    expiry: float
+    priority: int
+    flags: int
+    value_len: int
+
+
+class _Window:
+    """Reads a file through a large buffer, so a scan does not pread 64 bytes at a time."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.base, self.buf = 0, memoryview(b"")
+
+    def get(self, off: int, n: int) -> memoryview:
+        if not (self.base <= off and off + n <= self.base + len(self.buf)):
+            self.base = off
+            self.buf = memoryview(os.pread(self.fd, max(n, min(_SCAN_CHUNK, self.size - off)), off))
+        return self.buf[off - self.base : off - self.base + n]
 
 
 STALE = "stale"  # the location was overwritten since: an ordinary miss
@@ -102,6 +136,8 @@ class DiskLog:
         self._lock = RecordLock(meta_fd, 0)
         self._fds = [self._open_data(i, o_direct) for i in range(files)]
         self.o_direct = o_direct and all(d for _, d in self._fds)
+        self._plain: list[int] = []  # buffered fds, opened when O_DIRECT is on and one is needed
+        self.last_scan_corrupt = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,7 +149,7 @@ class DiskLog:
         when the directory already holds a tier or the capacity is too small.
         """
         d = Path(directory)
-        file_size = _round_up(capacity // FILES)
+        file_size = DiskLog.capacity_for(capacity) // FILES
         if capacity < FILES * ALIGN * 2:
             raise UsageError(f"disk tier of {capacity} bytes is too small: at least {FILES * ALIGN * 2}")
         try:
@@ -165,6 +201,40 @@ class DiskLog:
             raise SegmentCorrupt(f"disk tier in {str(d)!r} has an unknown layout (version {version})")
         return cls(d, meta_fd, files, file_size, o_direct)
 
+    @staticmethod
+    def exists(directory: str | os.PathLike) -> bool:
+        return (Path(directory) / META_NAME).exists()
+
+    def owner(self) -> str:
+        raw = os.pread(self._meta_fd, OWNER_BYTES, OWNER_OFF)
+        return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+    def set_owner(self, owner: str) -> None:
+        raw = owner.encode()[:OWNER_BYTES]
+        os.pwrite(self._meta_fd, raw.ljust(OWNER_BYTES, b"\0"), OWNER_OFF)
+        os.fsync(self._meta_fd)
+
+    @property
+    def capacity(self) -> int:
+        return self.files * self.file_size
+
+    @staticmethod
+    def capacity_for(size: int) -> int:
+        """The capacity `create(size)` gives (whole aligned files)."""
+        return _round_up(size // FILES) * FILES
+
+    @staticmethod
+    def destroy(directory: str | os.PathLike) -> None:
+        """Remove a tier's files (and its directory if that leaves it empty)."""
+        d = Path(directory)
+        for i in range(FILES):
+            (d / f"tier-{i:02d}.log").unlink(missing_ok=True)
+        (d / META_NAME).unlink(missing_ok=True)
+        try:
+            d.rmdir()
+        except OSError:
+            pass  # not empty: someone else's files live there too
+
     def _open_data(self, i: int, o_direct: bool) -> tuple[int, bool]:
         path = self.directory / f"tier-{i:02d}.log"
         if o_direct and hasattr(os, "O_DIRECT"):
@@ -178,7 +248,9 @@ class DiskLog:
     def close(self) -> None:
         for fd, _ in self._fds:
             os.close(fd)
-        self._fds = []
+        for fd in self._plain:
+            os.close(fd)
+        self._fds, self._plain = [], []
         if self._meta_fd >= 0:
             os.close(self._meta_fd)
             self._meta_fd = -1
@@ -191,28 +263,39 @@ class DiskLog:
 
     # ------------------------------------------------------------------ append
 
-    def _reserve(self, length: int) -> tuple[int, int, int]:
-        """Advance the shared cursor by `length`; return (file, offset, seq)."""
+    @staticmethod
+    def record_length(key_len: int, value_len: int) -> int:
+        """Bytes a record of this key and value takes on disk."""
+        return _round_up(HEAD + key_len + value_len)
+
+    def reserve(self, length: int) -> tuple[int, int, int]:
+        """Advance the shared cursor by `length`; return (file, offset, seq).
+
+        An offset of 0 means the cursor just entered that file: every record
+        still in it is about to be overwritten, so forget them first.
+        """
+        if length > self.file_size:
+            raise UsageError(f"record of {length} bytes is larger than a disk tier file ({self.file_size})")
         self._lock.acquire()
         try:
             cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
             if cur_off + length > self.file_size:
                 cur_file, cur_off = (cur_file + 1) % self.files, 0  # the next file's old records go
+            if cur_file >= self.files:  # a damaged cursor: start over rather than write out of bounds
+                cur_file, cur_off = 0, 0
             os.pwrite(self._meta_fd, struct.pack("<QQQ", cur_file, cur_off + length, seq + 1), CURSOR_OFF)
             return cur_file, cur_off, seq
         finally:
             self._lock.release()
 
-    def append(self, key: bytes, value, expiry: float = 0.0, priority: int = 0) -> Location:
-        """Write one record; return its location.  Safe from many processes at once."""
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise UsageError(f"keys must be 1 to {MAX_KEY_BYTES} bytes long")
+    def write(
+        self, file: int, off: int, seq: int, key: bytes, value, expiry: float = 0.0, priority: int = 0,
+        flags: int = 0,
+    ) -> Location:
+        """Write one record at a place `reserve` handed out."""
         value = memoryview(value).cast("B")
         length = _round_up(HEAD + len(key) + value.nbytes)
-        if length > self.file_size:
-            raise UsageError(f"value of {value.nbytes} bytes is larger than a disk tier file ({self.file_size})")
-        file, off, seq = self._reserve(length)
-        head = REC.pack(REC_MAGIC, VERSION, 0, len(key), 0, value.nbytes, seq, expiry, priority,
+        head = REC.pack(REC_MAGIC, VERSION, flags, len(key), 0, value.nbytes, seq, expiry, priority,
                         xxhash.xxh3_64_intdigest(value))
         head += REC_CHECK.pack(xxhash.xxh3_64_intdigest(head + key))
         fd, direct = self._fds[file]
@@ -229,10 +312,41 @@ class DiskLog:
             _pwrite_all(fd, value, off + HEAD + len(key))
         return Location(file, off, length, seq)
 
+    def append(self, key: bytes, value, expiry: float = 0.0, priority: int = 0, flags: int = 0) -> Location:
+        """Reserve and write one record; return its location.  Safe from many processes at once."""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise UsageError(f"keys must be 1 to {MAX_KEY_BYTES} bytes long")
+        nbytes = memoryview(value).nbytes
+        length = _round_up(HEAD + len(key) + nbytes)
+        if length > self.file_size:
+            raise UsageError(f"value of {nbytes} bytes is larger than a disk tier file ({self.file_size})")
+        file, off, seq = self.reserve(length)
+        return self.write(file, off, seq, key, value, expiry, priority, flags)
+
+    def kill(self, loc: Location) -> None:
+        """Mark the record at `loc` dead (if it is still that record), so no scan finds it again."""
+        if not (0 <= loc.file < self.files and 0 <= loc.offset and loc.offset + HEAD <= self.file_size):
+            return
+        fd = self._plain_fd(loc.file)
+        head = os.pread(fd, HEAD, loc.offset)
+        if len(head) == HEAD and head[:4] == REC_MAGIC and REC.unpack_from(head)[6] == loc.seq:
+            os.pwrite(fd, DEAD_MAGIC, loc.offset)
+
+    def _plain_fd(self, file: int) -> int:
+        fd, direct = self._fds[file]
+        if not direct:
+            return fd
+        if not self._plain:
+            self._plain = [os.open(self.directory / f"tier-{i:02d}.log", os.O_RDWR | os.O_CLOEXEC)
+                           for i in range(self.files)]
+        return self._plain[file]
+
     # ------------------------------------------------------------------ read
 
-    def read(self, loc: Location, key: bytes) -> Found | str:
-        """The record at `loc` if it is still `key`'s and intact; else STALE or CORRUPT."""
+    def read(self, loc: Location, key: bytes | None) -> Found | str:
+        """The record at `loc` if it is still `key`'s and intact; else STALE or CORRUPT.
+
+        `key=None` accepts whatever key the record holds (verify uses it)."""
         if not (0 <= loc.file < self.files and 0 <= loc.offset and loc.offset + loc.length <= self.file_size):
             return CORRUPT
         fd, direct = self._fds[loc.file]
@@ -247,31 +361,57 @@ class DiskLog:
             data = os.pread(fd, loc.length, loc.offset)
         return _parse(data, loc.seq, key)
 
+    def read_key(self, loc: Location, key_len: int) -> bytes | None:
+        """The key of the record at `loc` if it is still there and its header checks out."""
+        if not (0 <= loc.file < self.files and 0 <= loc.offset and loc.offset + loc.length <= self.file_size):
+            return None
+        data = os.pread(self._plain_fd(loc.file), HEAD + key_len, loc.offset)
+        if len(data) < HEAD + key_len or data[:4] != REC_MAGIC:
+            return None
+        fields = REC.unpack_from(data)
+        (hcheck,) = REC_CHECK.unpack_from(data, REC.size)
+        if fields[6] != loc.seq or fields[3] != key_len:
+            return None
+        if hcheck != xxhash.xxh3_64_intdigest(data[: REC.size] + data[HEAD : HEAD + key_len]):
+            return None
+        return data[HEAD : HEAD + key_len]
+
     # ------------------------------------------------------------------ recovery
 
-    def scan(self) -> Iterator[tuple[bytes, Location, float, int]]:
-        """Every intact record in the tier: (key, location, expiry, priority), file by file."""
+    def scan(self) -> Iterator["Scanned"]:
+        """Every intact, live record in the tier, file by file (reads the whole tier once).
+
+        Records that fail their checksums are skipped and counted in
+        `last_scan_corrupt`; killed records are skipped silently.
+        """
+        self.last_scan_corrupt = 0
         for file in range(self.files):
-            fd = self._fds[file][0]
+            win = _Window(self._plain_fd(file), self.file_size)
             off = 0
             while off + HEAD <= self.file_size:
-                head = os.pread(fd, HEAD, off)
-                if head[:4] != REC_MAGIC:
+                head = win.get(off, HEAD)
+                magic = head[:4]
+                if magic != REC_MAGIC and magic != DEAD_MAGIC:
                     off += ALIGN  # never written, or torn: look at the next boundary
                     continue
-                _, _, _, klen, _, vlen, seq, expiry, prio, _ = REC.unpack_from(head)
+                _, version, flags, klen, _, vlen, seq, expiry, prio, vcheck = REC.unpack_from(head)
+                (hcheck,) = REC_CHECK.unpack_from(head, REC.size)
                 length = _round_up(HEAD + klen + vlen)
-                if not 0 < klen <= MAX_KEY_BYTES or off + length > self.file_size:
+                if not 0 < klen <= MAX_KEY_BYTES or off + length > self.file_size or version != VERSION:
                     off += ALIGN
                     continue
-                data = os.pread(fd, length, off)
-                key = data[HEAD : HEAD + klen]
-                found = _parse(data, seq, key)
-                if isinstance(found, Found):
-                    yield key, Location(file, off, length, seq), expiry, prio
+                key = bytes(win.get(off + HEAD, klen))
+                if hcheck != xxhash.xxh3_64_intdigest(REC_MAGIC + bytes(head[4 : REC.size]) + key):
+                    off += ALIGN  # a stray magic inside some value, or a torn header
+                    continue
+                if magic == DEAD_MAGIC:
                     off += length
+                    continue
+                if xxhash.xxh3_64_intdigest(win.get(off + HEAD + klen, vlen)) != vcheck:
+                    self.last_scan_corrupt += 1
                 else:
-                    off += ALIGN
+                    yield Scanned(key, Location(file, off, length, seq), expiry, prio, flags, vlen)
+                off += length
 
     def usage(self) -> dict[str, int]:
         cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
@@ -279,10 +419,12 @@ class DiskLog:
                 "cursor_file": cur_file, "cursor_offset": cur_off, "next_seq": seq}
 
 
-def _parse(data: bytes, seq: int, key: bytes) -> Found | str:
+def _parse(data: bytes, seq: int, key: bytes | None) -> Found | str:
     if len(data) < HEAD or data[:4] != REC_MAGIC:
-        return STALE
-    _, version, _, klen, _, vlen, rseq, expiry, prio, vcheck = REC.unpack_from(data)
+        return STALE  # overwritten, or killed
+    _, version, rflags, klen, _, vlen, rseq, expiry, prio, vcheck = REC.unpack_from(data)
+    if key is None:  # a check of whatever record is there (verify)
+        key = data[HEAD : HEAD + klen]
     if rseq != seq or klen != len(key):
         return STALE  # another record lives here now
     (hcheck,) = REC_CHECK.unpack_from(data, REC.size)
@@ -295,7 +437,7 @@ def _parse(data: bytes, seq: int, key: bytes) -> Found | str:
     value = data[HEAD + klen : HEAD + klen + vlen]
     if xxhash.xxh3_64_intdigest(value) != vcheck:
         return CORRUPT
-    return Found(key, value, rseq, expiry, prio)
+    return Found(key, value, rseq, expiry, prio, rflags, vcheck)
 
 
 def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
@@ -316,5 +458,5 @@ def _reserve(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, best effort
 
 
-__all__ = ["DiskLog", "Location", "Found", "STALE", "CORRUPT", "FILES", "ALIGN"]
+__all__ = ["DiskLog", "Location", "Found", "Scanned", "STALE", "CORRUPT", "FILES", "ALIGN"]
 

@@ -1,6 +1,6 @@
-"""Byte layout of a pool segment (format version 1).
+"""Byte layout of a pool segment (format version 2).
 
-A segment is one POSIX shared-memory object, laid out as six regions, each
+A segment is one POSIX shared-memory object, laid out as eight regions, each
 starting on a 4096-byte boundary::
 
     0             header     4096 bytes, HEADER_FIELDS below
@@ -9,7 +9,12 @@ starting on a 4096-byte boundary::
     blockmap_off  block map  n_blocks  x uint8: 0 free, 1 used
     pins_off      pins       n_pins    x 16 bytes, PIN_FIELDS below
     victims_off   victims    CANDIDATES (4096) x 32 bytes, VICTIM_COLUMNS below
+    dslots_off    disk index one column per DSLOT_COLUMNS entry, n_dslots values each
+    dbuckets_off  disk hash  n_dbuckets x int32: head disk slot of each chain, -1 empty
     data_off      data       n_blocks  x block_size bytes
+
+The two disk-index regions are empty (n_dslots = 0) in a pool without a disk
+tier.  Version 2 added them and the tier fields of the header (from byte 384).
 
 All integers are little-endian.  The tables below are the single source of
 truth: offsets and dtypes are derived from them, and `tests/test_layout.py`
@@ -49,7 +54,7 @@ if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("cortex_cache supports little-endian machines only")
 
 MAGIC = b"CORTEXKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 4096
 PAGE = 4096
 
@@ -63,6 +68,16 @@ ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
 # Header flags.
 FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
 FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
+
+# Disk tier flags (header field disk_flags).
+DISK_ON = 1 << 0  # the pool has a disk tier
+DISK_WRITE_THROUGH = 1 << 1  # every put also goes to disk (else: write-back, on eviction)
+DISK_O_DIRECT = 1 << 2  # the tier's files are written and read with O_DIRECT
+
+# Disk slot states.
+DFREE = 0  # unused; `next` links the free list
+DLIVE = 1  # a record on disk, indexed by its key's hashes
+DISK_PATH_BYTES = 2048
 
 NAME_BYTES = 64
 
@@ -114,7 +129,30 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("cand_max_secondary", "<u8", 360),
     ("cand_epoch", "<u8", 368),  # lfu_epoch when the victim list was filled
     ("victims_off", "<u8", 376),
-    # 384..4095 reserved for later tiers' configuration (zero).
+    # Disk tier (all zero without one); disktier.py.
+    ("disk_flags", "<u4", 384),  # DISK_*
+    ("disk_pad", "<u4", 388),
+    ("disk_size", "<u8", 392),  # capacity of the tier's files in bytes
+    ("n_dslots", "<u8", 400),  # disk index capacity (entries on disk)
+    ("n_dbuckets", "<u8", 408),  # power of two, or 0 without a tier
+    ("dslots_off", "<u8", 416),
+    ("dbuckets_off", "<u8", 424),
+    ("dfree_slot", "<i8", 432),  # head of the free disk-slot list, -1 none
+    ("disk_entries", "<u8", 440),  # live disk slots
+    ("disk_value_bytes", "<u8", 448),  # value bytes of the live disk slots
+    ("disk_hits", "<u8", 456),  # memory misses found on disk (and returned)
+    ("disk_misses", "<u8", 464),  # memory misses not on disk either
+    ("disk_spills", "<u8", 472),  # records written (spills and write-through puts)
+    ("disk_promotions", "<u8", 480),  # disk hits copied back into memory
+    ("disk_bytes_written", "<u8", 488),
+    ("disk_bytes_read", "<u8", 496),
+    ("disk_corrupt", "<u8", 504),  # records that failed their checksums on read
+    ("disk_dropped", "<u8", 512),  # entries lost to the ring going round or a full disk index
+    ("disk_errors", "<u8", 520),  # I/O errors (the entry was not written or not read)
+    ("disk_evictions", "<u8", 528),  # entries removed from the tier by evict/delete/replace
+    # 536..1023 reserved (zero).
+    ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
+    # 3072..4095 reserved (zero).
 ]
 
 # (name, numpy type) of each slot column, in segment order.
@@ -151,6 +189,26 @@ VICTIM_COLUMNS: list[tuple[str, str]] = [
     ("primary", "<f8"),  # its score: -inf for an expired entry
     ("secondary", "<u8"),
 ]
+
+# The disk index (disktier.py): one row per record on disk, by column.
+DSLOT_COLUMNS: list[tuple[str, str]] = [
+    ("state", "<u4"),  # DFREE / DLIVE
+    ("key_len", "<u4"),
+    ("file", "<u4"),  # which tier file holds the record
+    ("flags", "<u4"),  # bit 0: the key was given as str
+    ("next", "<i4"),  # next disk slot in the hash chain / free list, -1 end
+    ("pad", "<i4"),
+    ("key_hash", "<u8"),  # xxh3_64 of the key (as in the memory index)
+    ("key_hash2", "<u8"),  # xxh3_64 of the key with another seed: 128 bits to tell keys apart
+    ("value_len", "<u8"),
+    ("offset", "<u8"),  # of the record in its file
+    ("length", "<u8"),  # of the record on disk (aligned)
+    ("seq", "<u8"),  # the record's sequence number (checked on every read)
+    ("expiry", "<f8"),  # absolute wall clock; 0 = never
+    ("priority", "<i8"),
+    ("spilled", "<f8"),  # wall clock when the record was written
+]
+DSLOT_BYTES = sum(np.dtype(f).itemsize for _, f in DSLOT_COLUMNS)  # 96 per disk slot
 
 PIN_SIZE = 16
 PIN_FIELDS: list[tuple[str, str, int]] = [
@@ -214,6 +272,10 @@ class Geometry:
     victims_off: int
     data_off: int
     segment_size: int
+    n_dslots: int = 0
+    n_dbuckets: int = 0
+    dslots_off: int = 0
+    dbuckets_off: int = 0
 
     @property
     def data_size(self) -> int:
@@ -225,6 +287,9 @@ class Geometry:
     def victim_columns(self) -> dict[str, int]:
         return column_offsets(VICTIM_COLUMNS, CANDIDATES, self.victims_off)
 
+    def dslot_columns(self) -> dict[str, int]:
+        return column_offsets(DSLOT_COLUMNS, self.n_dslots, self.dslots_off)
+
     @classmethod
     def compute(
         cls,
@@ -232,6 +297,7 @@ class Geometry:
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_entries: int | None = None,
         n_pins: int = DEFAULT_PINS,
+        disk_entries: int = 0,
     ) -> "Geometry":
         """Lay out a pool whose data region holds `size` bytes (rounded down to blocks)."""
         if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
@@ -255,7 +321,12 @@ class Geometry:
         blockmap_off = _align(buckets_off + n_buckets * 4)
         pins_off = _align(blockmap_off + n_blocks)
         victims_off = _align(pins_off + n_pins * PIN_SIZE)
-        data_off = _align(victims_off + columns_size(VICTIM_COLUMNS, CANDIDATES))
+        dslots_off = _align(victims_off + columns_size(VICTIM_COLUMNS, CANDIDATES))
+        if not 0 <= disk_entries < 2**31 - 1:
+            raise UsageError(f"invalid disk entries {disk_entries}: at most {2**31 - 2}")
+        n_dbuckets = 1 << max(4, (2 * disk_entries - 1).bit_length()) if disk_entries else 0
+        dbuckets_off = _align(dslots_off + columns_size(DSLOT_COLUMNS, disk_entries))
+        data_off = _align(dbuckets_off + n_dbuckets * 4)
         # The data region starts on a block boundary when blocks are larger
         # than a page, so huge-page-sized blocks stay aligned too.
         data_off = _align(data_off, max(PAGE, min(block_size, 2 * 1024 * 1024)))
@@ -263,6 +334,7 @@ class Geometry:
         return cls(
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
+            disk_entries, n_dbuckets, dslots_off, dbuckets_off,
         )
 
     @classmethod
@@ -272,6 +344,7 @@ class Geometry:
             int(h["block_size"]), int(h["n_blocks"]), int(h["n_slots"]), int(h["n_buckets"]),
             int(h["n_pins"]), int(h["slots_off"]), int(h["buckets_off"]), int(h["blockmap_off"]),
             int(h["pins_off"]), int(h["victims_off"]), int(h["data_off"]), int(h["segment_size"]),
+            int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -283,12 +356,25 @@ class Geometry:
             return "bad table sizes"
         if self.n_buckets < 16 or self.n_buckets & (self.n_buckets - 1) or self.n_buckets > 1 << 33:
             return "bad bucket count"
+        if self.n_dslots:
+            nd = self.n_dbuckets
+            if not (0 < self.n_dslots < 2**31 - 1) or nd < 2 * self.n_dslots or nd & (nd - 1) or nd > 1 << 33:
+                return "bad disk index sizes"
+        elif self.n_dbuckets:
+            return "bad disk index sizes"
         regions = [
             (self.slots_off, columns_size(SLOT_COLUMNS, self.n_slots)),
             (self.buckets_off, self.n_buckets * 4),
             (self.blockmap_off, self.n_blocks),
             (self.pins_off, self.n_pins * PIN_SIZE),
             (self.victims_off, columns_size(VICTIM_COLUMNS, CANDIDATES)),
+        ]
+        if self.n_dslots:
+            regions += [
+                (self.dslots_off, columns_size(DSLOT_COLUMNS, self.n_dslots)),
+                (self.dbuckets_off, self.n_dbuckets * 4),
+            ]
+        regions += [
             (self.data_off, self.n_blocks * bs),
         ]
         end = HEADER_SIZE
@@ -304,6 +390,7 @@ class Geometry:
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
     "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE",
+    "DSLOT_COLUMNS", "DFREE", "DLIVE", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 
 
@@ -335,4 +422,13 @@ H_CAND_NEXT_EXPIRY, H_CAND_MAX_PRIMARY, H_CAND_MAX_SECONDARY, H_CAND_EPOCH = (
     _word(HEADER_FIELDS, n, 8)
     for n in ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "hits", "misses", "puts", "deletes",
               "evictions", "expirations", "bytes_evicted", "repairs", "lfu_epoch", "lfu_period", "ops")
+)
+H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
+(H_DFREE_SLOT, H_DISK_ENTRIES, H_DISK_VALUE_BYTES, H_DISK_HITS, H_DISK_MISSES, H_DISK_SPILLS,
+ H_DISK_PROMOTIONS, H_DISK_BYTES_WRITTEN, H_DISK_BYTES_READ, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ERRORS,
+ H_DISK_EVICTIONS) = (
+    _word(HEADER_FIELDS, n, 8)
+    for n in ("dfree_slot", "disk_entries", "disk_value_bytes", "disk_hits", "disk_misses", "disk_spills",
+              "disk_promotions", "disk_bytes_written", "disk_bytes_read", "disk_corrupt", "disk_dropped",
+              "disk_errors", "disk_evictions")
 )

@@ -28,8 +28,11 @@ from xxhash import xxh3_64_intdigest
 
 from . import procs, segment
 from .allocator import find_run, run_around
+from .disklog import CORRUPT, DiskLog, Found
+from .disktier import DiskHit, DiskTier, check_disk_path, default_disk_entries, key_hash2, open_log
 from .errors import (
     BufferTooSmall,
+    CannotCreate,
     CortexCacheError,
     IncompatibleVersion,
     KeyNotFound,
@@ -45,6 +48,8 @@ from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_
 from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
+    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS,
+    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH,
     P32, P64, P_PID, P_SLOT, P_START,
     FLAG_MULTI_THREADED,
     FLAG_RESERVED,
@@ -152,8 +157,10 @@ class Pool:
         multi_threaded: bool | None = None,
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
+        _disk_log: DiskLog | None = None,
     ) -> None:
         self._seg = seg
+        self._tier: DiskTier | None = None
         self._closed = False
         self._forked = False
         self._views: set[EntryView] = set()
@@ -224,6 +231,11 @@ class Pool:
         self._victims = VictimCache(
             pol, hdr, s, victims, self.clock, (self._hu32, self._hu64, self._hf64), views
         )
+        dflags = int(self._h.disk_flags[0])
+        if dflags & DISK_ON:
+            path = bytes(self._h.disk_path[0]).decode("utf-8", "surrogateescape")
+            log, why = (_disk_log, None) if _disk_log is not None else open_log(path, bool(dflags & DISK_O_DIRECT))
+            self._tier = DiskTier(mm, mv, (self._hu64, self._hi64), g, dflags, path, log, why, self.clock)
         _live_pools.add(self)
 
     @classmethod
@@ -242,6 +254,12 @@ class Pool:
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
         prefault: bool = True,
+        tier: str = "cpu",
+        disk_path: str | os.PathLike | None = None,
+        disk_size: int | str | None = None,
+        disk_write: str = "back",
+        disk_o_direct: bool = False,
+        disk_max_entries: int | None = None,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -251,6 +269,13 @@ class Pool:
         so later writes can never hit SIGBUS on a full /dev/shm; `prefault=False`
         keeps the reservation but skips mapping every page now (restore does,
         since it writes the pages through the file anyway).
+
+        Disk tier: `tier="disk"` or a `disk_path` adds one (disktier.py).
+        `disk_path` defaults to `<snapshot dir>/../disk/<name>`, `disk_size` to
+        4x `size` (its space is reserved now: NoSpace, exit 73, if the disk
+        lacks it); `disk_write` is "back" (entries evicted from memory go to
+        disk) or "through" (every put also goes to disk).  A directory that
+        already holds a tier is taken over and its entries found again.
         """
         segment.validate_name(name)
         nbytes = parse_size(size)
@@ -262,23 +287,80 @@ class Pool:
         geo = Geometry.compute(nbytes, bsize, max_entries)
         if lfu_period is not None and lfu_period < 1:
             raise UsageError("lfu_period must be at least 1")
-        seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+        if tier not in ("cpu", "disk"):
+            raise UsageError(f"unknown tier {tier!r}: choose cpu (shared memory) or disk (shared memory + disk)")
+        with_disk = tier == "disk" or disk_path is not None
+        if not with_disk and (disk_size is not None or disk_max_entries is not None or disk_o_direct):
+            raise UsageError("disk tier options need --tier disk (or a disk path)")
+        log = None
+        made_tier = False
+        dflags = 0
+        if with_disk:
+            if disk_write not in ("back", "through"):
+                raise UsageError(f"unknown disk write mode {disk_write!r}: choose back or through")
+            if disk_max_entries is not None and not 1 <= disk_max_entries < 2**31 - 1:
+                raise UsageError(f"invalid disk max entries {disk_max_entries}")
+            dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
+            dsize = parse_size(disk_size) if disk_size is not None else None
+            log, made_tier = _open_or_make_tier(dpath, dsize, 4 * geo.data_size, disk_o_direct, name)
+            dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
+            dflags |= DISK_O_DIRECT if disk_o_direct else 0
+            n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
+            geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
+        try:
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+        except BaseException:
+            if log is not None:
+                log.close()
+                if made_tier:
+                    DiskLog.destroy(dpath)
+            raise
         init_lock = RecordLock(seg.fd)
+        pool = None
         try:
             # Openers that find no magic yet wait on this lock until we are done.
             init_lock.acquire()
             if reserve and prefault:
                 seg.prefault()
             cls._initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period)
+            if log is not None:
+                h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
+                h["disk_flags"] = dflags
+                h["disk_size"] = log.capacity
+                h["disk_path"] = dpath.encode("utf-8", "surrogateescape")
+                del h
+                log.set_owner(segment.shm_path(name))
+                # The index is filled before the magic goes in, so no process
+                # ever sees the tier half-found.
+                pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
+                           _disk_log=log)
+                log = None  # the pool owns it now
+                if not made_tier:
+                    pool._tier.rebuild_from_scan()  # type: ignore[union-attr]
+                np.frombuffer(seg.mm, np.uint8, 8, 0)[:] = np.frombuffer(MAGIC, np.uint8)
+                init_lock.release()
+                return pool
             init_lock.release()
             return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
         except BaseException:
-            seg.close()
+            if log is not None:
+                log.close()
+            if pool is not None:
+                pool.close()
+            else:
+                seg.close()
             try:
                 segment.unlink(name)
             except PoolNotFound:
                 pass
+            if made_tier:
+                DiskLog.destroy(dpath)
             raise
+
+    @property
+    def disk_path(self) -> str | None:
+        """Directory of this pool's disk tier, or None without one."""
+        return self._tier.path if self._tier is not None else None
 
     @staticmethod
     def _initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period) -> None:
@@ -288,7 +370,8 @@ class Pool:
         h["version"] = FORMAT_VERSION
         h["header_size"] = HEADER_SIZE
         for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins",
-                  "slots_off", "buckets_off", "blockmap_off", "pins_off", "victims_off", "data_off"):
+                  "slots_off", "buckets_off", "blockmap_off", "pins_off", "victims_off", "data_off",
+                  "n_dslots", "n_dbuckets", "dslots_off", "dbuckets_off"):
             h[f] = getattr(geo, f)
         h["policy"] = POLICY_IDS.index(policy)
         h["flags"] = (FLAG_MULTI_THREADED if multi_threaded else 0) | (FLAG_RESERVED if reserve else 0)
@@ -303,6 +386,11 @@ class Pool:
         h["free_slot"] = 0
         np.frombuffer(mm, np.int32, geo.n_buckets, geo.buckets_off)[:] = -1
         del nxt
+        if geo.n_dslots:
+            DiskTier.initialise(mm, geo)
+            h["dfree_slot"] = 0
+            del h, hdr
+            return  # create() writes the magic once the disk index is filled
         h["magic"] = MAGIC  # last: the pool is now complete
         del h, hdr
 
@@ -351,6 +439,9 @@ class Pool:
             v.release()
         self._closed = True
         _live_pools.discard(self)
+        if self._tier is not None:
+            self._tier.close()
+            self._tier = None
         # Drop every numpy array over the mapping, or munmap would be refused.
         self._victims = None  # type: ignore[assignment]
         self._slots = None  # type: ignore[assignment]
@@ -444,12 +535,15 @@ class Pool:
             )
         kh = xxh3_64_intdigest(kb)
         flags = SLOT_FLAG_STR_KEY if is_str else 0
+        t = self._tier
+        if t is not None and t.write_through:
+            self._put_through(kb, kh, flags, vb, nblk, ttl, int(priority))
+            return
         if vlen <= COPY_IN_LOCK:
             checksum = xxh3_64_intdigest(vb)
             self._locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, int(priority))
             return
-        off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
-        i = self._reserved_slot
+        i, off = self._locked(self._reserve_entry, kb, flags, vlen, nblk, kh)
         try:
             mv = self._mv
             hasher = xxhash.xxh3_64()
@@ -463,7 +557,44 @@ class Pool:
             raise
         self._locked(self._seal, i, kb, kh, hasher.intdigest(), ttl, int(priority))
 
-    def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority, rec=None, base=0) -> None:
+    def _put_through(self, kb, kh, flags, vb, nblk, ttl, priority) -> None:
+        """A write-through put: the record goes to disk first (outside the lock), then memory and index."""
+        t = self._tier
+        assert t is not None
+        expiry = self.clock() + ttl if ttl else 0.0
+        vlen = vb.nbytes
+        written = None
+        where = self._locked(t.reserve, DiskLog.record_length(len(kb), vlen))
+        if where is not None:
+            try:
+                loc = t.log.write(*where, kb, vb, expiry, priority, flags)  # type: ignore[union-attr]
+                written = (loc, key_hash2(kb), vlen, expiry, priority, flags)
+            except OSError:
+                self._locked(t.count, H_DISK_ERRORS)
+        try:
+            checksum = xxh3_64_intdigest(vb)
+            if vlen <= COPY_IN_LOCK:
+                self._locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority, None, 0, written)
+                return
+            i, off = self._locked(self._reserve_entry, kb, flags, vlen, nblk, kh)
+            try:
+                self._mv[off : off + vlen] = vb
+                self._mv[off + vlen : off + vlen + len(kb)] = kb
+            except BaseException:
+                self._locked(self._abort, i)
+                raise
+            self._locked(self._seal, i, kb, kh, checksum, ttl, priority, True, written)
+        except CortexCacheError:
+            if written is not None:  # the put failed: its record must not come back after a restart
+                t.log.kill(written[0])  # type: ignore[union-attr]
+            raise
+
+    def _reserve_entry(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> tuple[int, int]:
+        """`_reserve` for callers outside the lock: (slot, data offset)."""
+        off = self._reserve(kb, flags, vlen, nblk, kh)
+        return self._reserved_slot, off
+
+    def _put_small(self, kb, kh, flags, vb, nblk, checksum, ttl, priority, rec=None, base=0, disk=None) -> None:
         """Store a small value in one lock hold (`rec`: a snapshot record being restored)."""
         # Replacing a key: free the old value first, so a full pool reuses its
         # blocks instead of evicting an unrelated entry.  (Readers holding a
@@ -478,7 +609,7 @@ class Pool:
         mv[off : off + vlen] = vb
         mv[off + vlen : off + vlen + len(kb)] = kb
         if rec is None:
-            self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, replace=False)
+            self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, False, disk)
         else:
             self._seal_restored(self._reserved_slot, rec, kh, base, replace=False)
 
@@ -508,21 +639,32 @@ class Pool:
         return self._data_off + first * self._bs
 
     def _seal(
-        self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int, replace: bool = True
+        self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int, replace: bool = True,
+        disk: Any = None, expiry: float | None = None,
     ) -> None:
         """Make WRITING slot `i` the visible entry for its key, replacing any old one
-        (`replace=False`: the caller already removed it under this same lock hold)."""
+        (`replace=False`: the caller already removed it under this same lock hold).
+
+        With a disk tier: `disk` is the record a write-through put wrote (indexed
+        now), a DiskHit for a promotion, or None (any disk copy of the key is
+        stale now and is removed).  `expiry` overrides `ttl` with an absolute time.
+        """
         hu64 = self._hu64
         now = self.clock()
         old = self._find(kb, kh) if replace else -1
         if old >= 0:
             self._remove(old)
+        t = self._tier
+        if t is not None:
+            self._seal_disk(t, kb, kh, disk)
+        if expiry is not None:
+            ttl = None
         seq = hu64[H_SEQ] + 1
         hu64[H_SEQ] = seq
         self._c_cks[i] = checksum
         self._c_created[i] = now
         self._c_lastacc[i] = now
-        self._c_expiry[i] = now + ttl if ttl else 0.0
+        self._c_expiry[i] = now + ttl if ttl else (expiry or 0.0)
         self._c_iseq[i] = seq
         self._c_aseq[i] = seq
         self._c_acount[i] = 1
@@ -542,6 +684,19 @@ class Pool:
             v.on_score_change(i)
         if ttl:
             v.on_expiry_set(now + ttl)
+        elif expiry:
+            v.on_expiry_set(expiry)
+
+    def _seal_disk(self, t: DiskTier, kb: bytes, kh: int, disk: Any) -> None:
+        if disk is None:
+            t.forget(kb, kh)
+        elif disk.__class__ is DiskHit:
+            t.count(H_DISK_PROMOTIONS)
+            if not t.write_through and t.still(disk):
+                t.kill_slot(disk.slot)  # exclusive tiers: the entry lives in memory now
+        else:
+            loc, kh2, vlen, expiry, priority, flags = disk
+            t.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
 
     def _abort(self, i: int) -> None:
         if self._c_state[i] == WRITING:
@@ -629,12 +784,25 @@ class Pool:
             return self._hi64[H_FREE_SLOT] >= 0
         first, n = self._c_first[i], self._c_nblk[i]
         self._count_eviction(i, expired)
+        if self._tier is not None and not expired:
+            self._spill(i)
         self._remove(i)
         if want_blocks:
             # The victim's own run is enough when it is as long (the common
             # case of equal-sized KV chunks); else look at its neighbours.
             return first if n >= want_blocks else run_around(self._map, first, n, want_blocks)
         return True
+
+    def _spill(self, i: int) -> None:
+        """Write sealed entry `i`, about to leave memory, to the disk tier (lock held)."""
+        vlen, klen = self._c_vlen[i], self._c_klen[i]
+        off = self._data_off + self._c_first[i] * self._bs
+        mv = self._mv
+        kb = mv[off + vlen : off + vlen + klen].tobytes()
+        self._tier.spill(  # type: ignore[union-attr]
+            kb, self._c_khash[i], self._c_flags[i] & SLOT_FLAG_STR_KEY, mv[off : off + vlen],
+            self._c_expiry[i], self._c_prio[i],
+        )
 
     def _count_eviction(self, i: int, expired: bool) -> None:
         hu64 = self._hu64
@@ -761,7 +929,8 @@ class Pool:
     def _get_locked(self, kb: bytes, kh: int, out: memoryview | None) -> Any:
         i = self._lookup_live(kb, kh)
         if i < 0:
-            return None
+            t = self._tier
+            return None if t is None else t.lookup(kb, kh)
         vlen = self._c_vlen[i]
         if out is not None and out.nbytes < vlen:
             raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
@@ -777,11 +946,15 @@ class Pool:
     def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
         kb, _ = key_bytes(key)
-        r = self._locked(self._get_locked, kb, xxh3_64_intdigest(kb), None)
+        kh = xxh3_64_intdigest(kb)
+        r = self._locked(self._get_locked, kb, kh, None)
         if r is None:
             return default
         if r.__class__ is bytes:
             return r
+        if r.__class__ is DiskHit:
+            value = self._from_disk(kb, kh, r)
+            return default if value is None else value
         j, i, off, vlen = r
         try:
             return self._mv[off : off + vlen].tobytes()
@@ -804,9 +977,20 @@ class Pool:
             if not omv.c_contiguous:
                 raise UsageError("get_into needs a contiguous buffer")
             omv = omv.cast("B")
-        r = self._locked(self._get_locked, kb, xxh3_64_intdigest(kb), omv)
+        kh = xxh3_64_intdigest(kb)
+        r = self._locked(self._get_locked, kb, kh, omv)
         if r is None or r.__class__ is int:
             return r
+        if r.__class__ is DiskHit:
+            if omv.nbytes < r.value_len:
+                raise BufferTooSmall(
+                    f"buffer of {omv.nbytes} bytes is too small for a value of {r.value_len} bytes"
+                )
+            value = self._from_disk(kb, kh, r)
+            if value is None:
+                return None
+            omv[: len(value)] = value
+            return len(value)
         j, i, off, vlen = r
         try:
             omv[:vlen] = self._mv[off : off + vlen]
@@ -814,10 +998,15 @@ class Pool:
             self._locked(self._unpin, j, i)
         return vlen
 
-    def _view_locked(self, kb: bytes, kh: int) -> Any:
-        i = self._lookup_live(kb, kh)
+    def _view_locked(self, kb: bytes, kh: int, count_miss: bool = True) -> Any:
+        if count_miss:
+            i = self._lookup_live(kb, kh)
+        else:
+            i = self._find(kb, kh)
+            i = -1 if i >= 0 and self._expired(i) else i
         if i < 0:
-            return None
+            t = self._tier
+            return None if t is None or not count_miss else t.lookup(kb, kh)
         self._touch(i)
         return self._pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i]
 
@@ -827,7 +1016,14 @@ class Pool:
         Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
         """
         kb, _ = key_bytes(key)
-        r = self._locked(self._view_locked, kb, xxh3_64_intdigest(kb))
+        kh = xxh3_64_intdigest(kb)
+        r = self._locked(self._view_locked, kb, kh)
+        if r.__class__ is DiskHit:
+            # A view maps memory: bring the entry in from disk first.
+            r = None if self._from_disk(kb, kh, r) is None else self._locked(self._view_locked, kb, kh, False)
+            if r is None and kb in self:
+                raise PoolFull(f"pool {self.name!r}: {_show_key(key)} is on disk and could not be brought "
+                               "into memory to view (the pool is full of pinned entries)")
         if r is None:
             raise KeyNotFound(f"no key {_show_key(key)} in pool {self.name!r}")
         j, i, off, vlen = r
@@ -835,13 +1031,88 @@ class Pool:
         self._views.add(ev)
         return ev
 
+    # ------------------------------------------------------------------ disk tier reads
+
+    def _from_disk(self, kb: bytes, kh: int, hit: DiskHit) -> bytes | None:
+        """Read a memory miss from the disk tier (outside the lock), promote it, return its value."""
+        t = self._tier
+        assert t is not None
+        for _ in range(4):  # the index can move on while we read; then look again
+            log = t.log
+            if log is None:
+                self._locked(t.count, H_DISK_ERRORS)
+                return None
+            try:
+                found = log.read(hit.loc, kb)
+            except OSError:
+                self._locked(t.count, H_DISK_ERRORS)
+                return None
+            if found.__class__ is Found and len(found.value) == hit.value_len:  # type: ignore[union-attr]
+                self._promote(kb, kh, hit, found)  # type: ignore[arg-type]
+                return found.value  # type: ignore[union-attr]
+            bad = found == CORRUPT or found.__class__ is Found
+            hit = self._locked(t.after_failed_read, kb, kh, hit, bad)
+            if hit is None:
+                return None
+        return None
+
+    def _promote(self, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+        """Copy a value read from disk back into memory (if it is still the current one)."""
+        vlen = len(found.value)
+        nblk = max(1, -(-(vlen + len(kb)) // self._bs))
+        if vlen <= COPY_IN_LOCK or nblk > self._n_blocks:
+            self._locked(self._promote_locked, kb, kh, hit, found, nblk, True)
+            return
+        r = self._locked(self._promote_locked, kb, kh, hit, found, nblk, False)
+        if r is None:
+            return
+        i, off = r
+        try:
+            self._mv[off : off + vlen] = found.value
+            self._mv[off + vlen : off + vlen + len(kb)] = kb
+        except BaseException:
+            self._locked(self._abort, i)
+            raise
+        self._locked(self._promote_seal, i, kb, kh, hit, found)
+
+    def _promote_locked(self, kb, kh, hit, found, nblk, copy_now) -> tuple[int, int] | None:
+        t = self._tier
+        t.count(H_DISK_HITS)
+        t.count(H_DISK_BYTES_READ, hit.loc.length)
+        if not t.still(hit) or self._find(kb, kh) >= 0 or nblk > self._n_blocks:
+            return None  # deleted, replaced or already promoted while we read
+        if found.expiry and found.expiry <= self.clock():
+            return None
+        try:
+            off = self._reserve(kb, hit.flags, len(found.value), nblk, kh)
+        except PoolFull:
+            return None  # everything in memory is pinned: serve from disk, promote later
+        i = self._reserved_slot
+        if not copy_now:
+            return i, off
+        vlen = len(found.value)
+        self._mv[off : off + vlen] = found.value
+        self._mv[off + vlen : off + vlen + len(kb)] = kb
+        self._seal(i, kb, kh, found.checksum, None, found.priority, False, hit, found.expiry)
+        return None
+
+    def _promote_seal(self, i: int, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+        if self._c_state[i] != WRITING:
+            return  # a repair took the reservation back
+        if not self._tier.still(hit) or self._find(kb, kh) >= 0:  # type: ignore[union-attr]
+            self._abort(i)
+            return
+        self._seal(i, kb, kh, found.checksum, None, found.priority, False, hit, found.expiry)
+
     # ------------------------------------------------------------------ delete, membership
 
     def _delete_locked(self, kb: bytes, kh: int) -> bool:
         i = self._find(kb, kh)
-        if i < 0:
+        if i >= 0:
+            self._remove(i)
+        on_disk = self._tier is not None and self._tier.forget(kb, kh)
+        if i < 0 and not on_disk:
             return False
-        self._remove(i)
         self._hu64[H_DELETES] += 1
         return True
 
@@ -852,7 +1123,9 @@ class Pool:
 
     def _contains_locked(self, kb: bytes, kh: int) -> bool:
         i = self._find(kb, kh)
-        return i >= 0 and not self._expired(i)
+        if i >= 0 and not self._expired(i):
+            return True
+        return self._tier is not None and self._tier.contains(kb, kh)
 
     def __contains__(self, key: object) -> bool:
         try:
@@ -876,9 +1149,25 @@ class Pool:
             return kb.decode("utf-8", "surrogateescape")
         return kb
 
-    def keys(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[str | bytes]:
-        """Keys of live entries, oldest insert first (str keys come back as str)."""
+    def keys(
+        self, prefix: str | bytes | None = None, limit: int | None = None, tier: str = "memory"
+    ) -> list[str | bytes]:
+        """Keys of live entries, oldest insert first (str keys come back as str).
+
+        `tier`: "memory" (default), "disk" (read from the tier's records,
+        oldest written first) or "all" (memory, then disk-only keys).
+        """
+        if tier not in ("memory", "disk", "all"):
+            raise UsageError(f"unknown tier {tier!r}: choose memory, disk or all")
         pb = key_bytes(prefix)[0] if prefix else b""
+        if tier != "memory":
+            mem = [] if tier == "disk" else self.keys(prefix, limit)
+            if limit is not None and len(mem) >= limit:
+                return mem
+            seen = set(mem)
+            more = [k for k in self._disk_keys(pb) if k not in seen]
+            out = mem + more
+            return out[:limit] if limit is not None else out
 
         def collect() -> list[str | bytes]:
             idx = np.flatnonzero(self._live_mask())
@@ -898,11 +1187,42 @@ class Pool:
     def __iter__(self) -> Iterator[str | bytes]:
         return iter(self.keys())
 
+    def _disk_records(self) -> list[tuple[int, int, Any, int, int]]:
+        """(slot, seq, location, key length, flags) of every live disk entry, oldest first (lock held)."""
+        t = self._tier
+        if t is None:
+            return []
+        c = t.cols
+        idx = t.live_slots()
+        e = c["expiry"][idx]
+        idx = idx[(e == 0) | (e > self.clock())]
+        idx = idx[np.argsort(c["seq"][idx], kind="stable")]
+        return [(int(d), int(c["seq"][d]), t.hit(int(d)).loc, int(c["key_len"][d]), int(c["flags"][d]))
+                for d in idx]
+
+    def _disk_keys(self, pb: bytes = b"", with_slots: bool = False) -> list[Any]:
+        """Keys on disk (read from the records, outside the lock) starting with `pb`."""
+        t = self._tier
+        if t is None or t.log is None:
+            return []
+        out: list[Any] = []
+        for d, seq, loc, klen, flags in self._locked(self._disk_records):
+            try:
+                kb = t.log.read_key(loc, klen)
+            except OSError:
+                continue
+            if kb is None or not kb.startswith(pb):
+                continue  # overwritten since, or not a match
+            k = kb.decode("utf-8", "surrogateescape") if flags & SLOT_FLAG_STR_KEY else kb
+            out.append((d, seq, kb, k) if with_slots else k)
+        return out
+
     def _info_of(self, i: int) -> dict[str, Any]:
         now = self.clock()
         e = float(self._expiry[i])
         return {
             "key": self._key_of(i),
+            "tier": "memory",
             "size": int(self._vlen[i]),
             "blocks": int(self._nblk[i]),
             "first_block": int(self._first[i]),
@@ -923,9 +1243,12 @@ class Pool:
 
         def get_info() -> dict[str, Any] | None:
             i = self._find(kb, kh)
-            if i < 0 or self._expired(i):
-                return None
-            return self._info_of(i)
+            if i >= 0 and not self._expired(i):
+                return self._info_of(i)
+            t = self._tier
+            if t is not None and t.contains(kb, kh):
+                return {"key": key, **t.info(t.find(kh, key_hash2(kb), len(kb)))}
+            return None
 
         r = self._locked(get_info)
         if r is None:
@@ -943,6 +1266,7 @@ class Pool:
         keys: list[str | bytes] | None = None,
         prefix: str | bytes | None = None,
         all: bool = False,
+        tier: str = "memory",
     ) -> tuple[int, int]:
         """Evict entries now; return (entries, value bytes) freed.
 
@@ -951,25 +1275,51 @@ class Pool:
         entries only, the given `keys`, every key starting with `prefix`, or
         `all`.  Pinned entries leave the index at once and free their memory
         when their last reader lets go.
+
+        `tier`: "memory" (default; with a disk tier, evicted entries that have
+        not expired move to disk as any eviction does), "disk" (removed from
+        the disk tier; by age, oldest written first, for percent/nbytes) or
+        "all" (removed from both tiers, nothing spilled).
         """
+        if tier not in ("memory", "disk", "all"):
+            raise UsageError(f"unknown tier {tier!r}: choose memory, disk or all")
+        if tier != "memory" and self._tier is None:
+            if tier == "disk":
+                raise UsageError(f"pool {self.name!r} has no disk tier")
+            tier = "memory"
+        if tier == "all":
+            sel = dict(percent=percent, nbytes=nbytes, expired=expired, keys=keys, prefix=prefix, all=all)
+            c1, b1 = self._evict_memory(**sel, spill=False)
+            c2, b2 = self._evict_disk(**sel)
+            return c1 + c2, b1 + b2
+        if tier == "disk":
+            return self._evict_disk(percent=percent, nbytes=nbytes, expired=expired, keys=keys, prefix=prefix,
+                                    all=all)
+        return self._evict_memory(percent=percent, nbytes=nbytes, expired=expired, keys=keys, prefix=prefix,
+                                  all=all, spill=True)
+
+    @staticmethod
+    def _check_selector(percent, nbytes, expired, keys, prefix, all) -> int | None:
+        """Check that exactly one selector is given; return the byte target of `nbytes`."""
         chosen = [percent is not None, nbytes is not None, bool(expired), keys is not None, prefix is not None, bool(all)]
         if sum(chosen) != 1:
             raise UsageError("evict needs exactly one of: percent, nbytes, expired, keys, prefix, all")
-        if percent is not None:
-            if not 0 < percent <= 100:
-                raise UsageError(f"percent must be in (0, 100], not {percent!r}")
-            target = None
-        if nbytes is not None:
-            target = parse_size(nbytes)
+        if percent is not None and not 0 < percent <= 100:
+            raise UsageError(f"percent must be in (0, 100], not {percent!r}")
+        return parse_size(nbytes) if nbytes is not None else None
+
+    def _evict_memory(self, percent, nbytes, expired, keys, prefix, all, spill) -> tuple[int, int]:
+        target = self._check_selector(percent, nbytes, expired, keys, prefix, all)
+        spill = spill and self._tier is not None
         if keys is not None:
             encoded = [(kb, xxh3_64_intdigest(kb)) for kb, _ in map(key_bytes, keys)]
-            return self._locked(self._evict_keys, encoded)
+            return self._locked(self._evict_keys, encoded, spill)
         if expired or all or prefix is not None:
             pb = key_bytes(prefix)[0] if prefix is not None else None
-            return self._locked(self._evict_matching, expired, pb)
-        return self._locked(self._evict_amount, percent, target)
+            return self._locked(self._evict_matching, expired, pb, spill)
+        return self._locked(self._evict_amount, percent, target, spill)
 
-    def _evict_keys(self, encoded: list[tuple[bytes, int]]) -> tuple[int, int]:
+    def _evict_keys(self, encoded: list[tuple[bytes, int]], spill: bool = False) -> tuple[int, int]:
         count = freed = 0
         for kb, kh in encoded:
             i = self._find(kb, kh)
@@ -977,10 +1327,12 @@ class Pool:
                 count += 1
                 freed += int(self._vlen[i])
                 self._count_eviction(i, False)
+                if spill and not self._expired(i):
+                    self._spill(i)
                 self._remove(i)
         return count, freed
 
-    def _evict_matching(self, expired_only: bool, prefix: bytes | None) -> tuple[int, int]:
+    def _evict_matching(self, expired_only: bool, prefix: bytes | None, spill: bool = False) -> tuple[int, int]:
         idx = np.flatnonzero(self._state == SEALED)
         if expired_only:
             e = self._expiry[idx]
@@ -994,11 +1346,14 @@ class Pool:
                     continue
             count += 1
             freed += int(self._vlen[i])
-            self._count_eviction(i, self._expired(i))
+            gone = self._expired(i)
+            self._count_eviction(i, gone)
+            if spill and not gone:
+                self._spill(i)
             self._remove(i)
         return count, freed
 
-    def _evict_amount(self, percent: float | None, target: int | None) -> tuple[int, int]:
+    def _evict_amount(self, percent: float | None, target: int | None, spill: bool = False) -> tuple[int, int]:
         if percent is not None:
             live = self._state == SEALED
             target = int(np.ceil(int(self._vlen[live].sum()) * percent / 100))
@@ -1011,8 +1366,55 @@ class Pool:
             count += 1
             freed += int(self._vlen[i])
             self._count_eviction(i, expired)
+            if spill and not expired:
+                self._spill(i)
             self._remove(i)
         return count, freed
+
+    def _evict_disk(self, percent, nbytes, expired, keys, prefix, all) -> tuple[int, int]:
+        """Remove entries from the disk tier (their records are killed)."""
+        target = self._check_selector(percent, nbytes, expired, keys, prefix, all)
+        t = self._tier
+        if t is None:
+            return 0, 0
+        if keys is not None:
+            encoded = [(kb, xxh3_64_intdigest(kb)) for kb, _ in map(key_bytes, keys)]
+
+            def by_key() -> list[int]:
+                slots = (t.find(kh, key_hash2(kb), len(kb)) for kb, kh in encoded)
+                return [d for d in slots if d >= 0]
+
+            return self._locked(lambda: self._forget_disk_slots(by_key()))
+        if prefix is not None:
+            pb = key_bytes(prefix)[0]
+            chosen = [(d, seq) for d, seq, _, _ in self._disk_keys(pb, with_slots=True)]
+            return self._locked(lambda: self._forget_disk_slots(
+                [d for d, seq in chosen if t.is_live(d, seq)]))
+
+        def select() -> list[int]:
+            c = t.cols
+            idx = t.live_slots()
+            if expired:
+                e = c["expiry"][idx]
+                return list(map(int, idx[(e > 0) & (e <= self.clock())]))
+            if all:
+                return list(map(int, idx))
+            idx = idx[np.argsort(c["seq"][idx], kind="stable")]  # oldest written first
+            goal = target if target is not None else int(np.ceil(int(c["value_len"][idx].sum()) * percent / 100))
+            sizes = np.cumsum(c["value_len"][idx].astype(np.int64))
+            n = int(np.searchsorted(sizes, goal, side="left")) + 1 if goal > 0 else 0
+            return list(map(int, idx[:n]))
+
+        return self._locked(lambda: self._forget_disk_slots(select()))
+
+    def _forget_disk_slots(self, slots: list[int]) -> tuple[int, int]:
+        t = self._tier
+        assert t is not None
+        freed = 0
+        for d in slots:
+            freed += int(t._vlen[d])
+            t.forget_slot(d)
+        return len(slots), freed
 
     # ------------------------------------------------------------------ stats
 
@@ -1058,6 +1460,7 @@ class Pool:
             "mode": f"{st.st_mode & 0o777:04o}",
             "uid": st.st_uid,
             "gid": st.st_gid,
+            "disk": self._tier.stats() if self._tier is not None else None,
         }
 
     # ------------------------------------------------------------------ snapshots (persist.py)
@@ -1156,8 +1559,7 @@ class Pool:
         if vlen <= COPY_IN_LOCK:
             self._locked(self._put_small, kb, kh, flags, vb, nblk, rec.checksum, None, rec.priority, rec, base)
             return
-        off = self._locked(self._reserve, kb, flags, vlen, nblk, kh)
-        i = self._reserved_slot
+        i, off = self._locked(self._reserve_entry, kb, flags, vlen, nblk, kh)
         try:
             # Through the segment's fd, not the mapping: the kernel fills the
             # pages without a page fault each (~1.5x faster into fresh memory).
@@ -1238,6 +1640,34 @@ class Pool:
         from .repair import verify
 
         return verify(self, repair=repair, checksums=checksums)
+
+
+def default_disk_path(name: str) -> str:
+    """Where `--tier disk` puts a pool's tier when no path is given: next to the snapshot directory."""
+    from .persist import snapshot_dir
+
+    return str(snapshot_dir().parent / "disk" / name)
+
+
+def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str):
+    """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made)."""
+    if not DiskLog.exists(path):
+        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct), True
+    log = DiskLog.open(path, o_direct=o_direct)
+    try:
+        if size is not None and DiskLog.capacity_for(size) != log.capacity:
+            raise UsageError(
+                f"{path!r} holds a disk tier of {log.capacity} bytes; give that --disk-size "
+                "(or none) to use it, or remove it with `cortex cache delete --force`"
+            )
+        owner = log.owner()
+        mine = segment.shm_path(name)
+        if owner and owner != mine and owner.startswith("/dev/shm/") and os.path.exists(owner):
+            raise CannotCreate(f"{path!r} is the disk tier of another pool ({owner}); choose another --disk-path")
+        return log, False
+    except BaseException:
+        log.close()
+        raise
 
 
 def _show_key(key: object) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from . import procs
-from .layout import FREE, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
+from .layout import FREE, H_DISK_CORRUPT, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -154,6 +154,11 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     if not counts_ok and not problems:
         problems.append("entry or block counters out of step")
 
+    if pool._tier is not None:
+        from .disktier import analyse_index
+
+        problems += analyse_index(pool._tier, fix)
+
     if fix:
         s["state"][:] = state
         s["pins"][:] = pins
@@ -229,6 +234,9 @@ def verify(pool: "Pool", repair: bool, checksums: bool) -> dict[str, Any]:
             problems.append(f"entry {_show(pool, i)}: value does not match its checksum")
         if repair and bad:
             pool._locked(_drop_entries, pool, bad)
+    report: dict[str, Any] = {}
+    if pool._tier is not None and checksums:
+        report["disk_checked"] = _verify_disk(pool, repair, problems)
     n_entries = int(pool._h.n_entries[0])
     return {
         "ok": not problems,
@@ -236,7 +244,53 @@ def verify(pool: "Pool", repair: bool, checksums: bool) -> dict[str, Any]:
         "repaired": bool(repair and problems),
         "entries": n_entries,
         "checked": checked,
+        **report,
     }
+
+
+def _verify_disk(pool: "Pool", repair: bool, problems: list[str]) -> int:
+    """Read every record the disk index points at and check it (outside the lock)."""
+    from .disklog import CORRUPT, Found
+    from .disktier import key_hash2
+
+    tier = pool._tier
+    assert tier is not None
+    if tier.log is None:
+        problems.append(f"disk tier unavailable: {tier.unavailable}")
+        return 0
+    checked = 0
+    bad: list[tuple[int, int, bool]] = []
+    for d, seq, loc, klen, _flags in pool._locked(pool._disk_records):
+        try:
+            found = tier.log.read(loc, None)
+        except OSError as e:
+            problems.append(f"disk tier: cannot read file {loc.file}: {e.strerror}")
+            break
+        checked += 1
+        if isinstance(found, Found):
+            kh = xxhash.xxh3_64_intdigest(found.key)
+            if (kh, key_hash2(found.key), len(found.key)) == (int(tier.cols["key_hash"][d]),
+                                                            int(tier.cols["key_hash2"][d]), klen):
+                continue
+        bad.append((d, seq, found == CORRUPT))
+
+    def confirm() -> list[tuple[int, int, bool]]:
+        return [(d, seq, corrupt) for d, seq, corrupt in bad if tier.is_live(d, seq)]  # not changed meanwhile
+
+    still_bad = pool._locked(confirm)
+    for d, _seq, corrupt in still_bad:
+        what = "fails its checksums" if corrupt else "is not the record the index expects"
+        problems.append(f"disk entry in file {int(tier.cols['file'][d])} at {int(tier.cols['offset'][d])}: {what}")
+    if repair and still_bad:
+        def drop() -> None:
+            for d, seq, corrupt in still_bad:
+                if tier.is_live(d, seq):
+                    if corrupt:
+                        tier.count(H_DISK_CORRUPT)
+                    tier.kill_slot(d)
+
+        pool._locked(drop)
+    return checked
 
 
 def _show(pool: "Pool", i: int) -> str:

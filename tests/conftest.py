@@ -17,7 +17,9 @@ import pytest
 PREFIX = f"cctest-{os.getpid()}-{secrets.token_hex(3)}."
 os.environ["CORTEX_CACHE_SHM_PREFIX"] = PREFIX
 # Snapshots of tests never land in the user's (or root's) real snapshot directory.
-SNAPSHOT_DIR = tempfile.mkdtemp(prefix="cctest-snapshots-")
+# Its parent is private too: default disk tiers go next to it (STATE_DIR/disk/NAME).
+STATE_DIR = tempfile.mkdtemp(prefix="cctest-state-")
+SNAPSHOT_DIR = os.path.join(STATE_DIR, "snapshots")
 os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = SNAPSHOT_DIR
 os.environ.pop("CORTEX_CACHE_DEBUG", None)
 
@@ -64,13 +66,18 @@ def make_pool(pool_name):
         return p
 
     yield factory
+    from cortex_cache.disklog import DiskLog
+
     for n, p in made:
+        tier = p._tier.path if p._tier is not None else None
         p.close()
         if Pool.exists(n):
             Pool.unlink(n)
+        if tier:
+            DiskLog.destroy(tier)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_snapshot_dir():
     yield
-    shutil.rmtree(SNAPSHOT_DIR, ignore_errors=True)
+    shutil.rmtree(STATE_DIR, ignore_errors=True)

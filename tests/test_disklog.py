@@ -65,10 +65,10 @@ def test_scan_finds_everything_after_a_restart(tmp_path):
         for k, v in written.items():
             log.append(k, v)
     with DiskLog.open(tmp_path / "t") as log:
-        found = {key: log.read(loc, key) for key, loc, _, _ in log.scan()}
+        found = {r.key: log.read(r.loc, r.key) for r in log.scan()}
         assert {k: f.value for k, f in found.items()} == written
         loc = log.append(b"after", b"restart")  # the cursor carried on, not over old records
-        assert all(isinstance(log.read(l2, k), Found) for k, l2, _, _ in log.scan() if k != b"after")
+        assert all(isinstance(log.read(r.loc, r.key), Found) for r in log.scan() if r.key != b"after")
         assert log.read(loc, b"after").value == b"restart"
 
 
@@ -143,7 +143,45 @@ def test_sigkill_mid_append_leaves_the_rest_readable(tmp_path):
     with DiskLog.open(tmp_path / "k") as log:
         found = list(log.scan())
         assert len(found) >= 25
-        for key, loc, _, _ in found:
-            check_value(log.read(loc, key).value)
+        for r in found:
+            check_value(log.read(r.loc, r.key).value)
         loc = log.append(b"after", b"kill")
         assert log.read(loc, b"after").value == b"kill"
+
+
+def test_killed_records_stay_dead_after_a_restart(tmp_path):
+    with DiskLog.create(tmp_path / "t", FILES * 64 * 1024) as log:
+        keep = log.append(b"keep", b"k" * 100, flags=1)
+        gone = log.append(b"gone", b"g" * 100)
+        log.kill(gone)
+        log.kill(Location(keep.file, keep.offset, keep.length, keep.seq + 99))  # not that record: no effect
+        assert log.read(gone, b"gone") == STALE
+        assert log.read(keep, b"keep").flags == 1
+        assert log.read_key(keep, 4) == b"keep" and log.read_key(gone, 4) is None
+    with DiskLog.open(tmp_path / "t") as log:
+        assert [(r.key, r.flags, r.value_len) for r in log.scan()] == [(b"keep", 1, 100)]
+        assert log.last_scan_corrupt == 0
+
+
+def test_scan_counts_records_whose_value_was_damaged(tmp_path):
+    with DiskLog.create(tmp_path / "t", FILES * 64 * 1024) as log:
+        loc = log.append(b"k", b"v" * 3000)
+        log.append(b"k2", b"w" * 3000)
+    path = tmp_path / "t" / f"tier-{loc.file:02d}.log"
+    with open(path, "r+b") as f:
+        f.seek(loc.offset + 64 + 1 + 100)
+        f.write(b"X")
+    with DiskLog.open(tmp_path / "t") as log:
+        assert [r.key for r in log.scan()] == [b"k2"]
+        assert log.last_scan_corrupt == 1
+
+
+def test_owner_and_destroy(tmp_path):
+    with DiskLog.create(tmp_path / "t", FILES * 64 * 1024) as log:
+        assert log.owner() == ""
+        log.set_owner("cortex-cache.pool")
+    with DiskLog.open(tmp_path / "t") as log:
+        assert log.owner() == "cortex-cache.pool"
+    assert DiskLog.exists(tmp_path / "t")
+    DiskLog.destroy(tmp_path / "t")
+    assert not (tmp_path / "t").exists()

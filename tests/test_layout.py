@@ -8,9 +8,9 @@ import pytest
 from cortex_cache import layout
 from cortex_cache.layout import Geometry
 
-# Frozen copy of format version 1.  If this test fails you changed the bytes
+# Frozen copy of format version 2 (2 added the disk tier's header fields and index).  If this test fails you changed the bytes
 # of the segment: bump FORMAT_VERSION and update this table on purpose.
-FROZEN_VERSION = 1
+FROZEN_VERSION = 2
 FROZEN_HEADER = [
     ("magic", "S8", 0), ("version", "<u4", 8), ("header_size", "<u4", 12), ("segment_size", "<u8", 16),
     ("block_size", "<u8", 24), ("n_blocks", "<u8", 32), ("n_slots", "<u8", 40), ("n_buckets", "<u8", 48),
@@ -25,6 +25,13 @@ FROZEN_HEADER = [
     ("cand_count", "<u4", 332), ("cand_pos", "<u4", 336), ("cand_pad", "<u4", 340),
     ("cand_next_expiry", "<f8", 344), ("cand_max_primary", "<f8", 352), ("cand_max_secondary", "<u8", 360),
     ("cand_epoch", "<u8", 368), ("victims_off", "<u8", 376),
+    ("disk_flags", "<u4", 384), ("disk_pad", "<u4", 388), ("disk_size", "<u8", 392), ("n_dslots", "<u8", 400),
+    ("n_dbuckets", "<u8", 408), ("dslots_off", "<u8", 416), ("dbuckets_off", "<u8", 424),
+    ("dfree_slot", "<i8", 432), ("disk_entries", "<u8", 440), ("disk_value_bytes", "<u8", 448),
+    ("disk_hits", "<u8", 456), ("disk_misses", "<u8", 464), ("disk_spills", "<u8", 472),
+    ("disk_promotions", "<u8", 480), ("disk_bytes_written", "<u8", 488), ("disk_bytes_read", "<u8", 496),
+    ("disk_corrupt", "<u8", 504), ("disk_dropped", "<u8", 512), ("disk_errors", "<u8", 520),
+    ("disk_evictions", "<u8", 528), ("disk_path", "S2048", 1024),
 ]
 FROZEN_SLOT_COLUMNS = [
     ("state", "<u4"), ("pins", "<u4"), ("key_len", "<u4"), ("flags", "<u4"), ("owner_pid", "<u4"),
@@ -34,6 +41,11 @@ FROZEN_SLOT_COLUMNS = [
     ("owner_start", "<u8"),
 ]
 FROZEN_VICTIM_COLUMNS = [("slot", "<i4"), ("pad", "<i4"), ("ident", "<u8"), ("primary", "<f8"), ("secondary", "<u8")]
+FROZEN_DSLOT_COLUMNS = [
+    ("state", "<u4"), ("key_len", "<u4"), ("file", "<u4"), ("flags", "<u4"), ("next", "<i4"), ("pad", "<i4"),
+    ("key_hash", "<u8"), ("key_hash2", "<u8"), ("value_len", "<u8"), ("offset", "<u8"), ("length", "<u8"),
+    ("seq", "<u8"), ("expiry", "<f8"), ("priority", "<i8"), ("spilled", "<f8"),
+]
 FROZEN_PIN = [("pid", "<u4", 0), ("slot", "<i4", 4), ("start", "<u8", 8)]
 
 
@@ -44,7 +56,9 @@ def test_layout_matches_frozen_format():
     assert layout.SLOT_COLUMNS == FROZEN_SLOT_COLUMNS
     assert layout.VICTIM_COLUMNS == FROZEN_VICTIM_COLUMNS
     assert layout.PIN_FIELDS == FROZEN_PIN
+    assert layout.DSLOT_COLUMNS == FROZEN_DSLOT_COLUMNS
     assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 136, 16, 4096)
+    assert layout.DSLOT_BYTES == 96
 
 
 @pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.PIN_FIELDS, 16)])
@@ -75,7 +89,7 @@ def test_slot_columns_are_packed_in_order_on_64_byte_boundaries():
 
 def test_header_documents_the_layout():
     doc = layout.__doc__
-    for region in ("header", "slots", "buckets", "block map", "pins", "victims", "data"):
+    for region in ("header", "slots", "buckets", "block map", "pins", "victims", "disk index", "disk hash", "data"):
         assert region in doc
 
 
@@ -85,3 +99,12 @@ def test_geometry_regions_are_aligned_and_fill_the_segment():
     assert g.data_off % 4096 == 0 and g.n_blocks == 4096 and g.n_slots == 1000
     assert g.n_buckets >= 2 * g.n_slots and g.n_buckets & (g.n_buckets - 1) == 0
     assert g.check(g.segment_size + 1) is not None
+
+
+def test_geometry_with_a_disk_index():
+    g = Geometry.compute(16 << 20, 4096, max_entries=1000, disk_entries=5000)
+    assert g.check(g.segment_size) is None
+    assert g.n_dslots == 5000 and g.n_dbuckets >= 10000 and g.n_dbuckets & (g.n_dbuckets - 1) == 0
+    assert g.victims_off < g.dslots_off < g.dbuckets_off < g.data_off
+    plain = Geometry.compute(16 << 20, 4096, max_entries=1000)
+    assert plain.n_dslots == 0 and plain.data_off < g.data_off

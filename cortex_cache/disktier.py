@@ -1,0 +1,514 @@
+"""The disk tier under a pool: spill on eviction, promote on a miss.
+
+Storage is a `DiskLog` (disklog.py): a ring of preallocated files of
+checksummed records.  The index of what is on disk lives in the pool's
+segment (the disk-index regions of layout.py), so every attached process
+sees the same tier, and it is guarded by the pool lock like the rest of the
+metadata.  The records are the truth: the index is rebuilt from a scan of the
+files when a pool is created on a directory that already holds a tier (the
+restart case), and repair rebuilds its chains from the disk slots.
+
+How the two tiers relate:
+
+- write-back (default): an entry evicted from memory (not expired) is
+  written to disk in the evicting process, under the pool lock.  A disk hit
+  is copied back into memory and its record killed (the tiers are
+  exclusive, so the disk holds what memory does not).
+- write-through: every put also writes a record (before it takes the lock
+  for the memory put), and a disk hit leaves its record in place (the tiers
+  are inclusive).  An entry evicted from memory whose record the ring has
+  already overwritten is written again, as in write-back.
+
+The disk's own eviction is the ring: when the append cursor enters a file,
+the entries in it are dropped (`drop_file`), oldest written first -- which is
+least recently used, since a disk hit moves an entry to memory and it comes
+back to disk at the head of the ring.  Deleting or replacing a key kills its
+record on disk, so a restart never brings back a value that was removed.
+
+Every method here runs with the pool lock held unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
+from .disklog import DiskLog, Location
+from .layout import (
+    DFREE, DISK_O_DIRECT, DISK_WRITE_THROUGH, DLIVE, DSLOT_COLUMNS,
+    H_DFREE_SLOT, H_DISK_BYTES_READ, H_DISK_BYTES_WRITTEN, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ENTRIES,
+    H_DISK_ERRORS, H_DISK_EVICTIONS, H_DISK_HITS, H_DISK_MISSES, H_DISK_PROMOTIONS, H_DISK_SPILLS,
+    H_DISK_VALUE_BYTES,
+    Geometry,
+)
+
+KEY_SEED2 = 0x9E3779B97F4A7C15  # seed of the second key hash (64 + 64 bits tell keys apart)
+MAX_DEFAULT_DSLOTS = 1 << 21
+_MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
+_DROP_BATCH = 64  # a full disk index drops its oldest 1/64th at once
+
+
+def key_hash2(kb: bytes) -> int:
+    return xxh3_64_intdigest(kb, KEY_SEED2)
+
+
+def default_disk_entries(capacity: int, block_size: int) -> int:
+    """Index rows for a tier: one per record of a block (records are at least 4 KiB)."""
+    return max(16, min(capacity // max(block_size, 4096), MAX_DEFAULT_DSLOTS))
+
+
+@dataclass(frozen=True)
+class DiskHit:
+    """A memory miss found in the disk index: where to read it, and how to check it is still there."""
+
+    slot: int
+    seq: int
+    loc: Location
+    value_len: int
+    expiry: float
+    priority: int
+    flags: int
+
+
+class DiskTier:
+    """The disk index in a pool's segment plus this process's handle on the tier's files."""
+
+    def __init__(
+        self, mm: Any, mv: memoryview, hdr: tuple, geometry: Geometry, flags: int, path: str,
+        log: DiskLog | None, unavailable: str | None, clock: Callable[[], float],
+    ) -> None:
+        self._hu64, self._hi64 = hdr
+        self.path = path
+        self.write_through = bool(flags & DISK_WRITE_THROUGH)
+        self.o_direct = bool(flags & DISK_O_DIRECT)
+        self.log = log
+        self.unavailable = unavailable  # why this process could not open the files, or None
+        self.clock = clock
+        g = geometry
+        self._n = g.n_dslots
+        self._mask = g.n_dbuckets - 1
+        offs = g.dslot_columns()
+        self.cols = {name: np.frombuffer(mm, fmt, g.n_dslots, offs[name]) for name, fmt in DSLOT_COLUMNS}
+        self.buckets = np.frombuffer(mm, np.int32, g.n_dbuckets, g.dbuckets_off)
+        views = {}
+        for name, fmt in DSLOT_COLUMNS:
+            size = np.dtype(fmt).itemsize
+            views[name] = mv[offs[name] : offs[name] + g.n_dslots * size].cast(_MV_FORMAT[fmt])
+        self._views = list(views.values())
+        self._state, self._klen, self._file = views["state"], views["key_len"], views["file"]
+        self._flags, self._next = views["flags"], views["next"]
+        self._kh, self._kh2, self._vlen = views["key_hash"], views["key_hash2"], views["value_len"]
+        self._off, self._len, self._seq = views["offset"], views["length"], views["seq"]
+        self._expiry, self._prio, self._spilled = views["expiry"], views["priority"], views["spilled"]
+        self._bkt = mv[g.dbuckets_off : g.dbuckets_off + g.n_dbuckets * 4].cast("i")
+        self._views.append(self._bkt)
+
+    def close(self) -> None:
+        for v in self._views:
+            v.release()
+        self._views = []
+        self.cols = None  # type: ignore[assignment]
+        self.buckets = None  # type: ignore[assignment]
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    @staticmethod
+    def initialise(mm: Any, g: Geometry) -> None:
+        """Empty index of a new segment: every disk slot on the free list."""
+        nxt = np.frombuffer(mm, np.int32, g.n_dslots, g.dslot_columns()["next"])
+        nxt[:-1] = np.arange(1, g.n_dslots, dtype=np.int32)
+        nxt[-1] = -1
+        np.frombuffer(mm, np.int32, g.n_dbuckets, g.dbuckets_off)[:] = -1
+        del nxt
+
+    # ------------------------------------------------------------------ index
+
+    def find(self, kh: int, kh2: int, klen: int) -> int:
+        """Disk slot of the key with these hashes and length, or -1."""
+        d = self._bkt[kh & self._mask]
+        steps = 0
+        while d >= 0:
+            if self._kh[d] == kh and self._kh2[d] == kh2 and self._klen[d] == klen:
+                return d
+            d = self._next[d]
+            steps += 1
+            if steps > self._n:
+                from .errors import SegmentCorrupt
+
+                raise SegmentCorrupt("disk index: hash chain loop; run `cortex cache verify --repair`")
+        return -1
+
+    def hit(self, d: int) -> DiskHit:
+        loc = Location(self._file[d], self._off[d], self._len[d], self._seq[d])
+        return DiskHit(d, self._seq[d], loc, self._vlen[d], self._expiry[d], self._prio[d], self._flags[d])
+
+    def is_live(self, d: int, seq: int) -> bool:
+        return self._state[d] == DLIVE and self._seq[d] == seq
+
+    def still(self, hit: DiskHit) -> bool:
+        """Is disk slot `hit.slot` still the record we looked up?"""
+        d = hit.slot
+        return self._state[d] == DLIVE and self._seq[d] == hit.seq
+
+    def _alloc(self) -> int:
+        hi64 = self._hi64
+        d = hi64[H_DFREE_SLOT]
+        if d < 0:
+            self._drop_oldest()
+            d = hi64[H_DFREE_SLOT]
+        hi64[H_DFREE_SLOT] = self._next[d]
+        self._next[d] = -1
+        return d
+
+    def _drop_oldest(self) -> None:
+        """The index is full: forget the oldest written entries (their records stay until the ring reaches them)."""
+        seq = self.cols["seq"]
+        live = np.flatnonzero(self.cols["state"] == DLIVE)
+        k = max(1, live.size // _DROP_BATCH)
+        oldest = live[np.argpartition(seq[live], k - 1)[:k]] if k < live.size else live
+        for d in map(int, oldest):
+            self._drop(d)
+        self._hu64[H_DISK_DROPPED] += len(oldest)
+
+    def insert(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
+               expiry: float, priority: int) -> int:
+        """Index a record just written; an older record of the same key is killed."""
+        old = self.find(kh, kh2, klen)
+        if old >= 0:
+            self.forget_slot(old)
+        d = self._alloc()
+        self._kh[d], self._kh2[d], self._klen[d], self._flags[d] = kh, kh2, klen, flags
+        self._file[d], self._off[d], self._len[d], self._seq[d] = loc.file, loc.offset, loc.length, loc.seq
+        self._vlen[d], self._expiry[d], self._prio[d] = vlen, expiry, priority
+        self._spilled[d] = self.clock()
+        b = kh & self._mask
+        self._next[d] = self._bkt[b]
+        self._bkt[b] = d
+        self._state[d] = DLIVE
+        hu64 = self._hu64
+        hu64[H_DISK_ENTRIES] += 1
+        hu64[H_DISK_VALUE_BYTES] += vlen
+        return d
+
+    def _drop(self, d: int) -> None:
+        """Take disk slot `d` out of the index (its record stays on disk)."""
+        b = self._kh[d] & self._mask
+        bkt = self._bkt
+        j = bkt[b]
+        if j == d:
+            bkt[b] = self._next[d]
+        else:
+            while j >= 0:
+                nj = self._next[j]
+                if nj == d:
+                    self._next[j] = self._next[d]
+                    break
+                j = nj
+        self._state[d] = DFREE
+        hu64, hi64 = self._hu64, self._hi64
+        hu64[H_DISK_ENTRIES] -= 1
+        hu64[H_DISK_VALUE_BYTES] -= self._vlen[d]
+        self._next[d] = hi64[H_DFREE_SLOT]
+        hi64[H_DFREE_SLOT] = d
+
+    def kill_slot(self, d: int) -> None:
+        """Drop `d` and kill its record on disk, so no restart finds it again."""
+        loc = Location(self._file[d], self._off[d], self._len[d], self._seq[d])
+        self._drop(d)
+        if self.log is not None:
+            try:
+                self.log.kill(loc)
+            except OSError:
+                self._hu64[H_DISK_ERRORS] += 1
+
+    def forget_slot(self, d: int) -> None:
+        """Remove an entry from the tier on purpose (delete, replace, evict): counted."""
+        self.kill_slot(d)
+        self._hu64[H_DISK_EVICTIONS] += 1
+
+    def forget(self, kb: bytes, kh: int) -> bool:
+        """Remove `kb`'s entry from the tier, if it has one."""
+        d = self.find(kh, key_hash2(kb), len(kb))
+        if d < 0:
+            return False
+        self.forget_slot(d)
+        return True
+
+    def drop_file(self, file: int) -> None:
+        """The ring entered `file`: every entry in it is about to be overwritten."""
+        cols = self.cols
+        gone = np.flatnonzero((cols["state"] == DLIVE) & (cols["file"] == file))
+        for d in map(int, gone):
+            self._drop(d)
+        self._hu64[H_DISK_DROPPED] += gone.size
+
+    # ------------------------------------------------------------------ writes
+
+    def reserve(self, length: int) -> tuple[int, int, int] | None:
+        """Room for a record of `length` bytes: (file, offset, seq), or None (counted) when impossible."""
+        log = self.log
+        if log is None:
+            self._hu64[H_DISK_ERRORS] += 1
+            return None
+        if length > log.file_size:
+            self._hu64[H_DISK_DROPPED] += 1  # larger than a tier file: it cannot go to disk
+            return None
+        try:
+            file, off, seq = log.reserve(length)
+        except OSError:
+            self._hu64[H_DISK_ERRORS] += 1
+            return None
+        if off == 0:
+            self.drop_file(file)
+        return file, off, seq
+
+    def spill(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int) -> bool:
+        """Write an entry leaving memory to disk (unless it has a record there already)."""
+        kh2 = key_hash2(kb)
+        if self.write_through and self.find(kh, kh2, len(kb)) >= 0:
+            return True
+        vlen = value.nbytes
+        where = self.reserve(DiskLog.record_length(len(kb), vlen))
+        if where is None:
+            return False
+        try:
+            loc = self.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
+        except OSError:
+            self._hu64[H_DISK_ERRORS] += 1
+            return False
+        self.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
+        return True
+
+    def note_written(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
+                     expiry: float, priority: int) -> None:
+        self.insert(kh, kh2, klen, flags, loc, vlen, expiry, priority)
+        hu64 = self._hu64
+        hu64[H_DISK_SPILLS] += 1
+        hu64[H_DISK_BYTES_WRITTEN] += loc.length
+
+    def count(self, field: int, n: int = 1) -> None:
+        self._hu64[field] += n
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(self, kb: bytes, kh: int) -> DiskHit | None:
+        """The disk entry for a memory miss, or None (counted as a disk miss)."""
+        d = self.find(kh, key_hash2(kb), len(kb))
+        if d >= 0:
+            e = self._expiry[d]
+            if e > 0 and e <= self.clock():
+                self.kill_slot(d)
+                d = -1
+        if d < 0:
+            self._hu64[H_DISK_MISSES] += 1
+            return None
+        return self.hit(d)
+
+    def contains(self, kb: bytes, kh: int) -> bool:
+        d = self.find(kh, key_hash2(kb), len(kb))
+        if d < 0:
+            return False
+        e = self._expiry[d]
+        return not (e > 0 and e <= self.clock())
+
+    def after_failed_read(self, kb: bytes, kh: int, hit: DiskHit, corrupt: bool) -> DiskHit | None:
+        """A read found the record gone (or damaged): fix the index; the entry to try next, or None."""
+        if self.still(hit):
+            if corrupt:
+                self._hu64[H_DISK_CORRUPT] += 1
+                self.kill_slot(hit.slot)
+            else:
+                self._drop(hit.slot)  # overwritten behind the index's back
+                self._hu64[H_DISK_DROPPED] += 1
+            self._hu64[H_DISK_MISSES] += 1
+            return None
+        # The index moved on while we read (a newer record, or the entry is gone): look again.
+        d = self.find(kh, key_hash2(kb), len(kb))
+        if d < 0:
+            self._hu64[H_DISK_MISSES] += 1
+            return None
+        return self.hit(d)
+
+    def info(self, d: int) -> dict[str, Any]:
+        e = float(self._expiry[d])
+        now = self.clock()
+        return {
+            "tier": "disk",
+            "size": int(self._vlen[d]),
+            "disk_file": int(self._file[d]),
+            "disk_offset": int(self._off[d]),
+            "disk_bytes": int(self._len[d]),
+            "spilled": float(self._spilled[d]),
+            "priority": int(self._prio[d]),
+            "expires": e if e > 0 else None,
+            "ttl_remaining": max(0.0, e - now) if e > 0 else None,
+        }
+
+    # ------------------------------------------------------------------ scans
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.cols["state"] == DLIVE)
+
+    def stats(self) -> dict[str, Any]:
+        h = self._hu64
+        hits, misses = h[H_DISK_HITS], h[H_DISK_MISSES]
+        out: dict[str, Any] = {
+            "path": self.path,
+            "available": self.log is not None,
+            "write": "through" if self.write_through else "back",
+            "o_direct": self.o_direct,
+            "capacity_bytes": self.log.capacity if self.log is not None else None,
+            "entries": h[H_DISK_ENTRIES],
+            "max_entries": self._n,
+            "value_bytes": h[H_DISK_VALUE_BYTES],
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+            "spills": h[H_DISK_SPILLS],
+            "promotions": h[H_DISK_PROMOTIONS],
+            "bytes_written": h[H_DISK_BYTES_WRITTEN],
+            "bytes_read": h[H_DISK_BYTES_READ],
+            "corrupt": h[H_DISK_CORRUPT],
+            "dropped": h[H_DISK_DROPPED],
+            "errors": h[H_DISK_ERRORS],
+            "evictions": h[H_DISK_EVICTIONS],
+        }
+        if self.log is not None:
+            u = self.log.usage()
+            # Bytes the ring has written since it last went round, a proxy for use.
+            out["ring_file"] = u["cursor_file"]
+            out["ring_offset"] = u["cursor_offset"]
+        else:
+            out["error"] = self.unavailable
+        return out
+
+    def rebuild_from_scan(self) -> int:
+        """Fill an empty index from the records on disk (newest record of each key wins)."""
+        assert self.log is not None
+        found = list(self.log.scan())
+        found.sort(key=lambda r: r.loc.seq, reverse=True)
+        now = self.clock()
+        n = 0
+        for r in found:
+            if n >= self._n:
+                self._hu64[H_DISK_DROPPED] += 1
+                continue
+            if r.expiry and r.expiry <= now:
+                continue
+            kh, kh2 = xxh3_64_intdigest(r.key), key_hash2(r.key)
+            if self.find(kh, kh2, len(r.key)) >= 0:
+                continue  # an older record of a key already indexed
+            self.insert(kh, kh2, len(r.key), r.flags, r.loc, r.value_len, r.expiry, r.priority)
+            n += 1
+        self._hu64[H_DISK_CORRUPT] += self.log.last_scan_corrupt
+        return n
+
+
+def open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, str | None]:
+    """This process's handle on a pool's tier files, or None and why not."""
+    from .errors import CortexCacheError
+
+    try:
+        return DiskLog.open(path, o_direct=o_direct), None
+    except (CortexCacheError, OSError) as e:
+        return None, str(e)
+
+
+def check_disk_path(path: str | os.PathLike) -> str:
+    from .errors import UsageError
+    from .layout import DISK_PATH_BYTES
+
+    p = os.path.abspath(os.fspath(path))
+    if len(p.encode()) >= DISK_PATH_BYTES or "\0" in p:
+        raise UsageError(f"disk path is too long (at most {DISK_PATH_BYTES - 1} bytes): {p[:60]!r}...")
+    return p
+
+
+__all__ = ["DiskTier", "DiskHit", "key_hash2", "default_disk_entries", "open_log", "check_disk_path"]
+
+
+def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
+    """Check (and with `fix`, rebuild) the disk index: chains, free list, counters (pool lock held).
+
+    The disk slots are the truth here, as the memory slots are for the memory
+    index; a slot that cannot describe a record is dropped (its record stays
+    on disk and a later restart finds it again).
+    """
+    from .disklog import ALIGN, FILES
+
+    c = tier.cols
+    n = tier._n
+    problems: list[str] = []
+    state = c["state"].copy()
+    bad = np.flatnonzero(state > DLIVE)
+    if bad.size:
+        problems.append(f"{bad.size} disk slot(s) with an invalid state")
+        state[bad] = DFREE
+    file_size = tier.log.file_size if tier.log is not None else None
+    live = np.flatnonzero(state == DLIVE)
+    length, off = c["length"][live], c["offset"][live]
+    ok = (c["file"][live] < FILES) & (length >= ALIGN) & (length % ALIGN == 0) & (off % ALIGN == 0)
+    ok &= (c["key_len"][live] >= 1) & (c["value_len"][live] < length)
+    if file_size is not None:
+        ok &= (length <= file_size) & (off <= file_size - np.minimum(length, file_size))
+    if not ok.all():
+        problems.append(f"{int((~ok).sum())} disk entr(y/ies) with an impossible position dropped")
+        state[live[~ok]] = DFREE
+    # One entry per key: keep the newest record.
+    live = np.flatnonzero(state == DLIVE)
+    keys = np.stack([c["key_hash"][live], c["key_hash2"][live], c["key_len"][live].astype(np.uint64)], axis=1)
+    order = np.lexsort((-c["seq"][live].astype(np.float64), keys[:, 2], keys[:, 1], keys[:, 0]))
+    ks = keys[order]
+    dup = np.r_[False, (ks[1:] == ks[:-1]).all(axis=1)] if ks.size else np.zeros(0, dtype=bool)
+    if dup.any():
+        problems.append(f"{int(dup.sum())} duplicate disk entr(y/ies) of one key dropped")
+        state[live[order[dup]]] = DFREE
+    live = np.flatnonzero(state == DLIVE)
+    buckets = np.full(tier.buckets.size, -1, dtype=np.int32)
+    nxt = np.full(n, -1, dtype=np.int32)
+    b = (c["key_hash"][live] & np.uint64(tier._mask)).astype(np.int64)
+    o = np.argsort(b, kind="stable")
+    sb, ss = b[o], live[o].astype(np.int32)
+    if ss.size:
+        same = sb[:-1] == sb[1:]
+        nxt[ss[:-1][same]] = ss[1:][same]
+        heads = np.flatnonzero(np.r_[True, ~same])
+        buckets[sb[heads]] = ss[heads]
+    free = np.flatnonzero(state == DFREE).astype(np.int32)
+    if free.size:
+        nxt[free[:-1]] = free[1:]
+    entries, value_bytes = live.size, int(c["value_len"][live].sum())
+    hu64, hi64 = tier._hu64, tier._hi64
+    if not fix and not problems:
+        reach = _reachable(tier.buckets, c["next"], n)
+        if reach is None or not np.array_equal(reach, np.sort(live)):
+            problems.append("disk index chains out of step with the disk entries")
+        elif hu64[H_DISK_ENTRIES] != entries or hu64[H_DISK_VALUE_BYTES] != value_bytes:
+            problems.append("disk entry counters out of step")
+    if fix:
+        c["state"][:] = state
+        tier.buckets[:] = buckets
+        c["next"][:] = nxt
+        hi64[H_DFREE_SLOT] = int(free[0]) if free.size else -1
+        hu64[H_DISK_ENTRIES] = entries
+        hu64[H_DISK_VALUE_BYTES] = value_bytes
+    return problems
+
+
+def _reachable(buckets: np.ndarray, nxt: np.ndarray, limit: int) -> np.ndarray | None:
+    seen: list[int] = []
+    for b in map(int, np.flatnonzero(buckets >= 0)):
+        d = int(buckets[b])
+        steps = 0
+        while 0 <= d < limit and steps <= limit:
+            seen.append(d)
+            d = int(nxt[d])
+            steps += 1
+        if steps > limit or d >= limit:
+            return None
+    return np.sort(np.array(seen, dtype=np.int64))
