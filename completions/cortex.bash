@@ -48,14 +48,14 @@ _cortex_files()
 _cortex_options()
 {
     case $1 in
-        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --json -q --quiet --help' ;;
+        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
         status) _cortex_words '--json --format -q --quiet --help' ;;
         delete) _cortex_words '-f --force -q --quiet --help' ;;
         put) _cortex_words '--ttl --priority -q --quiet --help' ;;
         get) _cortex_words '-o --output -q --quiet --help' ;;
-        keys) _cortex_words '--prefix --limit -l --long --json -q --quiet --help' ;;
-        evict) _cortex_words '--percent --bytes --expired --key --prefix --all --json -q --quiet --help' ;;
+        keys) _cortex_words '--prefix --limit -l --long --tier --json -q --quiet --help' ;;
+        evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --json -q --quiet --help' ;;
         restore) _cortex_words '-i --input --replace --json -q --quiet --help' ;;
@@ -66,7 +66,7 @@ _cortex()
 {
     local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} opt=
     local group= cmd= w i npos=0 skip=0 dashdash=0
-    local values=' --block-size --bytes --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --size --tier --ttl -i -o -s '
+    local values=' --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --size --tier --ttl -i -o -s '
     COMPREPLY=()
 
     # The command so far: group, command, and how many arguments it has.
@@ -105,10 +105,13 @@ _cortex()
     fi
     if [[ -n $opt && $values == *" $opt "* ]]; then
         case $cmd:$opt in
-            create:--tier) _cortex_words 'cpu' ;;
+            create:--tier) _cortex_words 'cpu disk' ;;
             create:--policy) _cortex_words 'lru lfu fifo priority ttl size' ;;
+            create:--disk-write) _cortex_words 'back through' ;;
             status:--format) _cortex_words 'table json prometheus' ;;
             get:-o|get:--output) _cortex_files ;;
+            keys:--tier) _cortex_words 'memory disk all' ;;
+            evict:--tier) _cortex_words 'memory disk all' ;;
             persist:-o|persist:--output) _cortex_files ;;
             restore:-i|restore:--input) _cortex_files ;;
         esac

@@ -3,7 +3,7 @@
 #
 # Install: copy to ~/.config/fish/completions/cortex.fish
 
-set -g __cortex_value_options --block-size --bytes --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --size --tier --ttl -i -o -s
+set -g __cortex_value_options --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --size --tier --ttl -i -o -s
 
 # The words so far after `cortex`, without options and their values.
 function __cortex_args
@@ -95,13 +95,18 @@ complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checks
 complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot, verified whole before anything changes'
 
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
-complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu' -d 'Storage tier'
+complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
 complete -c cortex -n '__cortex_using create' -l block-size -x -d 'Allocation unit; a power of two'
 complete -c cortex -n '__cortex_using create' -l policy -x -a 'lru lfu fifo priority ttl size' -d 'Eviction policy'
 complete -c cortex -n '__cortex_using create' -l max-entries -x -d 'Index capacity (default: one entry per block, at most 1,048,576)'
 complete -c cortex -n '__cortex_using create' -l mode -x -d 'Permission bits of the segment (octal)'
 complete -c cortex -n '__cortex_using create' -l no-reserve -d 'Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)'
 complete -c cortex -n '__cortex_using create' -l multi-threaded -d 'Make handles thread-safe by default'
+complete -c cortex -n '__cortex_using create' -l disk-path -x -d 'Directory of the disk tier (implies --tier disk; default: a folder \'disk/NAME\' next to the snapshot directory)'
+complete -c cortex -n '__cortex_using create' -l disk-size -x -d 'Capacity of the disk tier, reserved now (default: 4x --size, or the existing tier\'s)'
+complete -c cortex -n '__cortex_using create' -l disk-write -x -a 'back through' -d 'back (default)'
+complete -c cortex -n '__cortex_using create' -l disk-o-direct -d 'Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it'
+complete -c cortex -n '__cortex_using create' -l disk-max-entries -x -d 'Disk index capacity (default: one entry per block of disk, at most 2,097,152)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using create' -l help -d 'Show this message and exit'
@@ -116,7 +121,7 @@ complete -c cortex -n '__cortex_using status' -s q -l quiet -d 'Print no confirm
 complete -c cortex -n '__cortex_using status' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using status 0' -a '(__cortex_pools)' -d pool
 
-complete -c cortex -n '__cortex_using delete' -s f -l force -d 'Delete even while other processes have the pool mapped'
+complete -c cortex -n '__cortex_using delete' -s f -l force -d 'Delete even while other processes have the pool mapped, and remove its disk tier too'
 complete -c cortex -n '__cortex_using delete' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using delete' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using delete 0' -a '(__cortex_pools)' -d pool
@@ -136,6 +141,7 @@ complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using keys' -l prefix -x -d 'Only keys starting with this'
 complete -c cortex -n '__cortex_using keys' -l limit -x -d 'At most this many keys'
 complete -c cortex -n '__cortex_using keys' -s l -l long -d 'Show size, age, TTL, accesses and priority'
+complete -c cortex -n '__cortex_using keys' -l tier -x -a 'memory disk all' -d 'memory (default), disk (reads each key from its record), or all'
 complete -c cortex -n '__cortex_using keys' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using keys' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using keys' -l help -d 'Show this message and exit'
@@ -147,6 +153,7 @@ complete -c cortex -n '__cortex_using evict' -l expired -d 'Evict expired entrie
 complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key (repeatable)'
 complete -c cortex -n '__cortex_using evict' -l prefix -x -d 'Evict every key starting with this'
 complete -c cortex -n '__cortex_using evict' -l all -d 'Evict everything'
+complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), or all (removed from both)'
 complete -c cortex -n '__cortex_using evict' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using evict' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using evict' -l help -d 'Show this message and exit'

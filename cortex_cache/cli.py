@@ -77,6 +77,18 @@ Policy = Enum("Policy", {name: name for name in POLICY_IDS}, type=str)  # type: 
 
 class Tier(str, Enum):
     cpu = "cpu"
+    disk = "disk"
+
+
+class DiskWrite(str, Enum):
+    back = "back"
+    through = "through"
+
+
+class WhichTier(str, Enum):
+    memory = "memory"
+    disk = "disk"
+    all = "all"
 
 
 class Format(str, Enum):
@@ -167,23 +179,30 @@ def _show_key(k: str | bytes) -> str:
 def create(
     name: str = NAME_ARG,
     size: str = typer.Option(..., "--size", "-s", metavar="SIZE", help="Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)."),
-    tier: Tier = typer.Option(Tier.cpu, "--tier", metavar="TIER", help="Storage tier: cpu (shared memory)."),
+    tier: Tier = typer.Option(Tier.cpu, "--tier", metavar="TIER", help="Storage tiers: cpu (shared memory only) or disk (shared memory plus a disk tier)."),
     block_size: str = typer.Option("64K", "--block-size", metavar="SIZE", help="Allocation unit; a power of two."),
     policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", metavar="POLICY", help="Eviction policy: " + "; ".join(f"{k}: {v}" for k, v in POLICY_HELP.items()) + "."),
     max_entries: Optional[int] = typer.Option(None, "--max-entries", metavar="N", help="Index capacity (default: one entry per block, at most 1,048,576)."),
     mode: str = typer.Option("0600", "--mode", metavar="MODE", help="Permission bits of the segment (octal)."),
     no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
     multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="Directory of the disk tier (implies --tier disk; default: a folder 'disk/NAME' next to the snapshot directory). A directory that already holds this pool's tier is taken over and its entries found again."),
+    disk_size: Optional[str] = typer.Option(None, "--disk-size", metavar="SIZE", help="Capacity of the disk tier, reserved now (default: 4x --size, or the existing tier's)."),
+    disk_write: Optional[DiskWrite] = typer.Option(None, "--disk-write", metavar="MODE", help="back (default): entries evicted from memory go to disk; through: every put also goes to disk."),
+    disk_o_direct: bool = typer.Option(False, "--disk-o-direct", help="Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it."),
+    disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Create a pool.
 
-    Example: cortex cache create llama --size 16G --policy lru
+    Example: cortex cache create llama --size 16G --policy lru --tier disk --disk-size 64G
     """
     from .pool import Pool
     from .units import parse_size
 
+    if disk_write is not None and tier is Tier.cpu and disk_path is None:
+        raise UsageError("--disk-write needs --tier disk (or --disk-path)")
     p = Pool.create(
         name,
         parse_size(size),
@@ -193,6 +212,12 @@ def create(
         mode=_parse_mode(mode),
         reserve=not no_reserve,
         multi_threaded=multi_threaded,
+        tier=tier.value,
+        disk_path=disk_path,
+        disk_size=parse_size(disk_size) if disk_size is not None else None,
+        disk_write=disk_write.value if disk_write is not None else "back",
+        disk_o_direct=disk_o_direct,
+        disk_max_entries=disk_max_entries,
     )
     with p:
         st = p.stats()
@@ -203,6 +228,10 @@ def create(
             f"created pool {name}: {_fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
             f"{_fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
         )
+        d = st["disk"]
+        if d is not None:
+            found = f", {d['entries']} entries found on it" if d["entries"] else ""
+            _say(f"disk tier: {_fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
 
 
 def _pool_summary(name: str) -> dict[str, Any]:
@@ -287,6 +316,29 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
         out.append(f"# TYPE {name} {kind}")
         for r in ok:
             out.append(f'{name}{{pool="{r["name"]}"}} {r[key]}')
+    disk_metrics = [
+        ("entries", "gauge", "Entries in the disk tier."),
+        ("value_bytes", "gauge", "Bytes of values in the disk tier."),
+        ("capacity_bytes", "gauge", "Capacity of the disk tier's files."),
+        ("hits", "counter", "Memory misses found in the disk tier."),
+        ("misses", "counter", "Memory misses not in the disk tier either."),
+        ("spills", "counter", "Records written to the disk tier."),
+        ("promotions", "counter", "Disk hits copied back into memory."),
+        ("bytes_written", "counter", "Bytes written to the disk tier."),
+        ("bytes_read", "counter", "Bytes read from the disk tier."),
+        ("corrupt", "counter", "Disk records that failed their checksums (counted as misses)."),
+        ("dropped", "counter", "Disk entries lost to the ring going round or a full disk index."),
+        ("errors", "counter", "I/O errors of the disk tier."),
+        ("evictions", "counter", "Entries removed from the disk tier by evict, delete or replace."),
+    ]
+    with_disk = [r for r in ok if r.get("disk")]
+    for key, kind, help_ in disk_metrics if with_disk else []:
+        name = f"cortex_cache_disk_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_disk:
+            v = r["disk"][key]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
     out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
     out.append("# TYPE cortex_cache_up gauge")
     for r in rows:
@@ -362,19 +414,33 @@ def status(
         t.add_row("last snapshot", _fmt_time(r["last_snapshot"]) + (f" ({_fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
         if r["repairs"]:
             t.add_row("repairs", str(r["repairs"]))
+        d = r.get("disk")
+        if d is not None:
+            t.add_row("disk tier", f"{d['path']} (write-{d['write']}{', O_DIRECT' if d['o_direct'] else ''})")
+            if not d["available"]:
+                t.add_row("disk state", f"unavailable: {d['error']}")
+            else:
+                t.add_row("disk used", f"{d['entries']} of {d['max_entries']} entries, values {_fmt_size(d['value_bytes'])} "
+                          f"of {_fmt_size(d['capacity_bytes'])}")
+            t.add_row("disk hits / misses", f"{d['hits']} / {d['misses']} (hit ratio {d['hit_ratio']:.3f})")
+            t.add_row("disk written / read", f"{_fmt_size(d['bytes_written'])} in {d['spills']} records / "
+                      f"{_fmt_size(d['bytes_read'])}, {d['promotions']} promoted")
+            t.add_row("disk lost", f"{d['dropped']} dropped, {d['evictions']} evicted, {d['corrupt']} corrupt, "
+                      f"{d['errors']} I/O errors")
         _print_table(t, con)
 
 
 @cache.command()
 def delete(
     name: str = NAME_ARG,
-    force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped."),
+    force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped, and remove its disk tier too."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Remove a pool.
 
     Processes that still have it mapped keep their mapping until they close
-    it; without --force such a pool is not deleted.
+    it; without --force such a pool is not deleted.  A disk tier is kept
+    (a pool created again on it finds its entries) unless --force is given.
 
     Example: cortex cache delete llama
     """
@@ -389,7 +455,29 @@ def delete(
     users = [p for p in segment.attached_pids(name) if p != os.getpid()]
     if users and not force:
         raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
+    tier = _disk_tier_of(name)
     segment.unlink(name)
+    if tier is None:
+        return
+    if force:
+        from .disklog import DiskLog
+
+        DiskLog.destroy(tier)
+        _say(f"removed disk tier {tier}", stderr=True)
+    else:
+        _say(f"kept disk tier {tier}: a pool created with --disk-path {tier} finds its entries; "
+             "`delete --force` removes it", stderr=True)
+
+
+def _disk_tier_of(name: str) -> str | None:
+    """The disk tier directory of pool `name` if it has one (None if it cannot be read)."""
+    from .pool import Pool
+
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            return p.disk_path
+    except CortexCacheError:
+        return None
 
 
 def _read_value(source: Optional[str]) -> bytes:
@@ -486,6 +574,7 @@ def keys(
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Only keys starting with this."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, metavar="N", help="At most this many keys."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default), disk (reads each key from its record), or all."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -496,7 +585,9 @@ def keys(
     from .pool import Pool
 
     with Pool.open(name, lock_timeout=10) as p:
-        ks = p.keys(prefix=prefix, limit=limit)
+        if tier is not WhichTier.memory and p.disk_path is None:
+            raise UsageError(f"pool {name!r} has no disk tier")
+        ks = p.keys(prefix=prefix, limit=limit, tier=tier.value)
         infos = []
         if long or as_json:
             for k in ks:
@@ -515,11 +606,12 @@ def keys(
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for col in ("KEY", "SIZE", "AGE", "TTL", "ACCESSES", "PRIORITY"):
-        t.add_column(col, justify="left" if col == "KEY" else "right")
+    for col in ("KEY", "TIER", "SIZE", "AGE", "TTL", "ACCESSES", "PRIORITY"):
+        t.add_column(col, justify="left" if col in ("KEY", "TIER") else "right")
     for inf in infos:
         ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
-        t.add_row(_show_key(inf["key"]), str(inf["size"]), _fmt_age(inf["created"]), ttl, str(inf["access_count"]), str(inf["priority"]))
+        age = _fmt_age(inf.get("created") or inf.get("spilled"))
+        t.add_row(_show_key(inf["key"]), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), str(inf["priority"]))
     _print_table(t)
 
 
@@ -532,6 +624,7 @@ def evict(
     key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), or all (removed from both)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -546,10 +639,11 @@ def evict(
         raise UsageError("give exactly one of --percent, --bytes, --expired, --key, --prefix, --all")
     with Pool.open(name, lock_timeout=10) as p:
         count, freed = p.evict(
-            percent=percent, nbytes=nbytes, expired=expired, keys=key or None, prefix=prefix, all=all_
+            percent=percent, nbytes=nbytes, expired=expired, keys=key or None, prefix=prefix, all=all_,
+            tier=tier.value,
         )
     if as_json:
-        _print_json({"pool": name, "entries": count, "bytes": freed})
+        _print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed})
     else:
         _say(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes)")
 
@@ -575,7 +669,8 @@ def verify(
     else:
         con = _console()
         if report["ok"]:
-            _say(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified)")
+            disk = f", {report['disk_checked']} disk records verified" if "disk_checked" in report else ""
+            _say(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified{disk})")
         for prob in report["problems"]:
             con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""))
     if not report["ok"]:

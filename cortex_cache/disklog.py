@@ -47,7 +47,7 @@ from typing import Iterator
 
 import xxhash
 
-from .errors import NoSpace, SegmentCorrupt, StorageIOError, UsageError
+from .errors import NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
 from .layout import MAX_KEY_BYTES
 from .lock import RecordLock
 
@@ -152,17 +152,23 @@ class DiskLog:
         file_size = DiskLog.capacity_for(capacity) // FILES
         if capacity < FILES * ALIGN * 2:
             raise UsageError(f"disk tier of {capacity} bytes is too small: at least {FILES * ALIGN * 2}")
+        new_dirs = [p for p in [d, *d.parents] if not p.exists()]  # removed again if we fail
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
-            raise StorageIOError(f"cannot create {str(d)!r}: {e.strerror}") from None
+            _remove_dirs(new_dirs)
+            raise _os_error(e, f"cannot create {str(d)!r}") from None
         st = os.statvfs(d)
         if st.f_bavail * st.f_frsize < file_size * FILES:
+            _remove_dirs(new_dirs)
             raise NoSpace(f"not enough disk in {str(d)!r} for a {capacity}-byte tier")
         try:
             meta_fd = os.open(d / META_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise UsageError(f"{str(d)!r} already holds a disk tier; open it instead") from None
+        except OSError as e:
+            _remove_dirs(new_dirs)
+            raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
         made = [d / META_NAME]
         try:
             for i in range(FILES):
@@ -180,6 +186,7 @@ class DiskLog:
             os.close(meta_fd)
             for p in made:
                 p.unlink(missing_ok=True)
+            _remove_dirs(new_dirs)
             raise
         return cls(d, meta_fd, FILES, file_size, o_direct)
 
@@ -438,6 +445,21 @@ def _parse(data: bytes, seq: int, key: bytes | None) -> Found | str:
     if xxhash.xxh3_64_intdigest(value) != vcheck:
         return CORRUPT
     return Found(key, value, rseq, expiry, prio, rflags, vcheck)
+
+
+def _os_error(e: OSError, what: str) -> Exception:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{what}: {e.strerror}")
+    return StorageIOError(f"{what}: {e.strerror}")
+
+
+def _remove_dirs(dirs: list[Path]) -> None:
+    """Remove directories we created (deepest first), if they are still empty."""
+    for p in dirs:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def _pwrite_all(fd: int, data: memoryview, off: int) -> None:

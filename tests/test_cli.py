@@ -255,11 +255,11 @@ def test_keys_plain_prefix_limit_long_json(new_pool):
 
     r = ok(cli("cache", "keys", name, "--long"))
     lines = r.stdout.decode("utf-8").splitlines()
-    assert "KEY" in lines[0] and "SIZE" in lines[0]
+    assert lines[0].split()[:3] == ["KEY", "TIER", "SIZE"]
     for k, v in items:
         row = [ln for ln in lines if ln.split() and ln.split()[0] == k]
         assert len(row) == 1, (k, lines)
-        assert row[0].split()[1] == str(len(v)), row
+        assert row[0].split()[1:3] == ["memory", str(len(v))], row
 
     doc = jdoc(cli("cache", "keys", name, "--json"))
     assert [e["key"] for e in doc["keys"]] == [k for k, _ in items]
@@ -335,7 +335,7 @@ def test_evict_selectors(new_pool, args, entries, nbytes, left):
     before = lib_stats(name)
 
     doc = jdoc(cli("cache", "evict", name, *args, "--json"))
-    assert doc == {"pool": name, "entries": entries, "bytes": nbytes}
+    assert doc == {"pool": name, "tier": "memory", "entries": entries, "bytes": nbytes}
 
     assert lib_keys(name) == left
     after = lib_stats(name)

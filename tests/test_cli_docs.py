@@ -114,7 +114,7 @@ def test_quiet_keeps_data_json_and_errors(new_pool, pool_name, cleanup, tmp_path
     prom = ok(cli("cache", "status", name, "--format", "prometheus", "-q")).stdout.decode()
     assert f'cortex_cache_entries{{pool="{name}"}} 2' in prom
     doc = json.loads(ok(cli("cache", "evict", name, "--key", "k2", "--json", "-q")).stdout)
-    assert doc == {"pool": name, "entries": 1, "bytes": 3}
+    assert doc == {"pool": name, "tier": "memory", "entries": 1, "bytes": 3}
     created = f"{pool_name}-json"
     cleanup.append(created)
     doc = json.loads(ok(cli("cache", "create", created, "--size", "1M", "--json", "--quiet")).stdout)
@@ -322,7 +322,7 @@ SHELL_CASES = [
     ("cortex -q cache create x --pol", ["--policy"]),
     ("cortex cache create x --policy ", POLICIES),
     ("cortex cache create x --size 4M --policy l", ["lfu", "lru"]),
-    ("cortex cache create x --tier ", ["cpu"]),
+    ("cortex cache create x --tier ", ["cpu", "disk"]),
     ("cortex cache status --format ", ["json", "prometheus", "table"]),
     ("cortex cache evict p --a", ["--all"]),
     ("cortex cache verify p --re", ["--repair"]),

@@ -89,7 +89,10 @@ def test_bad_directories_and_sizes(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", enospc)
     with pytest.raises(NoSpace):
         DiskLog.create(tmp_path / "full", CAP)
-    assert list((tmp_path / "full").iterdir()) == []  # nothing half-made is left
+    assert not (tmp_path / "full").exists()  # nothing half-made is left, not even the directory
+    with pytest.raises(NoSpace):
+        DiskLog.create(tmp_path / "a" / "b" / "full", CAP)
+    assert not (tmp_path / "a").exists()  # nor the parents it made
 
 
 def test_o_direct_or_its_fallback_round_trips(tmp_path):
