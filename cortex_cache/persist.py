@@ -658,7 +658,7 @@ def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress,
         raise PersistBusy(f"a persist of pool {pool.name!r} is running; restore later")
     try:
         if clear:
-            pool.evict(all=True)
+            pool.evict(all=True, tier="all")  # the pool becomes the snapshot: its disk tier is emptied too
         now = pool.clock()
         restored = expired = nbytes = 0
         base = pool._locked(pool._restore_begin, snap.header.counters if fresh else None)

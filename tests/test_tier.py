@@ -460,3 +460,17 @@ def test_cli_tier_errors(tmp_path, pool_name):
         assert r.returncode == 2 and b"no disk tier" in r.stderr
     finally:
         assert cli("cache", "delete", pool_name, env=env).returncode == 0
+
+
+def test_restore_replace_empties_both_tiers(make_pool, tier_dir, tmp_path):
+    p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
+    p.put("snap", b"from the snapshot")
+    path = p.persist(tmp_path / "p.ccsnap")
+    _fill(p, 30)
+    assert p.stats()["disk"]["entries"] > 0
+    q = Pool.restore(path, name=p.name, replace=True)
+    try:
+        assert q.get("snap") == b"from the snapshot"
+        assert q.stats()["disk"]["entries"] == 0 and q.get("k0") is None
+    finally:
+        q.close()
