@@ -6,6 +6,7 @@ processes it spawns), and fails if it leaves a segment behind.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -19,6 +20,7 @@ os.environ["CORTEX_CACHE_SHM_PREFIX"] = PREFIX
 # Snapshots of tests never land in the user's (or root's) real snapshot directory.
 # Its parent is private too: default disk tiers go next to it (STATE_DIR/disk/NAME).
 STATE_DIR = tempfile.mkdtemp(prefix="cctest-state-")
+atexit.register(shutil.rmtree, STATE_DIR, ignore_errors=True)  # also when pytest stops before the session starts
 SNAPSHOT_DIR = os.path.join(STATE_DIR, "snapshots")
 os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = SNAPSHOT_DIR
 os.environ.pop("CORTEX_CACHE_DEBUG", None)
