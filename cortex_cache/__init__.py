@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Pool": ".pool",
     "EntryView": ".pool",
+    "EntryWriter": ".pool",
+    "KVCache": ".kv",
     "POLICIES": ".eviction",
     "parse_size": ".units",
     "format_size": ".units",
@@ -41,6 +43,8 @@ _EXPORTS = {
     "PoolClosed": ".errors",
     "ServiceUnavailable": ".errors",
     "StorageIOError": ".errors",
+    "GpuUnavailable": ".errors",
+    "LayoutMismatch": ".errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

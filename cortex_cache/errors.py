@@ -141,6 +141,14 @@ class ServiceUnavailable(CortexCacheError):
     exit_code = EX_UNAVAILABLE
 
 
+class GpuUnavailable(ServiceUnavailable):
+    """CUDA was asked for and this machine (or this torch) has none."""
+
+
+class LayoutMismatch(SegmentCorrupt):
+    """A stored KV chunk was made by another model or layout: refused, never reinterpreted."""
+
+
 class StorageIOError(CortexCacheError, OSError):
     """An I/O error reading or writing pool data or files."""
 
@@ -168,4 +176,6 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "SnapshotNotFound",
     "PoolClosed",
     "ServiceUnavailable",
+    "GpuUnavailable",
+    "LayoutMismatch",
 ]

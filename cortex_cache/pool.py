@@ -139,6 +139,71 @@ class EntryView:
             pool._locked(pool._unpin, self._pin, self._slot)
 
 
+class EntryWriter:
+    """A reserved, still invisible entry that the caller fills in place (`Pool.reserve_write`).
+
+    `memoryview` is writable and `nbytes` long; `commit()` checksums it and
+    makes it the key's value atomically, `abort()` gives the space back.  As a
+    context manager it commits on a clean exit and aborts on an exception.
+    Until it is committed no reader can see it; if this process dies first,
+    the space is reclaimed like any unfinished put.
+    """
+
+    def __init__(self, pool: "Pool", slot: int, kb: bytes, kh: int, flags: int, off: int, nbytes: int,
+                 ttl: float | None, priority: int) -> None:
+        self._pool = pool
+        self._slot = slot
+        self._args = (kb, kh, flags, ttl, priority)
+        self.offset = off  # of the value in the segment
+        self.nbytes = nbytes
+        self.memoryview: memoryview | None = pool._mv[off : off + nbytes]
+
+    def __enter__(self) -> memoryview:
+        assert self.memoryview is not None
+        return self.memoryview
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        try:
+            self.abort()
+        except Exception:
+            pass
+
+    def commit(self, checksum: int | None = None) -> None:
+        """Make the entry visible.  `checksum`: the value's xxh3_64, if the caller already took it."""
+        mv, self.memoryview = self.memoryview, None
+        if mv is None:
+            raise UsageError("this entry writer was already committed or aborted")
+        pool = self._pool
+        kb, kh, flags, ttl, priority = self._args
+        if checksum is None:
+            checksum = xxh3_64_intdigest(mv)
+        written = None
+        t = pool._tier
+        try:
+            if t is not None and t.write_through:
+                written = pool._write_record(kb, flags, mv, pool.clock() + ttl if ttl else 0.0, priority)
+            pool._locked(pool._seal, self._slot, kb, kh, checksum, ttl, priority, True, written)
+        except BaseException:
+            mv.release()
+            pool._locked(pool._abort, self._slot)
+            raise
+        mv.release()
+
+    def abort(self) -> None:
+        mv, self.memoryview = self.memoryview, None
+        if mv is None:
+            return
+        mv.release()
+        if not self._pool._closed:
+            self._pool._locked(self._pool._abort, self._slot)
+
+
 class Pool:
     """A named KV-cache pool in POSIX shared memory.
 
@@ -161,6 +226,7 @@ class Pool:
     ) -> None:
         self._seg = seg
         self._tier: DiskTier | None = None
+        self._close_hooks: list[Callable[[], None]] = []  # run before the mapping goes (gpu.py unpins there)
         self._closed = False
         self._forked = False
         self._views: set[EntryView] = set()
@@ -437,6 +503,12 @@ class Pool:
             return
         for v in list(self._views):
             v.release()
+        for hook in reversed(self._close_hooks):
+            try:
+                hook()
+            except Exception:
+                pass
+        self._close_hooks = []
         self._closed = True
         _live_pools.discard(self)
         if self._tier is not None:
@@ -561,16 +633,8 @@ class Pool:
         """A write-through put: the record goes to disk first (outside the lock), then memory and index."""
         t = self._tier
         assert t is not None
-        expiry = self.clock() + ttl if ttl else 0.0
         vlen = vb.nbytes
-        written = None
-        where = self._locked(t.reserve, DiskLog.record_length(len(kb), vlen))
-        if where is not None:
-            try:
-                loc = t.log.write(*where, kb, vb, expiry, priority, flags)  # type: ignore[union-attr]
-                written = (loc, key_hash2(kb), vlen, expiry, priority, flags)
-            except OSError:
-                self._locked(t.count, H_DISK_ERRORS)
+        written = self._write_record(kb, flags, vb, self.clock() + ttl if ttl else 0.0, priority)
         try:
             checksum = xxh3_64_intdigest(vb)
             if vlen <= COPY_IN_LOCK:
@@ -588,6 +652,55 @@ class Pool:
             if written is not None:  # the put failed: its record must not come back after a restart
                 t.log.kill(written[0])  # type: ignore[union-attr]
             raise
+
+    def _write_record(self, kb: bytes, flags: int, value: memoryview, expiry: float, priority: int) -> Any:
+        """Write-through: put a record on disk (outside the lock); what `_seal` indexes, or None."""
+        t = self._tier
+        assert t is not None
+        where = self._locked(t.reserve, DiskLog.record_length(len(kb), value.nbytes))
+        if where is None:
+            return None
+        try:
+            loc = t.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
+        except OSError:
+            self._locked(t.count, H_DISK_ERRORS)
+            return None
+        return (loc, key_hash2(kb), value.nbytes, expiry, priority, flags)
+
+    def reserve_write(
+        self, key: str | bytes, nbytes: int, *, ttl: float | None = None, priority: int = 0
+    ) -> EntryWriter:
+        """Reserve room for an `nbytes` value of `key` and return a writer to fill it in place.
+
+        The zero-copy put: copy straight into `writer.memoryview` (a device-to-host
+        copy into the pool, say), then `commit()`.  Same errors as `put`.
+        """
+        kb, is_str = key_bytes(key)
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise UsageError(f"nbytes must be a non-negative integer, not {nbytes!r}")
+        if ttl is not None and not ttl > 0:
+            raise UsageError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        if not isinstance(priority, (int, np.integer)) or not -(2**63) <= priority < 2**63:
+            raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
+        nbytes = int(nbytes)
+        nblk = max(1, -(-(nbytes + len(kb)) // self._bs))
+        if nblk > self._n_blocks:
+            raise ValueTooLarge(
+                f"value of {format_size(nbytes)} does not fit in pool {self.name!r} "
+                f"({format_size(self.geometry.data_size)})"
+            )
+        kh = xxh3_64_intdigest(kb)
+        flags = SLOT_FLAG_STR_KEY if is_str else 0
+        i, off = self._locked(self._reserve_entry, kb, flags, nbytes, nblk, kh)
+        self._mv[off + nbytes : off + nbytes + len(kb)] = kb
+        return EntryWriter(self, i, kb, kh, flags, off, nbytes, ttl, int(priority))
+
+    def _data_region(self) -> tuple[int, int]:
+        """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
+        a = np.frombuffer(self._seg.mm, np.uint8, 1, self._data_off)
+        addr = a.ctypes.data
+        del a
+        return addr, self.geometry.data_size
 
     def _reserve_entry(self, kb: bytes, flags: int, vlen: int, nblk: int, kh: int) -> tuple[int, int]:
         """`_reserve` for callers outside the lock: (slot, data offset)."""
@@ -1733,4 +1846,4 @@ def _validate(seg: segment.Segment) -> None:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
 
 
-__all__ = ["Pool", "EntryView"]
+__all__ = ["Pool", "EntryView", "EntryWriter"]

@@ -1,0 +1,467 @@
+"""GPU staging: torch tensors over pool entries, pinned host memory, batched transfers, paged-KV gather/scatter.
+
+torch is imported here only, and only when one of these functions runs (the
+extra `gpu`), so `import cortex_cache` and the CLI never load it.  On a
+machine without CUDA everything works on CPU tensors; asking for a CUDA
+device there raises GpuUnavailable (exit 69 from the CLI).
+
+- `entry_tensor(pool, key, dtype, shape)`: a zero-copy tensor over an
+  entry's bytes.  The entry is pinned (not evicted, its blocks not reused)
+  until the tensor's storage is freed -- every view of it included.  Do not
+  write to it: the pool checksums values at put.
+- `pin_memory(pool)`: registers this handle's mapping of the data region
+  with `cudaHostRegister` (portable), once; it is unregistered before the
+  mapping goes (`pool.close()`), so copies between the pool and the GPU run
+  at full PCIe/NVLink-C2C speed with no bounce buffer.
+- `load(pool, keys, ...)` / `store(pool, keys, tensors, ...)`: batched,
+  asynchronous on the caller's stream; they return a `Transfer` whose
+  `event` completes when the copies have, and whose `wait()` (or `with`)
+  synchronises and releases the entries (load) or commits them (store).
+  A store copies device-to-host straight into reserved pool memory
+  (`Pool.reserve_write`): no intermediate buffer.
+- `gather_blocks` / `scatter_blocks`: between a chunk of tokens and a paged KV
+  cache laid out as vLLM does, per layer `[2, num_blocks, block_size,
+  num_heads, head_dim]`; a chunk is `[num_layers, 2, tokens, num_heads,
+  head_dim]`.  `store_blocks` / `load_blocks` do that between the pool and
+  the GPU cache in one call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from .errors import GpuUnavailable, KeyNotFound, ServiceUnavailable, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .pool import Pool
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ServiceUnavailable("torch is not installed: pip install 'cortex-cache[gpu]'") from None
+    return torch
+
+
+def cuda_available() -> bool:
+    return _torch().cuda.is_available()
+
+
+def device_of(device: Any) -> "torch.device":
+    """A torch.device; GpuUnavailable when CUDA is asked for and there is none."""
+    torch = _torch()
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GpuUnavailable(f"{device} was asked for, but no CUDA device is available here")
+    if dev.type not in ("cuda", "cpu"):
+        raise UsageError(f"device {device!r}: cortex_cache.gpu moves data between the pool and cuda or cpu")
+    return dev
+
+
+def _dtype(dtype: Any) -> "torch.dtype":
+    torch = _torch()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise UsageError(f"unknown dtype {dtype!r}: give a torch.dtype such as torch.float16")
+
+
+def _shape(shape: Any, nbytes: int, itemsize: int) -> tuple[int, ...]:
+    if shape is None:
+        if nbytes % itemsize:
+            raise UsageError(f"a value of {nbytes} bytes is not a whole number of {itemsize}-byte items")
+        return (nbytes // itemsize,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) * itemsize != nbytes:
+        raise UsageError(f"shape {shape} of {itemsize}-byte items does not match a value of {nbytes} bytes")
+    return shape
+
+
+def _host_tensor(pool: "Pool", off: int, nbytes: int, dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
+    """A CPU tensor over bytes of the pool's mapping (no copy); keeps the mapping alive while it lives."""
+    torch = _torch()
+    arr = np.frombuffer(pool._seg.mm, np.uint8, nbytes, off)
+    return torch.from_numpy(arr).view(dtype).view(shape)
+
+
+# ------------------------------------------------------------------ zero-copy tensors
+
+
+def entry_tensor(pool: "Pool", key: str | bytes, dtype: Any, shape: Sequence[int] | None = None,
+                 offset: int = 0) -> "torch.Tensor":
+    """A CPU tensor over `key`'s value (from byte `offset`), sharing the pool's memory.
+
+    The entry stays pinned while the tensor's storage lives (views of it
+    included), so eviction and delete cannot reuse its blocks under it.
+    Raises KeyNotFound, UsageError (shape or dtype does not match the value).
+    """
+    torch = _torch()
+    dt = _dtype(dtype)
+    ev = pool.view(key)  # pins the entry
+    try:
+        mv = ev.memoryview
+        assert mv is not None
+        nbytes = mv.nbytes - offset
+        if offset < 0 or nbytes < 0:
+            raise UsageError(f"offset {offset} is outside a value of {mv.nbytes} bytes")
+        itemsize = torch.empty((), dtype=dt).element_size()
+        shp = _shape(shape, nbytes, itemsize)
+        start = pool._data_off + int(pool._c_first[ev._slot]) * pool._bs + offset
+        arr = np.frombuffer(pool._seg.mm, np.uint8, nbytes, start)
+    except BaseException:
+        ev.release()
+        raise
+    # The numpy array is the storage's owner: torch keeps it alive exactly as
+    # long as some tensor uses the memory, so its finaliser is the unpin.
+    pool._views.discard(ev)  # released by the finaliser, not by pool.close()
+    weakref.finalize(arr, _release_view, ev)
+    return torch.from_numpy(arr).view(dt).view(shp)
+
+
+def _release_view(ev: Any) -> None:
+    try:
+        ev.release()
+    except Exception:
+        pass  # the pool was closed: the pin goes with this process
+
+
+# ------------------------------------------------------------------ pinned memory
+
+
+class _Registration:
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def unregister(self) -> None:
+        if self.addr:
+            _torch().cuda.cudart().cudaHostUnregister(self.addr)
+            self.addr = 0
+
+
+def pin_memory(pool: "Pool") -> bool:
+    """Register the pool's data region (this handle's mapping) with CUDA; False without CUDA.
+
+    Done once per handle; unregistered by `pool.close()` before the mapping
+    is unmapped.  Raises GpuUnavailable if CUDA refuses.
+    """
+    torch = _torch()
+    if not torch.cuda.is_available():
+        return False
+    if getattr(pool, "_cuda_registration", None) is not None:
+        return True
+    addr, length = pool._data_region()
+    if length <= 0:
+        return False  # never register zero bytes
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, length, _REGISTER_PORTABLE))
+    if err != 0:
+        raise GpuUnavailable(f"cudaHostRegister of pool {pool.name!r} ({length} bytes) failed with CUDA error {err}")
+    reg = _Registration(addr)
+    pool._cuda_registration = reg  # type: ignore[attr-defined]
+    pool._close_hooks.append(reg.unregister)
+    return True
+
+
+def is_pinned(pool: "Pool") -> bool:
+    return getattr(pool, "_cuda_registration", None) is not None
+
+
+# ------------------------------------------------------------------ batched transfers
+
+
+class Transfer:
+    """Copies queued on a stream.  `event` (None on CPU) completes with them; `wait()` finishes the job."""
+
+    def __init__(self, tensors: list, event: Any, finish: Any) -> None:
+        self.tensors = tensors
+        self.event = event
+        self._finish = finish
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> list:
+        """Block until the copies are done, then release (load) or commit (store) the entries."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            return self.tensors
+        try:
+            if self.event is not None:
+                self.event.synchronize()
+        finally:
+            finish()
+        return self.tensors
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
+
+    def __del__(self) -> None:
+        try:
+            self.wait()
+        except Exception:
+            pass
+
+
+def _stream_ctx(dev: "torch.device", stream: Any):
+    """Run on the caller's stream, after the work already queued on the current one (which made the data)."""
+    torch = _torch()
+    if dev.type != "cuda":
+        return _Null()
+    current = torch.cuda.current_stream(dev)
+    if stream is None:
+        return torch.cuda.stream(current)
+    if stream != current:
+        stream.wait_stream(current)
+    return torch.cuda.stream(stream)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _record(dev: "torch.device", stream: Any) -> Any:
+    if dev.type != "cuda":
+        return None
+    torch = _torch()
+    ev = torch.cuda.Event()
+    ev.record(stream if stream is not None else torch.cuda.current_stream(dev))
+    return ev
+
+
+def load(
+    pool: "Pool", keys: Sequence[str | bytes], *, dtype: Any, shape: Sequence[int], device: Any = "cuda",
+    out: Any = None, stream: Any = None, offset: int = 0,
+) -> Transfer:
+    """Copy the values of `keys` into tensors on `device` (or into `out`), asynchronously.
+
+    `out`: a tensor of shape `[len(keys), *shape]` or a list of tensors of
+    `shape`, preallocated by the caller; else new tensors are made.  Every
+    key is looked up (and pinned) before any copy starts: a missing one
+    raises KeyNotFound and nothing is copied.  The entries stay pinned until
+    `wait()`.
+    """
+    torch = _torch()
+    dev = device_of(device)
+    dt = _dtype(dtype)
+    shp = tuple(int(s) for s in shape)
+    views = []
+    try:
+        for k in keys:
+            views.append(pool.view(k))
+    except KeyNotFound:
+        for v in views:
+            v.release()
+        raise
+    itemsize = torch.empty((), dtype=dt).element_size()
+
+    def release() -> None:
+        for v in views:
+            v.release()
+
+    try:
+        srcs = []
+        for v in views:
+            n = v.memoryview.nbytes - offset  # type: ignore[union-attr]
+            _shape(shp, n, itemsize)
+            start = pool._data_off + int(pool._c_first[v._slot]) * pool._bs + offset
+            srcs.append(_host_tensor(pool, start, n, dt, shp))
+        if out is None:
+            pin = dev.type == "cuda"
+            dsts = [torch.empty(shp, dtype=dt, device=dev) for _ in srcs] if pin else [s.clone() for s in srcs]
+            if not pin:
+                release()
+                return Transfer(dsts, None, None)
+        elif isinstance(out, (list, tuple)):
+            dsts = list(out)
+        else:
+            if tuple(out.shape) != (len(srcs), *shp):
+                raise UsageError(f"out has shape {tuple(out.shape)}, not {(len(srcs), *shp)}")
+            dsts = list(out.unbind(0))
+        if len(dsts) != len(srcs):
+            raise UsageError(f"{len(dsts)} output tensors for {len(srcs)} keys")
+        with _stream_ctx(dev, stream):
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+            event = _record(dev, stream)
+    except BaseException:
+        release()
+        raise
+    return Transfer(dsts, event, release)
+
+
+def store(
+    pool: "Pool", keys: Sequence[str | bytes], tensors: Sequence["torch.Tensor"], *, stream: Any = None,
+    ttl: float | None = None, priority: int = 0,
+) -> Transfer:
+    """Copy `tensors` (CUDA or CPU, contiguous) into entries `keys`, asynchronously.
+
+    Each value goes straight into reserved pool memory; the entries become
+    visible (atomically, checksummed) at `wait()`.  If the process dies
+    before, nothing half-written is ever seen.
+    """
+    torch = _torch()
+    if len(keys) != len(tensors):
+        raise UsageError(f"{len(keys)} keys for {len(tensors)} tensors")
+    devs = {t.device for t in tensors}
+    if len(devs) > 1:
+        raise UsageError("store takes tensors of one device at a time")
+    dev = device_of(devs.pop()) if devs else torch.device("cpu")
+    for t in tensors:
+        if not t.is_contiguous():
+            raise UsageError("store needs contiguous tensors: call .contiguous() first")
+    writers = []
+
+    def abort() -> None:
+        for w in writers:
+            w.abort()
+
+    jobs = []
+    try:
+        for k, t in zip(keys, tensors):
+            writers.append(pool.reserve_write(k, t.numel() * t.element_size(), ttl=ttl, priority=priority))
+        with _stream_ctx(dev, stream):
+            for w, t in zip(writers, tensors):
+                host = _host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
+                host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                del host
+                # Each value is checksummed as soon as its own copy lands, on a
+                # worker thread (xxhash and the event wait release the GIL), so
+                # checksums overlap the copies still in flight and each other.
+                jobs.append(_executor().submit(_checksum_when_done, w.memoryview, _record(dev, stream)))
+            event = _record(dev, stream)
+    except BaseException:
+        for j in jobs:
+            j.cancel()
+        _wait_jobs(jobs)
+        abort()
+        raise
+
+    def commit() -> None:
+        done = 0
+        try:
+            for w, j in zip(writers, jobs):
+                w.commit(j.result())
+                done += 1
+        finally:
+            _wait_jobs(jobs)
+            for w in writers[done + 1 :]:
+                w.abort()
+
+    return Transfer(list(tensors), event, commit)
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """Worker threads for checksums (made on first use; daemon threads, no more than 8)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cortex-gpu")
+    return _EXECUTOR
+
+
+def _checksum_when_done(mv: memoryview, event: Any) -> int:
+    from xxhash import xxh3_64_intdigest
+
+    if event is not None:
+        event.synchronize()
+    return xxh3_64_intdigest(mv)
+
+
+def _wait_jobs(jobs: list) -> None:
+    for j in jobs:
+        try:
+            j.result()
+        except BaseException:
+            pass
+
+
+# ------------------------------------------------------------------ paged KV cache
+
+
+def _check_paged(kv_caches: Sequence["torch.Tensor"], block_ids: Any) -> tuple["torch.Tensor", int, tuple]:
+    torch = _torch()
+    if not kv_caches:
+        raise UsageError("no KV cache layers given")
+    c0 = kv_caches[0]
+    if c0.dim() != 5 or c0.shape[0] != 2:
+        raise UsageError(f"a paged KV cache layer is [2, num_blocks, block_size, num_heads, head_dim], not {tuple(c0.shape)}")
+    for c in kv_caches:
+        if c.shape != c0.shape or c.dtype != c0.dtype or c.device != c0.device:
+            raise UsageError("all KV cache layers must have one shape, dtype and device")
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=c0.device).reshape(-1)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= c0.shape[1]):
+        raise UsageError(f"block ids must be in [0, {c0.shape[1]})")
+    return ids, int(c0.shape[2]), tuple(c0.shape[3:])
+
+
+def gather_blocks(kv_caches: Sequence["torch.Tensor"], block_ids: Any, out: Any = None) -> "torch.Tensor":
+    """The chunk `[num_layers, 2, len(block_ids) * block_size, num_heads, head_dim]` those blocks hold."""
+    torch = _torch()
+    ids, bs, (h, d) = _check_paged(kv_caches, block_ids)
+    n_tok = ids.numel() * bs
+    c0 = kv_caches[0]
+    if out is None:
+        out = torch.empty((len(kv_caches), 2, n_tok, h, d), dtype=c0.dtype, device=c0.device)
+    elif tuple(out.shape) != (len(kv_caches), 2, n_tok, h, d):
+        raise UsageError(f"out has shape {tuple(out.shape)}, not {(len(kv_caches), 2, n_tok, h, d)}")
+    for layer, cache in enumerate(kv_caches):
+        torch.index_select(cache, 1, ids, out=out[layer].view(2, ids.numel(), bs, h, d))
+    return out
+
+
+def scatter_blocks(chunk: "torch.Tensor", kv_caches: Sequence["torch.Tensor"], block_ids: Any) -> None:
+    """Write a chunk `[num_layers, 2, tokens, num_heads, head_dim]` into those blocks of the paged cache."""
+    ids, bs, (h, d) = _check_paged(kv_caches, block_ids)
+    want = (len(kv_caches), 2, ids.numel() * bs, h, d)
+    if tuple(chunk.shape) != want:
+        raise UsageError(f"chunk has shape {tuple(chunk.shape)}, not {want} for these blocks")
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, ids, chunk[layer].to(cache.device, non_blocking=True).view(2, ids.numel(), bs, h, d))
+
+
+def store_blocks(pool: "Pool", key: str | bytes, kv_caches: Sequence["torch.Tensor"], block_ids: Any, *,
+                 stream: Any = None, ttl: float | None = None, priority: int = 0) -> Transfer:
+    """Gather blocks of the paged cache on its device and store the chunk under `key` (async)."""
+    dev = device_of(kv_caches[0].device) if kv_caches else None
+    with _stream_ctx(dev, stream) if dev is not None else _Null():
+        chunk = gather_blocks(kv_caches, block_ids)
+    return store(pool, [key], [chunk], stream=stream, ttl=ttl, priority=priority)
+
+
+def load_blocks(pool: "Pool", key: str | bytes, kv_caches: Sequence["torch.Tensor"], block_ids: Any, *,
+                stream: Any = None) -> Transfer:
+    """Load the chunk under `key` and scatter it into those blocks of the paged cache (async)."""
+    ids, bs, (h, d) = _check_paged(kv_caches, block_ids)
+    c0 = kv_caches[0]
+    shape = (len(kv_caches), 2, ids.numel() * bs, h, d)
+    tr = load(pool, [key], dtype=c0.dtype, shape=shape, device=c0.device, stream=stream)
+    with _stream_ctx(c0.device, stream):
+        scatter_blocks(tr.tensors[0], kv_caches, block_ids)
+        tr.event = _record(c0.device, stream) if c0.device.type == "cuda" else None
+    return tr
+
+
+__all__ = [
+    "cuda_available", "device_of", "entry_tensor", "pin_memory", "is_pinned", "load", "store", "Transfer",
+    "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
+]

@@ -1,0 +1,240 @@
+"""The KV-chunk layer: KV tensors in and out of a pool, keyed by token prefixes.
+
+Chunk keys (identical across processes, restarts, machines and Python
+versions: no `hash()`, no pickle)::
+
+    tag      = b"cortex-kv/1\\0" + model + b"\\0" + layout
+    layout   = b"<dtype>:<num_layers>x2x<chunk_tokens>x<num_heads>x<head_dim>"  e.g. b"float16:32x2x256x8x128"
+    digest_0 = SHA-256(32 zero bytes || tokens[0:C] as uint32 little-endian || tag)
+    digest_i = SHA-256(digest_{i-1} || tokens[i*C:(i+1)*C] as uint32 little-endian || tag)
+    key_i    = "kv/<model>/" + hex(digest_i)
+
+so chunk i's key names the whole prefix up to its end, and two prompts that
+share a prefix share its chunks.  SHA-256, not a fast non-cryptographic
+hash: prompts come from users, and a collision crafted by one user must not
+hand them another user's KV (the reason vLLM moved its prefix cache to
+SHA-256).  It costs ~0.01 us a token (`benchmarks/bench_kv.py`).
+
+Partial last chunk: only whole chunks are stored and looked up; the tokens
+after the last whole chunk are left to the engine to recompute, so
+`lookup` and `retrieve` return multiples of `chunk_tokens`.
+
+Each entry is a 64-byte header and then the chunk's KV, a C-contiguous
+`[num_layers, 2, chunk_tokens, num_heads, head_dim]` array of `dtype`::
+
+    0  4s  magic b"CKV1"        4  u16 version (1)   6 u16 reserved
+    8  16s fingerprint: the first 16 bytes of SHA-256(tag)
+    24 u64 payload bytes        32 u32 chunk tokens   36 .. 63 zero
+
+A chunk whose header is not ours -- another model or layout, or anything
+else stored under the key -- is refused (a miss, counted in `refused`),
+never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import KeyNotFound, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .pool import Pool
+
+HEADER = struct.Struct("<4sHH16sQI28x")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 64
+MAGIC = b"CKV1"
+VERSION = 1
+_MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """Token ids as uint32 little-endian bytes; UsageError for anything that is not ids in [0, 2**32)."""
+    if type(tokens).__module__.startswith("torch"):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise UsageError("tokens must be a 1-D sequence of integer token ids")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise UsageError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_digests(tokens: Any, chunk_tokens: int, tag: bytes) -> list[bytes]:
+    """SHA-256 chain digests of every whole chunk of `tokens` (see the module doc)."""
+    raw = token_bytes(tokens)
+    step = 4 * chunk_tokens
+    out, prev = [], bytes(32)
+    for start in range(0, len(raw) - step + 1, step):
+        prev = hashlib.sha256(prev + raw[start : start + step] + tag).digest()
+        out.append(prev)
+    return out
+
+
+class KVCache:
+    """KV chunks of one model and layout in a pool.
+
+    `kv` tensors are `[num_layers, 2, tokens, num_heads, head_dim]` (2: keys,
+    values), on the CPU or a CUDA device.  Any number of processes can use
+    KVCaches over the same pool at once.
+    """
+
+    def __init__(
+        self, pool: "Pool", *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: Any,
+        chunk_tokens: int = 256,
+    ) -> None:
+        from .gpu import _dtype, _torch
+
+        if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):
+            raise UsageError(f"invalid model tag {model!r}: 1-128 of A-Z a-z 0-9 . _ : / @ + -")
+        for name, v in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim),
+                        ("chunk_tokens", chunk_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be a positive integer, not {v!r}")
+        torch = _torch()
+        self.pool = pool
+        self.model = model
+        self.dtype = _dtype(dtype)
+        self.chunk_tokens = chunk_tokens
+        self.chunk_shape = (num_layers, 2, chunk_tokens, num_heads, head_dim)
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.payload_bytes = int(np.prod(self.chunk_shape)) * self.itemsize
+        dname = str(self.dtype).removeprefix("torch.")
+        layout = f"{dname}:{num_layers}x2x{chunk_tokens}x{num_heads}x{head_dim}".encode()
+        self.tag = b"cortex-kv/1\0" + model.encode() + b"\0" + layout
+        self.fingerprint = hashlib.sha256(self.tag).digest()[:16]
+        self._header = HEADER.pack(MAGIC, VERSION, 0, self.fingerprint, self.payload_bytes, chunk_tokens)
+        self.refused = 0  # chunks found under our keys but not ours
+
+    # ------------------------------------------------------------------ keys
+
+    def keys(self, tokens: Any) -> list[str]:
+        """The pool keys of every whole chunk of `tokens`, in order."""
+        return [f"kv/{self.model}/{d.hex()}" for d in chunk_digests(tokens, self.chunk_tokens, self.tag)]
+
+    def _check_kv(self, kv: "torch.Tensor", n_tokens: int) -> None:
+        want = self.chunk_shape
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (want[0], 2, want[3], want[4]):
+            raise UsageError(f"kv has shape {tuple(kv.shape)}; this cache takes "
+                             f"[{want[0]}, 2, tokens, {want[3]}, {want[4]}]")
+        if kv.dtype != self.dtype:
+            raise UsageError(f"kv is {kv.dtype}; this cache holds {self.dtype}")
+        if kv.shape[2] < n_tokens:
+            raise UsageError(f"kv holds {kv.shape[2]} tokens, fewer than the {n_tokens} to store")
+
+    def _ours(self, header: bytes | memoryview) -> bool:
+        return bytes(header[:HEADER_SIZE]) == self._header
+
+    # ------------------------------------------------------------------ store
+
+    def store(self, tokens: Any, kv: "torch.Tensor", *, ttl: float | None = None, priority: int = 0) -> int:
+        """Store the KV of every whole chunk of `tokens` not already cached; return the tokens covered.
+
+        `kv[:, :, t]` is the KV of `tokens[t]`.  Values go straight from `kv`
+        (CPU or GPU) into reserved pool memory, one chunk at a time.
+        """
+        from .gpu import _host_tensor
+
+        keys = self.keys(tokens)
+        self._check_kv(kv, len(keys) * self.chunk_tokens)
+        c = self.chunk_tokens
+        for i, key in enumerate(keys):
+            if self._present(key):
+                continue
+            w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
+            try:
+                w.memoryview[:HEADER_SIZE] = self._header  # type: ignore[index]
+                dst = _host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
+                                   self.chunk_shape)
+                dst.copy_(kv[:, :, i * c : (i + 1) * c])
+                del dst
+            except BaseException:
+                w.abort()
+                raise
+            w.commit()
+        return len(keys) * c
+
+    # ------------------------------------------------------------------ lookup and retrieve
+
+    def _present(self, key: str) -> bool:
+        """Is a chunk of ours stored under `key`?  (Refuses and counts anything else.)"""
+        try:
+            with self.pool.view(key) as mv:
+                ok = mv.nbytes == HEADER_SIZE + self.payload_bytes and self._ours(mv)
+        except KeyNotFound:
+            return False
+        if not ok:
+            self.refused += 1
+        return ok
+
+    def lookup(self, tokens: Any) -> int:
+        """How many leading tokens of `tokens` have their KV cached (a multiple of chunk_tokens)."""
+        n = 0
+        for key in self.keys(tokens):
+            if not self._present(key):
+                break
+            n += self.chunk_tokens
+        return n
+
+    def retrieve(self, tokens: Any, out: "torch.Tensor | None" = None, device: Any = None) -> tuple[int, "torch.Tensor"]:
+        """Copy the cached KV of the leading chunks of `tokens` into `out`; (tokens retrieved, out).
+
+        `out`: `[num_layers, 2, >= tokens, num_heads, head_dim]`, on any
+        device; else a new CPU tensor (or on `device`) of the retrieved
+        length.  Stops at the first chunk missing or not ours.
+        """
+        from .gpu import _torch, device_of
+
+        torch = _torch()
+        keys = self.keys(tokens)
+        c = self.chunk_tokens
+        if out is not None:
+            self._check_kv(out, 0)
+            if out.shape[2] < len(keys) * c:
+                keys = keys[: out.shape[2] // c]
+        parts: list = []
+        n = 0
+        for key in keys:
+            try:
+                ev = self.pool.view(key)
+            except KeyNotFound:
+                break
+            with ev as mv:
+                if mv.nbytes != HEADER_SIZE + self.payload_bytes or not self._ours(mv):
+                    self.refused += 1
+                    break
+                src = _chunk_tensor(torch, mv, self.payload_bytes, self.dtype, self.chunk_shape)
+                if out is not None:
+                    out[:, :, n : n + c].copy_(src)
+                else:
+                    parts.append(src.clone())
+                del src
+            n += c
+        if out is None:
+            dev = device_of(device) if device is not None else torch.device("cpu")
+            if parts:
+                out = torch.cat(parts, dim=2).to(dev)
+            else:
+                out = torch.empty((*self.chunk_shape[:2], 0, *self.chunk_shape[3:]), dtype=self.dtype, device=dev)
+        return n, out
+
+
+def _chunk_tensor(torch: Any, mv: memoryview, nbytes: int, dtype: Any, shape: tuple) -> "torch.Tensor":
+    """A read-only view's payload as a tensor, without a copy (torch wants writable memory, so it is told
+    not to warn: nothing writes to it here)."""
+    import warnings
+
+    arr = np.frombuffer(mv, np.uint8, nbytes, HEADER_SIZE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr).view(dtype).view(shape)
+
+
+__all__ = ["KVCache", "chunk_digests", "token_bytes", "HEADER_SIZE"]
