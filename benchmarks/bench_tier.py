@@ -247,7 +247,7 @@ def main() -> int:
         mc = mooncake_trace()
         if mc is not None:
             traces.append(("mooncake", mc, 2000))
-        print(f"\nhit rate, same memory; disk tier 4x memory, write-back")
+        print("\nhit rate, same memory; disk tier 4x memory, write-back")
         print(f"{'trace':10} {'chunks':>8} {'memory':>8} {'mem+disk':>9} {'LRU M':>7} {'LRU 5M':>7}  disk hits")
         for label, trace, m in traces:
             mem, _ = pool_hit_rate(trace, m, None)

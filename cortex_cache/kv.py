@@ -13,7 +13,8 @@ so chunk i's key names the whole prefix up to its end, and two prompts that
 share a prefix share its chunks.  SHA-256, not a fast non-cryptographic
 hash: prompts come from users, and a collision crafted by one user must not
 hand them another user's KV (the reason vLLM moved its prefix cache to
-SHA-256).  It costs ~0.01 us a token (`benchmarks/bench_kv.py`).
+SHA-256).  It costs ~11 ns a token given as an array or tensor, ~35 ns
+from a Python list (`benchmarks/bench_kv.py`).
 
 Partial last chunk: only whole chunks are stored and looked up; the tokens
 after the last whole chunk are left to the engine to recompute, so
@@ -140,25 +141,38 @@ class KVCache:
         `kv[:, :, t]` is the KV of `tokens[t]`.  Values go straight from `kv`
         (CPU or GPU) into reserved pool memory, one chunk at a time.
         """
-        from .gpu import _host_tensor
+        from .gpu import _executor, _host_tensor, _wait_jobs
+        from xxhash import xxh3_64_intdigest
 
         keys = self.keys(tokens)
         self._check_kv(kv, len(keys) * self.chunk_tokens)
         c = self.chunk_tokens
-        for i, key in enumerate(keys):
-            if self._present(key):
-                continue
-            w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
-            try:
+        # A chunk is checksummed on a worker thread while the next one is
+        # copied (xxhash releases the GIL); at most two wait to be committed.
+        pending: list = []
+        try:
+            for i, key in enumerate(keys):
+                if self._present(key):
+                    continue
+                w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
+                pending.append((w, None))
                 w.memoryview[:HEADER_SIZE] = self._header  # type: ignore[index]
                 dst = _host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
                                    self.chunk_shape)
                 dst.copy_(kv[:, :, i * c : (i + 1) * c])
                 del dst
-            except BaseException:
+                pending[-1] = (w, _executor().submit(xxh3_64_intdigest, w.memoryview))
+                while len(pending) > 2:
+                    done, job = pending.pop(0)
+                    done.commit(job.result())
+            while pending:
+                done, job = pending.pop(0)
+                done.commit(job.result())
+        except BaseException:
+            _wait_jobs([j for _, j in pending if j is not None])
+            for w, _ in pending:
                 w.abort()
-                raise
-            w.commit()
+            raise
         return len(keys) * c
 
     # ------------------------------------------------------------------ lookup and retrieve
