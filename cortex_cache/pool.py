@@ -75,6 +75,11 @@ from .values import as_byte_view, key_bytes
 # Values up to this size are copied while holding the lock: two extra lock
 # round trips (pin, unpin) would cost more than the copy itself.
 COPY_IN_LOCK = 256 * 1024
+# Reads copy inside the lock only up to 32 KiB: above that, readers in other
+# processes gain more from overlapping their copies than the two extra lock
+# round trips cost one of them (64 KiB, two reader processes: 0.8x -> 1.8x
+# of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
+GET_COPY_IN_LOCK = 32 * 1024
 # Large values are copied and checksummed in chunks that stay in cache.
 _HASH_CHUNK = 256 * 1024
 _MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
@@ -1049,7 +1054,7 @@ class Pool:
             raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
         self._touch(i)
         off = self._data_off + self._c_first[i] * self._bs
-        if vlen <= COPY_IN_LOCK:
+        if vlen <= GET_COPY_IN_LOCK:
             if out is None:
                 return self._mv[off : off + vlen].tobytes()
             out[:vlen] = self._mv[off : off + vlen]

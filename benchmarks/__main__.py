@@ -1,0 +1,235 @@
+"""Every benchmark of the project in one command, one table, one JSON file.
+
+    python -m benchmarks [--quick] [--json PATH] [--only NAME[,NAME...]]
+
+Runs, each in its own process, the benchmarks below (their own docstrings say
+exactly what they measure), then prints one table: every figure as a median
+with min-max over the benchmark's repeated runs, every comparison as a ratio
+against a baseline measured in the same run, and each target met or missed.
+The JSON (default benchmark-results.json) holds the table and every
+benchmark's full output.
+
+  peers     cortex beside Redis (Unix socket and TCP), a naive shared-memory
+            store, LMCache's CPU backend (if installed) and numpy copies
+  pool      put/get/get_into against numpy copies of the same footprint
+  scaling   get_into throughput of two reader processes against one
+  eviction  put latency and throughput in a full pool against an empty one
+  persist   snapshot persist/restore against plain file write/read
+  tier      disk tier hit rates, spill/promote against plain file write/read
+  kv        KV-chunk store/retrieve against plain copies; chunk-key cost
+  gpu       host<->device staging (only where CUDA is available)
+  startup   `cortex --help` and friends against `python -c pass`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "kv", "gpu", "startup"]
+SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
+SCRIPTS["gpu"] = HERE / "gpu_staging.py"
+
+
+def run_one(name: str, quick: bool, outdir: Path) -> tuple[dict | None, str, float]:
+    path = outdir / f"{name}.json"
+    cmd = [sys.executable, str(SCRIPTS[name]), "--json", str(path)]
+    if quick and name != "gpu":
+        cmd.insert(2, "--quick")
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    secs = time.perf_counter() - t
+    log = r.stdout + r.stderr
+    if r.returncode != 0 or not path.exists():
+        why = "no CUDA device here" if name == "gpu" and r.returncode == 69 else \
+            (log.strip().splitlines() or ["no output"])[-1][:200]
+        return None, why, secs
+    return json.loads(path.read_text()), log, secs
+
+
+def fig(median: float, lo: float | None = None, hi: float | None = None, unit: str = "") -> str:
+    s = f"{median:,.2f}{unit}" if median < 1000 else f"{median:,.0f}{unit}"
+    if lo is not None and hi is not None:
+        s += f" [{lo:,.2f}-{hi:,.2f}]" if hi < 1000 else f" [{lo:,.0f}-{hi:,.0f}]"
+    return s
+
+
+# Each extractor turns one benchmark's JSON into table rows:
+# (figure, value with its spread, baseline, ratio or None, target result or None).
+
+def rows_peers(d: dict) -> list:
+    rows = []
+    for size, per in d["results"].items():
+        c = per["cortex"]
+        for store, f in per.items():
+            if store == "numpy":
+                continue
+            g, p = f["get_gbps"], f["put_gbps"]
+            lat = f.get("latency_us")
+            lat_s = f", cross-process get p50/p99 {lat['p50']:.0f}/{lat['p99']:.0f} us" if lat else ""
+            rows.append((f"{size} {store}: get GB/s", fig(g["median"], g["min"], g["max"]),
+                         f"get {f['get_ops']['median']:,.0f} ops/s, put {fig(p['median'], p['min'], p['max'])} "
+                         f"GB/s, {f['put_ops']['median']:,.0f} ops/s{lat_s}", None, None))
+        n = per["numpy"]
+        rows.append((f"{size} numpy copy out/in GB/s", fig(n["get_gbps"]["median"], n["get_gbps"]["min"],
+                     n["get_gbps"]["max"]), f"in {fig(n['put_gbps']['median'])}", None, None))
+        rat = d["ratios"][size]
+        for peer in ("redis-unix", "redis-tcp", "naive-shm", "lmcache"):
+            if f"get_vs_{peer}" in rat:
+                rows.append((f"{size} cortex vs {peer}", f"get {rat[f'get_vs_{peer}']:.1f}x, put "
+                             f"{rat[f'put_vs_{peer}']:.1f}x", peer, rat[f"get_vs_{peer}"], None))
+        rows.append((f"{size} cortex vs numpy copy", f"get {rat['get_vs_copy']:.2f}x, get_into "
+                     f"{rat['get_into_vs_copy']:.2f}x, put {rat['put_vs_copy']:.2f}x", "numpy", rat["get_vs_copy"], None))
+        rows.append((f"{size} two reader processes", fig(c["readers2_gbps"]["median"], c["readers2_gbps"]["min"],
+                     c["readers2_gbps"]["max"], " GB/s"), f"one reader {fig(c['readers1_gbps']['median'])} GB/s",
+                     c["two_vs_one"], None))
+    for k, why in d.get("skipped", {}).items():
+        rows.append((f"{k}", "not measured", why, None, None))
+    return rows
+
+
+def rows_pool(d: dict) -> list:
+    rows = []
+    for r in d["rows"]:
+        size = f"{r['size'] // 1024} KiB"
+        rows.append((f"{size} put / get / get_into GB/s",
+                     f"{r['put_gbps']:.2f} / {r['get_gbps']:.2f} / {r['get_into_gbps']:.2f}",
+                     f"copy in {r['copy_in_gbps']:.2f}, out {r['copy_out_gbps']:.2f}",
+                     r["get_gbps"] / r["copy_out_gbps"], None))
+        rows.append((f"{size} put / get ops/s", f"{r['put_ops']:,.0f} / {r['get_ops']:,.0f}", "", None, None))
+    return rows
+
+
+def rows_scaling(d: list) -> list:
+    return [(f"{r['size'] // 1024} KiB get_into, 2 readers", f"{r['two_gbps']:.2f} GB/s",
+             f"1 reader {r['one_gbps']:.2f} GB/s", r["ratio"], None) for r in d]
+
+
+def rows_eviction(d: dict) -> list:
+    rows = []
+    for r in d["put_latency"]:
+        rows.append((f"{r['policy']} put into a full pool", f"{r['full']['ops_per_s']:,.0f} ops/s, p99 "
+                     f"{r['full']['p99_us']:.0f} us", f"empty pool {r['empty']['ops_per_s']:,.0f} ops/s",
+                     r["throughput_ratio"], None))
+    return rows
+
+
+def rows_persist(d: dict) -> list:
+    s, r = d["results"], d["ratios"]
+    return [
+        ("persist GB/s", fig(s["persist"]["gbps"], s["persist"]["gbps_min"], s["persist"]["gbps_max"]),
+         f"write+fsync {s['write']['gbps']:.2f}", r["persist_vs_write"], None),
+        ("restore GB/s, file dropped", fig(s["restore_dropped"]["gbps"], s["restore_dropped"]["gbps_min"],
+         s["restore_dropped"]["gbps_max"]), f"read {s['read_dropped']['gbps']:.2f}", r["restore_vs_read_dropped"], None),
+    ]
+
+
+def rows_tier(d: dict) -> list:
+    rows = []
+    for label, h in d["hit_rate"].items():
+        rows.append((f"hit rate, {label} trace", f"{h['memory_disk']:.3f} with disk", f"{h['memory_only']:.3f} memory "
+                     f"only; exact LRU of 5x {h['lru_5x']:.3f}", h["memory_disk"] / max(h["memory_only"], 1e-9), None))
+    s, r = d["speed"], d["ratios"]
+    rows.append(("disk spill GB/s", fig(s["spill"]["gbps"], s["spill"]["gbps_min"], s["spill"]["gbps_max"]),
+                 f"write+fsync {s['write']['gbps']:.2f}", r["spill_vs_write"], None))
+    rows.append(("disk promote GB/s", fig(s["promote"]["gbps"], s["promote"]["gbps_min"], s["promote"]["gbps_max"]),
+                 f"read {s['read']['gbps']:.2f}", r["promote_vs_read"], None))
+    return rows
+
+
+def rows_kv(d: dict) -> list:
+    return [
+        ("KV store GB/s", fig(d["store"]["gbps"], d["store"]["gbps_min"], d["store"]["gbps_max"]),
+         f"copy {d['copy_in']['gbps']:.2f}", d["ratios"]["store_vs_copy"], None),
+        ("KV retrieve GB/s", fig(d["retrieve"]["gbps"], d["retrieve"]["gbps_min"], d["retrieve"]["gbps_max"]),
+         f"copy {d['copy_out']['gbps']:.2f}", d["ratios"]["retrieve_vs_copy"], None),
+        ("chunk keys, ns per token", f"{d['hash_us_per_token'] * 1000:.1f}", "SHA-256 chain", None, None),
+    ]
+
+
+def rows_gpu(d: dict) -> list:
+    bw = d["bandwidth"]
+    return [
+        ("H2D / D2H GB/s, pinned pool", f"{bw['pool_registered_h2d_gbps']:.1f} / {bw['pool_registered_d2h_gbps']:.1f}",
+         f"torch pinned {bw['torch_pinned_h2d_gbps']:.1f} / {bw['torch_pinned_d2h_gbps']:.1f}",
+         bw["pool_registered_h2d_gbps"] / bw["torch_pinned_h2d_gbps"], None),
+        ("load / store API GB/s", f"{bw['pool_load_api_gbps']:.1f} / {bw['pool_store_api_gbps']:.1f}", d["device"],
+         None, None),
+    ]
+
+
+def rows_startup(d: dict) -> list:
+    return [(r["command"], f"{r['median_ms']:.0f} ms [{r['min_ms']:.0f}-{r['max_ms']:.0f}]",
+             "python -c pass", r["x_python"], None) for r in d["rows"]]
+
+
+EXTRACT = {"peers": rows_peers, "pool": rows_pool, "scaling": rows_scaling, "eviction": rows_eviction,
+           "persist": rows_persist, "tier": rows_tier, "kv": rows_kv, "gpu": rows_gpu, "startup": rows_startup}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every benchmark's short form (a few minutes in all)")
+    ap.add_argument("--json", metavar="PATH", default="benchmark-results.json", help="where to write the results")
+    ap.add_argument("--only", metavar="NAMES", help="comma-separated subset of: " + ", ".join(ORDER))
+    args = ap.parse_args()
+    names = ORDER if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in ORDER]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(ORDER)}")
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    doc: dict = {
+        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+        "started": started,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                    "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "benchmarks": {}, "table": {}, "targets": {}, "not_run": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="ccbench-all-") as tmp:
+        for name in names:
+            print(f"running {name} ...", end=" ", flush=True, file=sys.stderr)
+            data, log, secs = run_one(name, args.quick, Path(tmp))
+            print(f"{secs:.0f} s" + ("" if data is not None else f" (not run: {log})"), file=sys.stderr, flush=True)
+            if data is None:
+                doc["not_run"][name] = log
+                continue
+            doc["benchmarks"][name] = data
+            doc["table"][name] = [
+                {"figure": f, "value": v, "baseline": b, "ratio": r} for f, v, b, r, _ in EXTRACT[name](data)
+            ]
+            targets = data.get("targets") if isinstance(data, dict) else None
+            if isinstance(targets, dict):
+                for t, ok in targets.items():
+                    doc["targets"][f"{name}: {t}"] = bool(ok)
+            for row in data.get("put_latency", []) if isinstance(data, dict) else []:
+                doc["targets"][f"eviction: {row['policy']} p99 <= 1 ms and >= 0.5x empty"] = bool(
+                    row["p99_target_met"] and row["ratio_target_met"])
+    print(f"\ncortex-cache benchmarks, {started}; Python {doc['machine']['python']}, {doc['machine']['cpus']} CPUs, "
+          f"{doc['machine']['memory_gib']} GiB")
+    for name, rows in doc["table"].items():
+        print(f"\n[{name}]")
+        w = max(len(r["figure"]) for r in rows)
+        for r in rows:
+            ratio = f"  ({r['ratio']:.2f}x)" if r["ratio"] is not None else ""
+            base = f"  vs {r['baseline']}" if r["baseline"] else ""
+            print(f"  {r['figure']:<{w}}  {r['value']}{base}{ratio}")
+    for name, why in doc["not_run"].items():
+        print(f"\n[{name}] not run: {why}")
+    print("\ntargets:")
+    for t, ok in doc["targets"].items():
+        print(f"  {'met   ' if ok else 'MISSED'} {t}")
+    Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
