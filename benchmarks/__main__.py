@@ -17,7 +17,12 @@ benchmark's full output.
   persist   snapshot persist/restore against plain file write/read
   tier      disk tier hit rates, spill/promote against plain file write/read
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
+  lmcache   the LMCache adapter against LMCache's own server-less L2 adapters
+            (only with CORTEX_BENCH_LMCACHE_PYTHON: scripts/lmcache_venv.sh)
   gpu       host<->device staging (only where CUDA is available)
+
+LMCache's CPU backend is a peer in `peers` too when CORTEX_BENCH_LMCACHE_PYTHON
+names a Python that has LMCache; without it the table says it was not measured.
   startup   `cortex --help` and friends against `python -c pass`
 """
 
@@ -34,7 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "kv", "gpu", "startup"]
+ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "kv", "lmcache", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -51,6 +56,8 @@ def run_one(name: str, quick: bool, outdir: Path) -> tuple[dict | None, str, flo
     if r.returncode != 0 or not path.exists():
         why = "no CUDA device here" if name == "gpu" and r.returncode == 69 else \
             (log.strip().splitlines() or ["no output"])[-1][:200]
+        if name == "lmcache" and not os.environ.get("CORTEX_BENCH_LMCACHE_PYTHON"):
+            why = "set CORTEX_BENCH_LMCACHE_PYTHON to a Python with LMCache (scripts/lmcache_venv.sh)"
         return None, why, secs
     return json.loads(path.read_text()), log, secs
 
@@ -155,6 +162,20 @@ def rows_kv(d: dict) -> list:
     ]
 
 
+def rows_lmcache(d: dict) -> list:
+    rows = []
+    for size, per in d["results"].items():
+        for name, r in per.items():
+            if "store" not in r:
+                rows.append((f"{size} {name}", "not run", r.get("error", ""), None, None))
+                continue
+            c = per.get("cortex", {})
+            ratio = c["load"]["mbps"] / r["load"]["mbps"] if "load" in c and name != "cortex" else None
+            rows.append((f"{size} {name}: store / load MB/s", f"{r['store']['mbps']:,.0f} / {r['load']['mbps']:,.0f}",
+                         "cortex load vs this" if ratio else "", ratio, None))
+    return rows
+
+
 def rows_gpu(d: dict) -> list:
     bw = d["bandwidth"]
     return [
@@ -172,7 +193,8 @@ def rows_startup(d: dict) -> list:
 
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "scaling": rows_scaling, "eviction": rows_eviction,
-           "persist": rows_persist, "tier": rows_tier, "kv": rows_kv, "gpu": rows_gpu, "startup": rows_startup}
+           "persist": rows_persist, "tier": rows_tier, "kv": rows_kv, "lmcache": rows_lmcache, "gpu": rows_gpu,
+           "startup": rows_startup}
 
 
 def main() -> int:

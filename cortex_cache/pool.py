@@ -111,11 +111,17 @@ class _Fields:
 class EntryView:
     """A pinned, read-only view of one entry's value; use as a context manager."""
 
-    def __init__(self, pool: "Pool", pin: int, slot: int, mv: memoryview) -> None:
+    def __init__(self, pool: "Pool", pin: int, slot: int, mv: memoryview, checksum: int = 0) -> None:
         self._pool = pool
         self._pin = pin
         self._slot = slot
         self.memoryview: memoryview | None = mv
+        self.checksum = checksum  # xxh3_64 of the value taken at put: `verify()` compares against it
+
+    def verify(self) -> bool:
+        """Do the bytes still match the checksum taken when they were put?  (One hash pass.)"""
+        assert self.memoryview is not None
+        return xxh3_64_intdigest(self.memoryview) == self.checksum
 
     def __enter__(self) -> memoryview:
         assert self.memoryview is not None
@@ -1145,7 +1151,8 @@ class Pool:
         if r is None:
             raise KeyNotFound(f"no key {_show_key(key)} in pool {self.name!r}")
         j, i, off, vlen = r
-        ev = EntryView(self, j, i, self._mv[off : off + vlen].toreadonly())
+        # The entry is pinned: its slot (and checksum) cannot change under us.
+        ev = EntryView(self, j, i, self._mv[off : off + vlen].toreadonly(), self._c_cks[i])
         self._views.add(ev)
         return ev
 

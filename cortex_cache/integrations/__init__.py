@@ -1,0 +1,1 @@
+"""Adapters between cortex pools and other systems (each imports its system lazily, if at all)."""

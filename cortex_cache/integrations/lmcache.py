@@ -1,0 +1,270 @@
+"""LMCache adapter: a cortex pool as LMCache's L2 tier (multi-process mode, lmcache 0.5.x).
+
+Load it as a `native_plugin` L2 adapter::
+
+    --l2-adapter '{"type": "native_plugin",
+                   "module_path": "cortex_cache.integrations.lmcache",
+                   "class_name": "CortexConnector",
+                   "adapter_params": {"pool": "llama"}}'
+
+LMCache constructs `CortexConnector(**adapter_params)` in each of its
+processes and calls the interface it validates: `event_fd()`,
+`submit_batch_get/set/exists/delete(...)` (each returns a future id at once),
+`drain_completions()` and `close()`.  The work runs on one worker thread per
+connector; each finished batch is reported through an eventfd (written once
+per completion, cleared by `drain_completions`).
+
+adapter_params:
+  pool        pool name (required)
+  create      create the pool if it does not exist (default false); then:
+  size        its size (required with create), block_size (default 64K),
+  policy      eviction policy (default lru),
+  disk_path, disk_size, disk_write   a disk tier under it (see the README)
+  namespace   prefix of the pool keys (default "lmcache/")
+  verify      check every loaded value against its checksum (default true)
+  workers     threads that copy and checksum the keys of a batch in parallel
+              (default: up to 4, one per CPU; copies and checksums release the GIL)
+
+Each value is stored as a 32-byte header and LMCache's bytes::
+
+    0 4s magic b"CXLM"   4 u16 version (1)   6 u16 reserved
+    8 16s first 16 bytes of BLAKE2b(key)      24 u64 payload length
+
+A value whose header does not name this key and length (foreign), or whose
+bytes fail their checksum (corrupt), is a miss -- counted in `stats`, never
+loaded.  Loads copy straight from the pool into LMCache's buffers: the entry
+is pinned, its header checked in place, its payload copied once (no
+intermediate bytes) and the copy checked against the checksum taken at put
+(a failed check zeroes the buffer and reports a miss).  Nothing here imports LMCache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import CortexCacheError, KeyNotFound, PoolExists, UsageError
+from ..pool import Pool
+
+HEADER = struct.Struct("<4sHH16sQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+MAGIC = b"CXLM"
+VERSION = 1
+_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write",
+           "namespace", "verify", "workers")
+
+Completion = tuple[int, bool, str, "list[bool] | None"]
+_PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the worker thread alone
+
+
+def _header(key: str, n: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, 0, hashlib.blake2b(key.encode(), digest_size=16).digest(), n)
+
+
+class CortexConnector:
+    """LMCache native L2 connector over a cortex pool (see the module doc)."""
+
+    def __init__(self, pool: str | None = None, **params: Any) -> None:
+        unknown = sorted(set(params) - set(_PARAMS))
+        if unknown:
+            raise UsageError(f"unknown adapter_params {', '.join(unknown)}: valid are {', '.join(_PARAMS)}")
+        if not pool:
+            raise UsageError('adapter_params needs "pool": the name of a cortex pool')
+        self.namespace = str(params.get("namespace", "lmcache/"))
+        self.verify = bool(params.get("verify", True))
+        workers = params.get("workers", min(4, os.cpu_count() or 1))
+        if not isinstance(workers, int) or workers < 1:
+            raise UsageError(f'adapter_params "workers" must be a positive integer, not {workers!r}')
+        self.pool = _open_or_create(pool, params)  # multi-threaded: the workers share the handle
+        self.stats = {"stored": 0, "store_failed": 0, "hits": 0, "misses": 0, "foreign": 0, "corrupt": 0,
+                      "deleted": 0}
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._done: list[Completion] = []
+        self._lock = threading.Lock()
+        self._next = 1
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._copiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"cortex-lmcache-{pool}")
+        self._worker = threading.Thread(target=self._run, name=f"cortex-lmcache-{pool}", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ LMCache's interface
+
+    def event_fd(self) -> int:
+        return self._efd
+
+    def submit_batch_get(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
+        return self._submit(self._get, keys, memoryviews)
+
+    def submit_batch_set(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
+        return self._submit(self._set, keys, memoryviews)
+
+    def submit_batch_exists(self, keys: Sequence[str]) -> int:
+        return self._submit(self._exists, keys, None)
+
+    def submit_batch_delete(self, keys: Sequence[str]) -> int:
+        return self._submit(self._delete, keys, None)
+
+    def drain_completions(self) -> list[Completion]:
+        try:
+            os.eventfd_read(self._efd)  # clear readiness: LMCache polls the fd but never reads it
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join()
+        self._copiers.shutdown()
+        self.pool.close()
+        os.close(self._efd)
+        self._efd = -1
+
+    def __enter__(self) -> "CortexConnector":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the worker
+
+    def _submit(self, fn: Any, keys: Sequence[str], mvs: Sequence[Any] | None) -> int:
+        if self._closed:
+            raise RuntimeError("CortexConnector is closed")
+        keys = list(keys)
+        if mvs is not None and len(mvs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(mvs)} buffers")
+        with self._lock:
+            fid = self._next
+            self._next += 1
+        self._jobs.put((fid, fn, keys, mvs))
+        return fid
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fid, fn, keys, mvs = job
+            try:
+                ok, err, per_key = fn(keys, mvs)
+            except Exception as e:  # a batch that breaks is reported, never raised in LMCache's thread
+                ok, err, per_key = False, f"{type(e).__name__}: {e}", [False] * len(keys)
+            with self._lock:
+                self._done.append((fid, ok, err, per_key))
+            os.eventfd_write(self._efd, 1)
+
+    def _map(self, fn: Any, keys: list[str], mvs: Sequence[Any]) -> list:
+        """fn over the batch: on the copy threads when it moves enough bytes to pay for them."""
+        total = sum(memoryview(mv).nbytes for mv in mvs)
+        if len(keys) > 1 and total >= _PARALLEL_BYTES:
+            return list(self._copiers.map(fn, keys, mvs))
+        return [fn(k, mv) for k, mv in zip(keys, mvs)]
+
+    def _set(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:
+        outcomes = self._map(self._set_one, keys, mvs)
+        errors = [e for e in outcomes if e]
+        self.stats["stored"] += len(keys) - len(errors)
+        self.stats["store_failed"] += len(errors)
+        return not errors, "; ".join(dict.fromkeys(errors)), [not e for e in outcomes]
+
+    def _set_one(self, key: str, mv: Any) -> str:
+        """Store one value; '' on success, else why not."""
+        src = np.frombuffer(memoryview(mv).cast("B"), np.uint8)
+        try:
+            w = self.pool.reserve_write(self.namespace + key, HEADER_SIZE + src.nbytes)
+        except CortexCacheError as e:
+            return str(e)
+        try:
+            w.memoryview[:HEADER_SIZE] = _header(key, src.nbytes)  # type: ignore[index]
+            np.copyto(np.frombuffer(w.memoryview, np.uint8, src.nbytes, HEADER_SIZE), src)  # GIL released
+        except BaseException:
+            w.abort()
+            raise
+        w.commit()
+        return ""
+
+    def _check(self, key: str, view: memoryview, want: int | None) -> bool:
+        """Is `view` a value this adapter stored under `key` (of `want` payload bytes)?"""
+        if view.nbytes < HEADER_SIZE:
+            return False
+        magic, version, _, digest, n = HEADER.unpack_from(view)
+        good = (magic == MAGIC and version == VERSION and n == view.nbytes - HEADER_SIZE
+                and digest == hashlib.blake2b(key.encode(), digest_size=16).digest())
+        return good and (want is None or n == want)
+
+    def _get(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:
+        outcomes = self._map(self._get_one, keys, mvs)
+        for o in outcomes:
+            self.stats[o] += 1
+        return True, "", [o == "hits" for o in outcomes]
+
+    def _get_one(self, key: str, mv: Any) -> str:
+        """Load one value into LMCache's buffer; which counter it counts under."""
+        dst = np.frombuffer(memoryview(mv).cast("B"), np.uint8)
+        try:
+            ev = self.pool.view(self.namespace + key)
+        except KeyNotFound:
+            return "misses"
+        with ev as src:
+            if not self._check(key, src, dst.nbytes):
+                return "foreign"
+            payload = np.frombuffer(src, np.uint8, dst.nbytes, HEADER_SIZE)
+            np.copyto(dst, payload)  # straight into LMCache's buffer, GIL released
+            del payload
+            if self.verify:
+                # Check what LMCache got, while it is still in the CPU cache:
+                # one pass over the pool's memory instead of two.
+                h = xxhash.xxh3_64(src[:HEADER_SIZE])
+                h.update(dst)
+                if h.intdigest() != ev.checksum:
+                    dst[:] = 0  # nothing of a damaged value is left in LMCache's buffer
+                    return "corrupt"
+        return "hits"
+
+    def _exists(self, keys: list[str], _mvs: None) -> tuple[bool, str, list[bool]]:
+        results = []
+        for key in keys:
+            try:
+                with self.pool.view(self.namespace + key) as src:
+                    results.append(self._check(key, src, None))
+            except KeyNotFound:
+                results.append(False)
+        return True, "", results
+
+    def _delete(self, keys: list[str], _mvs: None) -> tuple[bool, str, list[bool]]:
+        results = [self.pool.delete(self.namespace + key) for key in keys]
+        self.stats["deleted"] += sum(results)
+        return True, "", results
+
+
+def _open_or_create(name: str, params: dict) -> Pool:
+    if not params.get("create") or Pool.exists(name):
+        return Pool.open(name, multi_threaded=True)
+    if params.get("size") is None:
+        raise UsageError('adapter_params "create" needs "size" (e.g. "16G")')
+    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
+    if params.get("disk_path") is not None or params.get("disk_size") is not None:
+        kw.update(tier="disk", disk_path=params.get("disk_path"), disk_size=params.get("disk_size"),
+                  disk_write=params.get("disk_write", "back"))
+    try:
+        return Pool.create(name, params["size"], multi_threaded=True, **kw)
+    except PoolExists:  # another LMCache process made it first
+        return Pool.open(name, multi_threaded=True)
+
+
+__all__ = ["CortexConnector", "HEADER_SIZE"]
