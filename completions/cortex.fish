@@ -3,7 +3,7 @@
 #
 # Install: copy to ~/.config/fish/completions/cortex.fish
 
-set -g __cortex_value_options --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --size --tier --ttl -i -o -s
+set -g __cortex_value_options --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl -i -o -s
 
 # The words so far after `cortex`, without options and their values.
 function __cortex_args
@@ -107,6 +107,8 @@ complete -c cortex -n '__cortex_using create' -l disk-size -x -d 'Capacity of th
 complete -c cortex -n '__cortex_using create' -l disk-write -x -a 'back through' -d 'back (default)'
 complete -c cortex -n '__cortex_using create' -l disk-o-direct -d 'Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it'
 complete -c cortex -n '__cortex_using create' -l disk-max-entries -x -d 'Disk index capacity (default: one entry per block of disk, at most 2,097,152)'
+complete -c cortex -n '__cortex_using create' -l remote -x -d 'A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N'
+complete -c cortex -n '__cortex_using create' -l remote-cluster -d 'The --remote URL names a node of a Valkey/Redis cluster'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using create' -l help -d 'Show this message and exit'

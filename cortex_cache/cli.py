@@ -191,6 +191,8 @@ def create(
     disk_write: Optional[DiskWrite] = typer.Option(None, "--disk-write", metavar="MODE", help="back (default): entries evicted from memory go to disk; through: every put also goes to disk."),
     disk_o_direct: bool = typer.Option(False, "--disk-o-direct", help="Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it."),
     disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
+    remote: Optional[str] = typer.Option(None, "--remote", metavar="URL", help="A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N."),
+    remote_cluster: bool = typer.Option(False, "--remote-cluster", help="The --remote URL names a node of a Valkey/Redis cluster."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -218,6 +220,8 @@ def create(
         disk_write=disk_write.value if disk_write is not None else "back",
         disk_o_direct=disk_o_direct,
         disk_max_entries=disk_max_entries,
+        remote=remote,
+        remote_cluster=remote_cluster,
     )
     with p:
         st = p.stats()
@@ -232,6 +236,9 @@ def create(
         if d is not None:
             found = f", {d['entries']} entries found on it" if d["entries"] else ""
             _say(f"disk tier: {_fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
+        r = st["remote"]
+        if r is not None:
+            _say(f"remote tier: {r['url']}" + (" (cluster)" if r["cluster"] else ""))
 
 
 def _pool_summary(name: str) -> dict[str, Any]:
@@ -331,6 +338,24 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
         ("errors", "counter", "I/O errors of the disk tier."),
         ("evictions", "counter", "Entries removed from the disk tier by evict, delete or replace."),
     ]
+    remote_metrics = [
+        ("hits", "counter", "Misses of memory and disk found on the remote server."),
+        ("misses", "counter", "Remote lookups that found nothing usable."),
+        ("promotions", "counter", "Remote hits copied into memory."),
+        ("errors", "counter", "Failed remote commands and connections."),
+        ("corrupt", "counter", "Remote values that failed their checks."),
+        ("writes_done", "counter", "Remote writes that succeeded."),
+        ("writes_dropped", "counter", "Remote writes dropped (queue full, or abandoned at close)."),
+        ("bytes_written", "counter", "Bytes written to the remote server."),
+        ("bytes_read", "counter", "Bytes read from the remote server."),
+    ]
+    with_remote = [r for r in ok if r.get("remote")]
+    for key, kind, help_ in remote_metrics if with_remote else []:
+        name = f"cortex_cache_remote_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_remote:
+            out.append(f'{name}{{pool="{r["name"]}"}} {r["remote"][key]}')
     with_disk = [r for r in ok if r.get("disk")]
     for key, kind, help_ in disk_metrics if with_disk else []:
         name = f"cortex_cache_disk_{key}" + ("_total" if kind == "counter" else "")
@@ -427,6 +452,15 @@ def status(
                       f"{_fmt_size(d['bytes_read'])}, {d['promotions']} promoted")
             t.add_row("disk lost", f"{d['dropped']} dropped, {d['evictions']} evicted, {d['corrupt']} corrupt, "
                       f"{d['errors']} I/O errors")
+        rm = r.get("remote")
+        if rm is not None:
+            t.add_row("remote tier", rm["url"] + (" (cluster)" if rm["cluster"] else "")
+                      + ("" if rm["available"] else f" - unavailable: {rm.get('error')}"))
+            t.add_row("remote hits / misses", f"{rm['hits']} / {rm['misses']} (hit ratio {rm['hit_ratio']:.3f}), "
+                      f"{rm['promotions']} promoted, {rm['corrupt']} corrupt")
+            t.add_row("remote writes", f"{rm['writes_done']} done of {rm['writes_sent']} sent, {rm['writes_dropped']} "
+                      f"dropped, {_fmt_size(rm['bytes_written'])} written, {_fmt_size(rm['bytes_read'])} read")
+            t.add_row("remote errors", str(rm["errors"]) + (f" (last: {rm['last_error']})" if rm.get("last_error") else ""))
         _print_table(t, con)
 
 

@@ -75,6 +75,9 @@ DISK_WRITE_THROUGH = 1 << 1  # every put also goes to disk (else: write-back, on
 DISK_O_DIRECT = 1 << 2  # the tier's files are written and read with O_DIRECT
 
 # Disk slot states.
+REMOTE_ON = 1 << 0  # the pool has a remote tier
+REMOTE_CLUSTER = 1 << 1  # the URL names a node of a Redis/Valkey cluster
+
 DFREE = 0  # unused; `next` links the free list
 DLIVE = 1  # a record on disk, indexed by its key's hashes
 DISK_PATH_BYTES = 2048
@@ -150,9 +153,22 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("disk_dropped", "<u8", 512),  # entries lost to the ring going round or a full disk index
     ("disk_errors", "<u8", 520),  # I/O errors (the entry was not written or not read)
     ("disk_evictions", "<u8", 528),  # entries removed from the tier by evict/delete/replace
-    # 536..1023 reserved (zero).
+    # Remote tier (all zero without one); remote.py.
+    ("remote_flags", "<u4", 536),  # REMOTE_*
+    ("remote_pad", "<u4", 540),
+    ("remote_hits", "<u8", 544),  # misses of memory and disk found on the server
+    ("remote_misses", "<u8", 552),
+    ("remote_promotions", "<u8", 560),  # remote hits copied into memory
+    ("remote_errors", "<u8", 568),  # failed commands and connections
+    ("remote_corrupt", "<u8", 576),  # values that failed their checks (counted as misses too)
+    ("remote_sent", "<u8", 584),  # writes the writers tried (sets and deletes)
+    ("remote_written", "<u8", 592),  # of which succeeded
+    ("remote_dropped", "<u8", 600),  # writes dropped: queue full, or abandoned at close
+    ("remote_bytes_written", "<u8", 608),
+    ("remote_bytes_read", "<u8", 616),
+    # 624..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
-    # 3072..4095 reserved (zero).
+    ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
 
 # (name, numpy type) of each slot column, in segment order.
@@ -431,4 +447,11 @@ H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
     for n in ("dfree_slot", "disk_entries", "disk_value_bytes", "disk_hits", "disk_misses", "disk_spills",
               "disk_promotions", "disk_bytes_written", "disk_bytes_read", "disk_corrupt", "disk_dropped",
               "disk_errors", "disk_evictions")
+)
+H_REMOTE_FLAGS = _word(HEADER_FIELDS, "remote_flags", 4)
+(H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_ERRORS, H_REMOTE_CORRUPT, H_REMOTE_SENT,
+ H_REMOTE_WRITTEN, H_REMOTE_DROPPED, H_REMOTE_BYTES_WRITTEN, H_REMOTE_BYTES_READ) = (
+    _word(HEADER_FIELDS, n, 8)
+    for n in ("remote_hits", "remote_misses", "remote_promotions", "remote_errors", "remote_corrupt", "remote_sent",
+              "remote_written", "remote_dropped", "remote_bytes_written", "remote_bytes_read")
 )

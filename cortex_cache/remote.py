@@ -1,0 +1,383 @@
+"""The remote tier: a Valkey/Redis server (standalone or cluster) below memory and disk.
+
+Not a distributed store of our own: a server operators already run, shared
+by pools on many hosts.  Each process that uses a pool with a remote tier has
+one `RemoteTier`: a redis-py client (imported lazily; extra `remote`) and
+one background writer thread.
+
+- Put: the value is queued for the writer (a bytes value is queued as is,
+  any other buffer is copied), and the caller returns at once.  The queue is
+  bounded (entries and bytes); over the bound a write is dropped and counted.
+- Get: a miss in memory and on disk asks the server (the caller waits for
+  that one round trip, bounded by a short socket timeout), checks the value
+  and promotes it into memory.
+- Faults: any error counts, and the tier then rests for `backoff` seconds
+  (lookups answer "miss" at once, writes wait in the queue) before it tries
+  the server again; redis-py reconnects by itself.  Nothing a server does
+  ever raises into a put or a get.
+- Delete: the key is deleted on the server too (queued like a put).
+
+Keys on the server: ``cortex:1:<pool name>:<key>`` -- pools of one name on
+different hosts share entries, pools of different names never collide, and
+the KV layer's keys name the model and layout themselves (kv.py).  Values:
+a 32-byte header, then the bytes::
+
+    0 4s magic b"CXRM"   4 u16 version (1)   6 u16 flags (bit 0: str key)
+    8 u64 value length   16 u64 xxh3_64 of the value   24 u64 xxh3_64 of the key
+
+A value whose header does not check out (another writer's, a truncated one,
+damaged bytes) is a counted miss (`remote.corrupt`), never returned.
+
+The URL (redis://, rediss://, unix://; password and database in it) is kept
+in the segment, readable by whoever may open the pool; `redact()` is what
+status, logs and errors show.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import xxhash
+
+from .errors import UsageError
+from .layout import (
+    H_REMOTE_BYTES_READ, H_REMOTE_BYTES_WRITTEN, H_REMOTE_CORRUPT, H_REMOTE_DROPPED, H_REMOTE_SENT,
+    H_REMOTE_ERRORS, H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_WRITTEN,
+)
+
+HEADER = struct.Struct("<4sHHQQQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+MAGIC = b"CXRM"
+VERSION = 1
+SCHEMES = ("redis", "rediss", "unix")
+MAX_QUEUE_ENTRIES = 4096
+MAX_QUEUE_BYTES = 256 << 20
+SOCKET_TIMEOUT = 2.0
+BACKOFF = 1.0
+CLOSE_FLUSH = 5.0  # seconds close() lets queued writes finish
+
+
+def check_url(url: str) -> str:
+    """The URL if it is one we can use; UsageError (with the password hidden) if not."""
+    if not isinstance(url, str) or not url:
+        raise UsageError("remote URL must be a non-empty string like redis://host:6379/0")
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise UsageError(f"remote URL {redact(url)!r}: scheme must be one of {', '.join(SCHEMES)}")
+    if parts.scheme == "unix" and not parts.path:
+        raise UsageError(f"remote URL {redact(url)!r}: unix:// needs a socket path")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise UsageError(f"remote URL {redact(url)!r}: no host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise UsageError(f"remote URL {redact(url)!r}: bad port") from None
+    if len(url.encode()) >= 1024:
+        raise UsageError("remote URL is too long (at most 1023 bytes)")
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ***."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    if ":" not in userinfo:
+        return url  # a user name alone is no secret
+    netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def remote_key(pool_name: str, kb: bytes) -> bytes:
+    return b"cortex:1:" + pool_name.encode() + b":" + kb
+
+
+def encode(kb: bytes, value: memoryview, flags: int) -> list:
+    head = HEADER.pack(MAGIC, VERSION, flags, value.nbytes, xxhash.xxh3_64_intdigest(value),
+                       xxhash.xxh3_64_intdigest(kb))
+    return [head, value]
+
+
+def decode(kb: bytes, data: bytes) -> tuple[memoryview, int] | None:
+    """(value, flags) if `data` is a record of `kb` that checks out, else None."""
+    if len(data) < HEADER_SIZE:
+        return None
+    magic, version, flags, n, vcheck, kcheck = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION or n != len(data) - HEADER_SIZE:
+        return None
+    if kcheck != xxhash.xxh3_64_intdigest(kb):
+        return None
+    value = memoryview(data)[HEADER_SIZE:]
+    if xxhash.xxh3_64_intdigest(value) != vcheck:
+        return None
+    return value, flags
+
+
+class RemoteTier:
+    """This process's client and writer for one pool's remote tier."""
+
+    def __init__(self, url: str, cluster: bool, pool: Any, *, socket_timeout: float = SOCKET_TIMEOUT,
+                 backoff: float = BACKOFF, max_entries: int = MAX_QUEUE_ENTRIES,
+                 max_bytes: int = MAX_QUEUE_BYTES) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.pool_name = pool.name
+        self._pool = pool  # the caller's handle: counts of lookups, made in the caller's thread
+        self._writer_pool: Any = None  # the writer thread's own handle (an OFD lock excludes threads only across handles)
+        self.socket_timeout = socket_timeout
+        self.backoff = backoff
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.monotonic: Callable[[], float] = time.monotonic
+        self.unavailable: str | None = None
+        self._client: Any = None
+        self._retry_at = 0.0
+        self.last_error: str | None = None
+        self._queue: collections.deque = collections.deque()
+        self._queued_bytes = 0
+        self._cv = threading.Condition()  # guards the queue only: nobody holds it across the network
+        self._client_lock = threading.Lock()  # guards making and dropping the client (redis-py's is thread-safe)
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            self.unavailable = "redis-py is not installed: pip install 'cortex-cache[remote]'"
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                import redis
+                from redis.cluster import RedisCluster
+
+                kw = {"socket_timeout": self.socket_timeout, "socket_connect_timeout": self.socket_timeout}
+                if self.cluster:
+                    self._client = RedisCluster.from_url(self.url, **kw)
+                else:
+                    self._client = redis.Redis.from_url(self.url, **kw)
+            return self._client
+
+    def _resting(self) -> bool:
+        return self.monotonic() < self._retry_at
+
+    def _failed(self, e: BaseException, writer: bool) -> None:
+        self._retry_at = self.monotonic() + self.backoff
+        self.last_error = f"{type(e).__name__}: {redact(str(e))}"[:300]
+        self._count(H_REMOTE_ERRORS, writer=writer)
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:  # a fresh client (and connections) after the rest
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def _count(self, field: int, n: int = 1, writer: bool = False) -> None:
+        """Add to a shared counter, under the pool lock of this thread's own handle."""
+        pool = self._writer_pool if writer else self._pool
+        if pool is None or pool._closed:
+            return
+
+        def add() -> None:
+            pool._hu64[field] += n
+
+        try:
+            pool._locked(add)
+        except Exception:
+            pass  # counters are best effort: the pool may be closing
+
+    # ------------------------------------------------------------------ reads (caller's thread)
+
+    def get(self, kb: bytes) -> tuple[memoryview, int] | None:
+        """The value of `kb` from the server, checked; None on a miss, a bad record or any error."""
+        if self.unavailable or self._resting():
+            self._count(H_REMOTE_MISSES)
+            return None
+        try:
+            data = self._connect().get(remote_key(self.pool_name, kb))
+        except Exception as e:  # noqa: BLE001 - the server's trouble never reaches the caller
+            self._failed(e, writer=False)
+            return None
+        if data is None:
+            self._count(H_REMOTE_MISSES)
+            return None
+        got = decode(kb, data)
+        if got is None:
+            self._count(H_REMOTE_CORRUPT)
+            self._count(H_REMOTE_MISSES)
+            return None
+        self._count(H_REMOTE_HITS)
+        self._count(H_REMOTE_BYTES_READ, len(data))
+        return got
+
+    # ------------------------------------------------------------------ writes (background)
+
+    def put(self, kb: bytes, value: Any, flags: int, ttl: float | None = None) -> None:
+        """Queue a write; never blocks on the network (drops and counts when the queue is full)."""
+        self._enqueue(("set", kb, value, flags, ttl))
+
+    def delete(self, kb: bytes) -> None:
+        self._enqueue(("del", kb, None, 0, None))
+
+    def _enqueue(self, item: tuple) -> None:
+        if self.unavailable:
+            return
+        value = item[2]
+        n = 0
+        if value is not None:
+            if value.__class__ is not bytes:
+                value = memoryview(value).tobytes()  # the caller may reuse its buffer
+                item = (item[0], item[1], value, item[3], item[4])
+            n = len(value)
+        with self._cv:
+            if self._stop:
+                return
+            drop = len(self._queue) >= self.max_entries or self._queued_bytes + n > self.max_bytes
+            if not drop:
+                self._queue.append(item)
+                self._queued_bytes += n
+                drop = False
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=f"cortex-remote-{self.pool_name}",
+                                                    daemon=True)
+                    self._thread.start()
+                self._cv.notify()
+        if drop:
+            self._count(H_REMOTE_DROPPED)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + (1 if self._busy else 0)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was sent (or failed); False on timeout."""
+        deadline = None if timeout is None else self.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - self.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _run(self) -> None:
+        from .pool import Pool
+
+        try:
+            self._writer_pool = Pool.open(self.pool_name, multi_threaded=False)
+        except Exception:
+            self._writer_pool = None  # the pool is gone: write anyway, count nothing
+        try:
+            while True:
+                with self._cv:
+                    while not self._queue and not self._stop:
+                        self._cv.wait()
+                    if not self._queue:
+                        return
+                    rest = self._retry_at - self.monotonic()
+                    if rest > 0 and not self._stop:
+                        self._cv.wait(rest)  # resting after an error; close() wakes us
+                        continue
+                    op, kb, value, flags, ttl = self._queue.popleft()
+                    self._queued_bytes -= len(value) if value is not None else 0
+                    self._busy = True
+                    abandon = self._stop and self._resting()
+                try:
+                    ok = None if abandon else self._send(op, kb, value, flags, ttl)  # the queue is free meanwhile
+                finally:
+                    with self._cv:
+                        self._busy = False
+                        self._cv.notify_all()
+                if ok is None:
+                    self._count(H_REMOTE_DROPPED, writer=True)
+                elif ok:
+                    self._count(H_REMOTE_SENT, writer=True)
+                    self._count(H_REMOTE_WRITTEN, writer=True)
+                    if value is not None:
+                        self._count(H_REMOTE_BYTES_WRITTEN, HEADER_SIZE + len(value), writer=True)
+                else:
+                    self._count(H_REMOTE_SENT, writer=True)
+        finally:
+            if self._writer_pool is not None:
+                self._writer_pool.close()
+                self._writer_pool = None
+
+    def _send(self, op: str, kb: bytes, value: bytes | None, flags: int, ttl: float | None) -> bool:
+        """One command; False (counted, and the tier rests) if it failed."""
+        try:
+            client = self._connect()
+            key = remote_key(self.pool_name, kb)
+            if op == "set":
+                assert value is not None
+                head, _ = encode(kb, memoryview(value), flags)
+                # A TTL goes with it, so the server forgets the entry when the pool would.
+                client.set(key, head + value, px=max(1, int(ttl * 1000)) if ttl else None)
+            else:
+                client.delete(key)
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._failed(e, writer=True)
+            return False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, flush: float = CLOSE_FLUSH) -> None:
+        """Let queued writes finish (up to `flush` seconds), then stop the thread and the client."""
+        if self._thread is not None:
+            self.flush(flush)
+        with self._cv:
+            self._stop = True
+            left = len(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if left:
+            self._count(H_REMOTE_DROPPED, left)  # the writer has stopped: counted from this thread
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+    def stats(self) -> dict[str, Any]:
+        h = self._pool._hu64
+        hits, misses = h[H_REMOTE_HITS], h[H_REMOTE_MISSES]
+        enq = h[H_REMOTE_SENT]
+        return {
+            "url": redact(self.url),
+            "cluster": self.cluster,
+            "available": self.unavailable is None,
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+            "promotions": h[H_REMOTE_PROMOTIONS],
+            "errors": h[H_REMOTE_ERRORS],
+            "corrupt": h[H_REMOTE_CORRUPT],
+            "writes_sent": enq,
+            "writes_done": h[H_REMOTE_WRITTEN],
+            "writes_dropped": h[H_REMOTE_DROPPED],
+            "bytes_written": h[H_REMOTE_BYTES_WRITTEN],
+            "bytes_read": h[H_REMOTE_BYTES_READ],
+            "queue_depth": self.pending(),  # this process's
+            **({"error": self.unavailable} if self.unavailable else {}),
+            **({"last_error": self.last_error} if self.last_error else {}),
+        }
+
+
+__all__ = ["RemoteTier", "check_url", "redact", "remote_key", "encode", "decode"]
