@@ -16,6 +16,7 @@ benchmark's full output.
   eviction  put latency and throughput in a full pool against an empty one
   persist   snapshot persist/restore against plain file write/read
   tier      disk tier hit rates, spill/promote against plain file write/read
+  remote    remote-tier promotes against raw redis-py GETs of the same values
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
   lmcache   the LMCache adapter against LMCache's own server-less L2 adapters
             (only with CORTEX_BENCH_LMCACHE_PYTHON: scripts/lmcache_venv.sh)
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "kv", "lmcache", "gpu", "startup"]
+ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -152,6 +153,13 @@ def rows_tier(d: dict) -> list:
     return rows
 
 
+def rows_remote(d: dict) -> list:
+    return [(f"{size} remote promote", f"{r['promote_gbps']:.2f} GB/s, {r['promote_ops']:,.0f} ops/s, p50/p99 "
+             f"{r['promote_p50_us']:.0f}/{r['promote_p99_us']:.0f} us",
+             f"redis-py GET {r['get_gbps']:.2f} GB/s, p50/p99 {r['get_p50_us']:.0f}/{r['get_p99_us']:.0f} us",
+             r["promote_vs_get"], None) for size, r in d["results"].items()]
+
+
 def rows_kv(d: dict) -> list:
     return [
         ("KV store GB/s", fig(d["store"]["gbps"], d["store"]["gbps_min"], d["store"]["gbps_max"]),
@@ -193,7 +201,7 @@ def rows_startup(d: dict) -> list:
 
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "scaling": rows_scaling, "eviction": rows_eviction,
-           "persist": rows_persist, "tier": rows_tier, "kv": rows_kv, "lmcache": rows_lmcache, "gpu": rows_gpu,
+           "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv, "lmcache": rows_lmcache, "gpu": rows_gpu,
            "startup": rows_startup}
 
 

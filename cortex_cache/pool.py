@@ -48,7 +48,7 @@ from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_
 from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
-    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, H_REMOTE_PROMOTIONS,
+    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS,
     DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, REMOTE_CLUSTER, REMOTE_ON,
     P32, P64, P_PID, P_SLOT, P_START,
     FLAG_MULTI_THREADED,
@@ -651,30 +651,35 @@ class Pool:
         if self._remote is not None:  # queued; the caller never waits on the network
             self._remote.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
 
-    def _put_local(self, kb, kh, flags, vb, nblk, ttl, priority) -> None:
-        """Store in memory (and, write-through, on disk)."""
+    def _put_local(self, kb, kh, flags, vb, nblk, ttl, priority, checksum: int | None = None) -> None:
+        """Store in memory (and, write-through, on disk); `checksum`: the value's xxh3_64 if already known."""
         vlen, klen = vb.nbytes, len(kb)
         t = self._tier
         if t is not None and t.write_through:
             self._put_through(kb, kh, flags, vb, nblk, ttl, int(priority))
             return
         if vlen <= COPY_IN_LOCK:
-            checksum = xxh3_64_intdigest(vb)
+            if checksum is None:
+                checksum = xxh3_64_intdigest(vb)
             self._locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, int(priority))
             return
         i, off = self._locked(self._reserve_entry, kb, flags, vlen, nblk, kh)
         try:
             mv = self._mv
-            hasher = xxhash.xxh3_64()
-            for c in range(0, vlen, _HASH_CHUNK):
-                chunk = vb[c : c + _HASH_CHUNK]
-                mv[off + c : off + c + len(chunk)] = chunk
-                hasher.update(chunk)
+            if checksum is not None:
+                mv[off : off + vlen] = vb
+            else:
+                hasher = xxhash.xxh3_64()
+                for c in range(0, vlen, _HASH_CHUNK):
+                    chunk = vb[c : c + _HASH_CHUNK]
+                    mv[off + c : off + c + len(chunk)] = chunk
+                    hasher.update(chunk)
+                checksum = hasher.intdigest()
             mv[off + vlen : off + vlen + klen] = kb
         except BaseException:
             self._locked(self._abort, i)
             raise
-        self._locked(self._seal, i, kb, kh, hasher.intdigest(), ttl, int(priority))
+        self._locked(self._seal, i, kb, kh, checksum, ttl, int(priority))
 
     def _put_through(self, kb, kh, flags, vb, nblk, ttl, priority) -> None:
         """A write-through put: the record goes to disk first (outside the lock), then memory and index."""
@@ -1203,16 +1208,19 @@ class Pool:
         got = self._remote.get(kb)
         if got is None:
             return None
-        value, flags = got
+        value, flags, checksum = got
         if room is not None and value.nbytes > room:
             raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {value.nbytes} bytes")
         nblk = max(1, -(-(value.nbytes + len(kb)) // self._bs))
+        promoted = 0
         if nblk <= self._n_blocks:
             try:
-                self._put_local(kb, kh, flags & SLOT_FLAG_STR_KEY, value, nblk, None, 0)
-                self._remote._count(H_REMOTE_PROMOTIONS)
+                # The record's checksum is the pool's (xxh3_64 of the value), already verified.
+                self._put_local(kb, kh, flags & SLOT_FLAG_STR_KEY, value, nblk, None, 0, checksum)
+                promoted = 1
             except (PoolFull, ValueTooLarge):
                 pass  # served from the server this once; memory is full of pinned entries
+        self._remote.count_hit(value.nbytes, promoted)
         return value.tobytes()
 
     def flush_remote(self, timeout: float | None = None) -> bool:

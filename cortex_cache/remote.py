@@ -108,8 +108,8 @@ def encode(kb: bytes, value: memoryview, flags: int) -> list:
     return [head, value]
 
 
-def decode(kb: bytes, data: bytes) -> tuple[memoryview, int] | None:
-    """(value, flags) if `data` is a record of `kb` that checks out, else None."""
+def decode(kb: bytes, data: bytes) -> tuple[memoryview, int, int] | None:
+    """(value, flags, xxh3_64 of the value) if `data` is a record of `kb` that checks out, else None."""
     if len(data) < HEADER_SIZE:
         return None
     magic, version, flags, n, vcheck, kcheck = HEADER.unpack_from(data)
@@ -120,7 +120,7 @@ def decode(kb: bytes, data: bytes) -> tuple[memoryview, int] | None:
     value = memoryview(data)[HEADER_SIZE:]
     if xxhash.xxh3_64_intdigest(value) != vcheck:
         return None
-    return value, flags
+    return value, flags, vcheck
 
 
 class RemoteTier:
@@ -200,8 +200,10 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ reads (caller's thread)
 
-    def get(self, kb: bytes) -> tuple[memoryview, int] | None:
-        """The value of `kb` from the server, checked; None on a miss, a bad record or any error."""
+    def get(self, kb: bytes) -> tuple[memoryview, int, int] | None:
+        """(value, flags, checksum) of `kb` from the server, checked; None on a miss, a bad record or any error.
+
+        A hit is counted by the caller (`count_hit`), with its promotion, in one lock hold."""
         if self.unavailable or self._resting():
             self._count(H_REMOTE_MISSES)
             return None
@@ -215,12 +217,27 @@ class RemoteTier:
             return None
         got = decode(kb, data)
         if got is None:
-            self._count(H_REMOTE_CORRUPT)
-            self._count(H_REMOTE_MISSES)
+            self._count_many(((H_REMOTE_CORRUPT, 1), (H_REMOTE_MISSES, 1)))
             return None
-        self._count(H_REMOTE_HITS)
-        self._count(H_REMOTE_BYTES_READ, len(data))
         return got
+
+    def count_hit(self, nbytes: int, promoted: int) -> None:
+        self._count_many(((H_REMOTE_HITS, 1), (H_REMOTE_BYTES_READ, HEADER_SIZE + nbytes),
+                          (H_REMOTE_PROMOTIONS, promoted)))
+
+    def _count_many(self, pairs: tuple) -> None:
+        pool = self._pool
+        if pool._closed:
+            return
+
+        def add() -> None:
+            for field, n in pairs:
+                pool._hu64[field] += n
+
+        try:
+            pool._locked(add)
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ writes (background)
 
@@ -303,16 +320,28 @@ class RemoteTier:
                 if ok is None:
                     self._count(H_REMOTE_DROPPED, writer=True)
                 elif ok:
-                    self._count(H_REMOTE_SENT, writer=True)
-                    self._count(H_REMOTE_WRITTEN, writer=True)
-                    if value is not None:
-                        self._count(H_REMOTE_BYTES_WRITTEN, HEADER_SIZE + len(value), writer=True)
+                    nbytes = HEADER_SIZE + len(value) if value is not None else 0
+                    self._count_writer(((H_REMOTE_SENT, 1), (H_REMOTE_WRITTEN, 1), (H_REMOTE_BYTES_WRITTEN, nbytes)))
                 else:
                     self._count(H_REMOTE_SENT, writer=True)
         finally:
             if self._writer_pool is not None:
                 self._writer_pool.close()
                 self._writer_pool = None
+
+    def _count_writer(self, pairs: tuple) -> None:
+        pool = self._writer_pool
+        if pool is None:
+            return
+
+        def add() -> None:
+            for field, n in pairs:
+                pool._hu64[field] += n
+
+        try:
+            pool._locked(add)
+        except Exception:
+            pass
 
     def _send(self, op: str, kb: bytes, value: bytes | None, flags: int, ttl: float | None) -> bool:
         """One command; False (counted, and the tier rests) if it failed."""
