@@ -1,0 +1,274 @@
+"""Hardening: resource hygiene over 10,000 cycles, permissions across users, a crash matrix of SIGKILLs.
+
+The crash matrix kills a process at random points of every operation that
+changes state, CORTEX_CRASH_ROUNDS times each (default 6; the soak run uses
+hundreds).  After each kill another process must get the pool lock within a
+second (lock_timeout=1), `verify` must be clean after repair, and every
+entry still there must hold exactly the bytes that were put.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import stat
+import threading
+
+import pytest
+
+from cortex_cache import PermissionDenied, Pool, segment
+from cortex_cache.errors import InvalidName
+from tests.helpers import check_value, cli, make_value, spawn_py
+
+ROUNDS = int(os.environ.get("CORTEX_CRASH_ROUNDS", "6"))
+
+
+# ---------------------------------------------------------------- resource hygiene
+
+
+def _resources() -> tuple[int, int, int, int]:
+    """Open fds, mappings of our segments, threads, our segments in /dev/shm."""
+    prefix = segment.prefix()
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for line in f if "/dev/shm/" + prefix in line)
+    segs = sum(1 for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    return len(os.listdir("/proc/self/fd")), maps, threading.active_count(), segs
+
+
+def test_10000_open_close_cycles_leak_no_fd_mapping_thread_or_segment(make_pool, tmp_path):
+    p = make_pool("1M", block_size="4K", disk_path=tmp_path / "tier", disk_size="2M")  # 17 more files per open
+    p.put("k", b"v" * 5000)
+    name = p.name
+    gc.collect()
+    before = _resources()
+    for i in range(10_000):
+        q = Pool.open(name)
+        if i % 500 == 0:
+            assert q.get("k") == b"v" * 5000
+            with q.view("k") as mv:
+                assert mv[0] == ord("v")
+        q.close()
+    gc.collect()
+    assert _resources() == before
+
+
+# ---------------------------------------------------------------- permissions
+
+
+def _as_user(fn, uid: int = 65534, gid: int = 65534) -> int:
+    """Run fn() in a forked child with another uid/gid (no exec); its return value (an exit status)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            code = int(fn())
+        except BaseException:
+            code = 98
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got[0] if got else 97
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+
+
+@root_only
+def test_a_0600_pool_cannot_be_opened_by_another_user(make_pool):
+    p = make_pool("1M")
+    p.put("secret", b"prompt")
+
+    def try_open() -> int:
+        try:
+            Pool.open(p.name)
+        except PermissionDenied as e:
+            return e.exit_code
+        return 0
+
+    assert _as_user(try_open) == 77
+    assert stat.S_IMODE(os.stat(segment.shm_path(p.name)).st_mode) == 0o600
+
+
+@root_only
+def test_mode_0660_with_a_shared_group_lets_the_group_in(make_pool):
+    p = make_pool("1M", mode=0o660)
+    os.chown(segment.shm_path(p.name), -1, 54321)  # the operators' group
+    p.put("shared", b"kv")
+
+    def use() -> int:
+        with Pool.open(p.name) as q:
+            ok = q.get("shared") == b"kv"
+            q.put("from-group", b"hello")
+        return 0 if ok else 1
+
+    assert _as_user(use, uid=65534, gid=54321) == 0
+    assert p.get("from-group") == b"hello"
+    assert _as_user(lambda: Pool.open(p.name) and 0, uid=65534, gid=65534) == 98  # other groups: refused
+
+
+def test_snapshots_and_disk_tiers_are_private(make_pool, tmp_path):
+    p = make_pool("1M", block_size="4K", disk_path=tmp_path / "tier", disk_size="1M")
+    for i in range(60):
+        p.put(f"k{i}", make_value(i, 0, 3000))
+    path = p.persist(tmp_path / "p.ccsnap")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "tier").st_mode) == 0o700
+    for f in (tmp_path / "tier").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "/abs", ".hidden", "-dash", "x" * 65, "", "nul\0", "sp ace",
+                                  "\u00e9t\u00e9"])
+def test_a_name_never_addresses_anything_outside_the_prefix(name):
+    with pytest.raises(InvalidName):
+        Pool.create(name, "1M")
+    r = cli("cache", "create", name, "--size", "1M") if "\0" not in name else None
+    if r is not None:
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- crash matrix
+
+CHILD = """
+import os, random, sys
+from cortex_cache import Pool
+from tests.helpers import make_value
+op, name, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(seed)
+p = Pool.open(name)
+i = 0
+while True:
+    i += 1
+    k = rng.randrange(48)
+    if op == "put":
+        p.put(f"k{k}", make_value(k, i, rng.choice([500, 5000, 300_000])))
+    elif op == "delete":
+        p.put(f"k{k}", make_value(k, i, 2000)); p.delete(f"k{rng.randrange(48)}")
+    elif op == "evict":
+        p.put(f"k{k}", make_value(k, i, 40_000)); p.evict(percent=rng.choice([5, 50]))
+    elif op == "spill":
+        p.put(f"k{k}", make_value(k, i, 30_000))          # a full pool: every put spills one
+    elif op == "promote":
+        p.get(f"k{k}")                                     # disk hits promote, promotions spill
+    elif op == "persist":
+        p.persist(sys.argv[4])
+    elif op == "repair":
+        from cortex_cache.layout import H_DIRTY
+        p._hu32[H_DIRTY] = 1                               # as if a holder had died: the next hold repairs
+        p.get(f"k{k}")                                     # ... and is killed mid-repair, sometimes
+    elif op == "remote":
+        p.put(f"k{k}", make_value(k, i, 20_000))
+    print(i, flush=True)
+"""
+
+
+def _check_pool(p: Pool) -> int:
+    """Repair if needed, then: verify clean, every entry exact, a put and get work.  Entries seen."""
+    p._lock_timeout = 1.0  # another process continues within a second, or this raises LockTimeout
+    p.verify(repair=True)
+    rep = p.verify()
+    assert rep["ok"], rep["problems"]
+    seen = 0
+    for k in p.keys(tier="all") if p._tier is not None else p.keys():
+        if k == "alive":
+            continue
+        v = p.get(k)
+        if v is not None:
+            assert check_value(v)[0] == int(str(k)[1:])
+            seen += 1
+    p.put("alive", b"yes")
+    assert p.get("alive") == b"yes"
+    return seen
+
+
+def _kill_at_random(op: str, name: str, seed: int, *extra: str) -> None:
+    child = spawn_py(CHILD, op, name, str(seed), *extra)
+    try:
+        for _ in range(random.Random(seed).randrange(1, 25)):
+            if not child.stdout.readline():
+                raise AssertionError(child.stderr.read().decode()[-2000:])
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        for f in (child.stdin, child.stdout, child.stderr):
+            f.close()
+
+
+@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair"])
+def test_sigkill_at_random_points_of_memory_operations(make_pool, op):
+    p = make_pool("2M", block_size="16K")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 2000))
+    for r in range(ROUNDS):
+        _kill_at_random(op, p.name, 1000 * r + len(op))
+        _check_pool(p)
+
+
+@pytest.mark.parametrize("op", ["spill", "promote"])
+def test_sigkill_at_random_points_of_disk_tier_operations(make_pool, tmp_path, op):
+    p = make_pool("512K", block_size="4K", disk_path=tmp_path / "tier", disk_size="4M")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 30_000))  # most of them on disk
+    for r in range(ROUNDS):
+        _kill_at_random(op, p.name, 7000 + r)
+        _check_pool(p)
+    # And a restart finds only whole records.
+    tier, name = p._tier.path, p.name
+    p.close()
+    Pool.unlink(name)
+    q = Pool.create(name, "512K", block_size="4K", disk_path=tier)
+    try:
+        _check_pool(q)
+    finally:
+        q.close()
+        Pool.unlink(name)
+
+
+def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, tmp_path, pool_name):
+    p = make_pool("8M")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 100_000))
+    target = tmp_path / "s.ccsnap"
+    p.persist(target)
+    for r in range(ROUNDS):
+        _kill_at_random("persist", p.name, 500 + r, str(target))
+        # Restoring verifies the whole file: the old snapshot or a complete new one, never a mix.
+        q = Pool.restore(target, name=pool_name + "r")
+        try:
+            assert len(q) in (48, 49) and all(check_value(q.get(f"k{k}"))[0] == k for k in range(48))
+        finally:
+            q.close()
+            Pool.unlink(pool_name + "r")
+        _check_pool(p)
+
+
+def test_sigkill_of_a_remote_writer_leaves_the_pool_and_the_server_consistent(make_pool, pool_name):
+    from tests.redis_servers import REDIS_SERVER, Server
+
+    if not REDIS_SERVER:
+        pytest.skip("needs redis-server")
+    s = Server()
+    try:
+        p = make_pool("2M", name=pool_name, remote=s.url)
+        for r in range(ROUNDS):
+            _kill_at_random("remote", p.name, 300 + r)
+            _check_pool(p)
+        # Whatever reached the server is whole: a fresh pool of that name reads it or misses.
+        p.evict(all=True)
+        for k in range(48):
+            v = p.get(f"k{k}")
+            assert v is None or check_value(v)[0] == k
+        assert p.stats()["remote"]["corrupt"] == 0
+    finally:
+        s.stop()
