@@ -134,9 +134,21 @@ class DiskLog:
         self.files = files
         self.file_size = file_size
         self._lock = RecordLock(meta_fd, 0)
-        self._fds = [self._open_data(i, o_direct) for i in range(files)]
-        self.o_direct = o_direct and all(d for _, d in self._fds)
-        self._plain: list[int] = []  # buffered fds, opened when O_DIRECT is on and one is needed
+        self._fds: list[tuple[int, bool]] = []
+        self._plain: list[int] = []
+        try:
+            for i in range(files):
+                self._fds.append(self._open_data(i, o_direct))
+                size = os.fstat(self._fds[-1][0]).st_size
+                if size != file_size:  # a damaged meta file must not send a scan past the end
+                    raise SegmentCorrupt(
+                        f"disk tier in {str(directory)!r}: tier-{i:02d}.log has {size} bytes, its meta file says "
+                        f"{file_size}"
+                    )
+        except BaseException:
+            self.close()
+            raise
+        self.o_direct = o_direct and all(d for _, d in self._fds)  # _plain: buffered fds, opened when needed
         self.last_scan_corrupt = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -337,7 +349,8 @@ class DiskLog:
         fd = self._plain_fd(loc.file)
         head = os.pread(fd, HEAD, loc.offset)
         if len(head) == HEAD and head[:4] == REC_MAGIC and REC.unpack_from(head)[6] == loc.seq:
-            os.pwrite(fd, DEAD_MAGIC, loc.offset)
+            # The magic and the header checksum both go: one damaged byte cannot revive the record.
+            os.pwrite(fd, DEAD_MAGIC + head[4 : REC.size] + bytes(REC_CHECK.size), loc.offset)
 
     def _plain_fd(self, file: int) -> int:
         fd, direct = self._fds[file]
@@ -407,12 +420,13 @@ class DiskLog:
                 if not 0 < klen <= MAX_KEY_BYTES or off + length > self.file_size or version != VERSION:
                     off += ALIGN
                     continue
+                if magic == DEAD_MAGIC:
+                    # Killed: its checksum is gone on purpose; step over it by its length.
+                    off += length if hcheck == 0 else ALIGN
+                    continue
                 key = bytes(win.get(off + HEAD, klen))
                 if hcheck != xxhash.xxh3_64_intdigest(REC_MAGIC + bytes(head[4 : REC.size]) + key):
                     off += ALIGN  # a stray magic inside some value, or a torn header
-                    continue
-                if magic == DEAD_MAGIC:
-                    off += length
                     continue
                 if xxhash.xxh3_64_intdigest(win.get(off + HEAD + klen, vlen)) != vcheck:
                     self.last_scan_corrupt += 1

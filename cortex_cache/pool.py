@@ -605,11 +605,22 @@ class Pool:
                 self._repair()
             hu32[H_DIRTY] = 1
             result = fn(*args)
+        except SegmentCorrupt:
+            lock.release()  # damage was seen: the dirty mark stays, so the next holder repairs
+            raise
         except CortexCacheError:
             # Expected errors leave the metadata consistent.
             hu32[H_DIRTY] = 0
             lock.release()
             raise
+        except (IndexError, ValueError, OverflowError, ZeroDivisionError) as e:
+            # Only damaged metadata gets here (an index out of range, a counter
+            # at its limit): a clean error now, and a repair by the next holder.
+            lock.release()
+            raise SegmentCorrupt(
+                f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
+                "it is repaired on its next use, or with `cortex cache verify --repair`"
+            ) from e
         except BaseException:
             # Anything else may have stopped a change half-way: leave the
             # dirty mark so the next holder repairs.
@@ -896,6 +907,9 @@ class Pool:
     def _free_slot(self, i: int) -> None:
         self._c_state[i] = FREE
         self._c_pins[i] = 0
+        # Forget who it was: a damaged state word must not bring a deleted entry back.
+        self._c_khash[i] = 0
+        self._c_cks[i] = 0
         hi64 = self._hi64
         self._c_next[i] = hi64[H_FREE_SLOT]
         hi64[H_FREE_SLOT] = i
@@ -1938,6 +1952,8 @@ def _validate(seg: segment.Segment) -> None:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: {why}")
     if policy_by_id(int(h["policy"])) is None:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
+    if int(h["disk_flags"]) & DISK_ON and int(h["n_dslots"]) == 0:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: a disk tier without a disk index")
 
 
 __all__ = ["Pool", "EntryView", "EntryWriter"]

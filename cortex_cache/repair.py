@@ -35,6 +35,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     h = pool._h
     if h.dirty[0]:
         problems.append("a process died while changing the pool's metadata")
+    problems += _header_sanity(pool, fix)
 
     bad_state = np.flatnonzero(state > ZOMBIE)
     if bad_state.size:
@@ -145,11 +146,12 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     if free.size:
         nxt[free[:-1]] = free[1:]
     if not fix:  # a repair rebuilds the chains anyway; only a check needs to walk them
-        chains_ok = np.array_equal(buckets, pool._buckets) or np.array_equal(
-            _chain_sets(pool._buckets, s["next"]), _chain_sets(buckets, nxt)
-        )
+        # Walk them: equal bucket heads say nothing about the links behind them.
+        chains_ok = np.array_equal(_chain_sets(pool._buckets, s["next"]), _chain_sets(buckets, nxt))
         if not chains_ok and not problems:
             problems.append("hash index out of step with the entries")
+        if not problems and not _free_list_ok(int(h.free_slot[0]), s["state"], s["next"]):
+            problems.append("free-slot list out of step with the entries")
     counts_ok = int(h.n_entries[0]) == sealed.size and int(h.used_blocks[0]) == int(blockmap.sum())
     if not counts_ok and not problems:
         problems.append("entry or block counters out of step")
@@ -173,6 +175,55 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         h.alloc_hint[0] = 0
         h.cand_valid[0] = 0
     return problems
+
+
+_COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expirations", "bytes_evicted", "repairs",
+             "ops", "lfu_epoch", "disk_hits", "disk_misses", "disk_spills", "disk_promotions", "disk_bytes_written",
+             "disk_bytes_read", "disk_corrupt", "disk_dropped", "disk_errors", "disk_evictions", "remote_hits",
+             "remote_misses", "remote_promotions", "remote_errors", "remote_corrupt", "remote_sent", "remote_written",
+             "remote_dropped", "remote_bytes_written", "remote_bytes_read")
+_IMPOSSIBLE = 1 << 63  # no counter of ours reaches this in centuries: a value past it is damage
+
+
+def _header_sanity(pool: "Pool", fix: bool) -> list[str]:
+    """Header fields and per-entry counters whose damage would break every later operation."""
+    problems = []
+    hdr = pool._hdr[0]
+    s = pool._slots
+    if int(hdr["lfu_period"]) < 1:
+        problems.append("LFU period was 0")
+        if fix:
+            hdr["lfu_period"] = max(1024, pool._n_slots)
+    wild = [c for c in _COUNTERS if int(hdr[c]) >= _IMPOSSIBLE]
+    if wild:
+        problems.append(f"counter(s) {', '.join(wild)} out of range reset")
+        if fix:
+            for c in wild:
+                if c == "seq":
+                    seqs = np.concatenate([s["insert_seq"], s["access_seq"]])
+                    hdr[c] = int(seqs[seqs < _IMPOSSIBLE].max(initial=0))
+                else:
+                    hdr[c] = 0
+    epoch = int(hdr["lfu_epoch"])
+    ahead = s["lfu_epoch"] > np.uint64(epoch)
+    huge = s["access_count"] >= np.uint64(_IMPOSSIBLE)
+    if ahead.any() or huge.any():
+        problems.append(f"{int((ahead | huge).sum())} entr(y/ies) with impossible access counts reset")
+        if fix:
+            s["lfu_epoch"][ahead] = epoch
+            s["access_count"][huge] = 1
+    return problems
+
+
+def _free_list_ok(head: int, state: np.ndarray, nxt: np.ndarray) -> bool:
+    """Does the free list run over exactly the free slots, in range, without a loop?"""
+    n, seen, i = state.size, 0, head
+    while i >= 0:
+        if i >= n or state[i] != FREE or seen >= n:
+            return False
+        i = int(nxt[i])
+        seen += 1
+    return i == -1 and seen == int(np.count_nonzero(state == FREE))
 
 
 def _chain_sets(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
