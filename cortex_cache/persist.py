@@ -624,7 +624,8 @@ def restore(
                 pool.close()
                 raise
         else:
-            staging = f"restoring-{secrets.token_hex(8)}"
+            _sweep_stale_staging()
+            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
             pool = Pool.create(
                 staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
                 mode=h.mode | 0o600, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
@@ -648,6 +649,30 @@ def restore(
     report["path"] = str(Path(path))
     report["pool"] = target
     return pool, report
+
+
+STAGING_PREFIX = "restoring-"
+_STAGING_STALE_AFTER = 60.0  # seconds without a change, and no process mapping it
+
+
+def _sweep_stale_staging() -> None:
+    """Remove the staging segments of restores that were killed (nobody maps them, and they sit still)."""
+    from . import segment
+
+    now = time.time()
+    for n in segment.list_names():
+        if not n.startswith(STAGING_PREFIX):
+            continue
+        try:
+            st = os.stat(segment.shm_path(n))
+        except OSError:
+            continue
+        if now - max(st.st_mtime, st.st_ctime) < _STAGING_STALE_AFTER or segment.attached_pids(n):
+            continue
+        try:
+            segment.unlink(n)
+        except CortexCacheError:
+            pass
 
 
 def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress, hasher) -> dict[str, Any]:

@@ -169,6 +169,10 @@ while True:
         p.get(f"k{k}")                                     # ... and is killed mid-repair, sometimes
     elif op == "remote":
         p.put(f"k{k}", make_value(k, i, 20_000))
+    elif op == "restore":
+        q = Pool.restore(sys.argv[4], name=sys.argv[5])
+        q.close()
+        Pool.unlink(sys.argv[5])
     print(i, flush=True)
 """
 
@@ -251,6 +255,29 @@ def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, t
             q.close()
             Pool.unlink(pool_name + "r")
         _check_pool(p)
+
+
+def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, pool_name, monkeypatch):
+    from cortex_cache import persist
+
+    p = make_pool("8M")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 100_000))
+    snap = str(p.persist(tmp_path / "s.ccsnap"))
+    target = pool_name + "t"
+    for r in range(ROUNDS):
+        _kill_at_random("restore", p.name, 900 + r, snap, target)
+        if Pool.exists(target):  # published: then it is whole
+            with Pool.open(target) as q:
+                assert q.verify()["ok"] and all(check_value(q.get(f"k{k}"))[0] == k for k in range(48))
+            Pool.unlink(target)
+        _check_pool(p)
+    # Killed restores leave their staging segments; the next restore sweeps those nobody maps.
+    monkeypatch.setattr(persist, "_STAGING_STALE_AFTER", 0.0)
+    q = Pool.restore(snap, name=target)
+    q.close()
+    Pool.unlink(target)
+    assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
 
 
 def test_sigkill_of_a_remote_writer_leaves_the_pool_and_the_server_consistent(make_pool, pool_name):
