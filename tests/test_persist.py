@@ -355,7 +355,7 @@ def test_truncation_at_every_section_boundary_is_refused(sample_snapshot, tmp_pa
         assert s.entries == 6
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_random_damage_is_always_detected(sample_snapshot, tmp_path, data):
     damaged = bytearray(sample_snapshot)
