@@ -313,17 +313,18 @@ class RemoteTier:
                     abandon = self._stop and self._resting()
                 try:
                     ok = None if abandon else self._send(op, kb, value, flags, ttl)  # the queue is free meanwhile
+                    # Counted before the write stops being "busy": flush() returns with the counts in place.
+                    if ok is None:
+                        self._count(H_REMOTE_DROPPED, writer=True)
+                    elif ok:
+                        nbytes = HEADER_SIZE + len(value) if value is not None else 0
+                        self._count_writer(((H_REMOTE_SENT, 1), (H_REMOTE_WRITTEN, 1), (H_REMOTE_BYTES_WRITTEN, nbytes)))
+                    else:
+                        self._count(H_REMOTE_SENT, writer=True)
                 finally:
                     with self._cv:
                         self._busy = False
                         self._cv.notify_all()
-                if ok is None:
-                    self._count(H_REMOTE_DROPPED, writer=True)
-                elif ok:
-                    nbytes = HEADER_SIZE + len(value) if value is not None else 0
-                    self._count_writer(((H_REMOTE_SENT, 1), (H_REMOTE_WRITTEN, 1), (H_REMOTE_BYTES_WRITTEN, nbytes)))
-                else:
-                    self._count(H_REMOTE_SENT, writer=True)
         finally:
             if self._writer_pool is not None:
                 self._writer_pool.close()
