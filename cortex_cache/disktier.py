@@ -440,6 +440,7 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
     on disk and a later restart finds it again).
     """
     from .disklog import ALIGN, FILES
+    from .repair import build_chains, chain_members
 
     c = tier.cols
     n = tier._n
@@ -469,24 +470,12 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
         problems.append(f"{int(dup.sum())} duplicate disk entr(y/ies) of one key dropped")
         state[live[order[dup]]] = DFREE
     live = np.flatnonzero(state == DLIVE)
-    buckets = np.full(tier.buckets.size, -1, dtype=np.int32)
-    nxt = np.full(n, -1, dtype=np.int32)
-    b = (c["key_hash"][live] & np.uint64(tier._mask)).astype(np.int64)
-    o = np.argsort(b, kind="stable")
-    sb, ss = b[o], live[o].astype(np.int32)
-    if ss.size:
-        same = sb[:-1] == sb[1:]
-        nxt[ss[:-1][same]] = ss[1:][same]
-        heads = np.flatnonzero(np.r_[True, ~same])
-        buckets[sb[heads]] = ss[heads]
     free = np.flatnonzero(state == DFREE).astype(np.int32)
-    if free.size:
-        nxt[free[:-1]] = free[1:]
+    buckets, nxt = build_chains(live, c["key_hash"][live], tier._mask, tier.buckets.size, n, free)
     entries, value_bytes = live.size, int(c["value_len"][live].sum())
     hu64, hi64 = tier._hu64, tier._hi64
     if not fix and not problems:
-        reach = _reachable(tier.buckets, c["next"], n)
-        if reach is None or not np.array_equal(reach, np.sort(live)):
+        if not np.array_equal(chain_members(tier.buckets, c["next"]), np.sort(live)):
             problems.append("disk index chains out of step with the disk entries")
         elif hu64[H_DISK_ENTRIES] != entries or hu64[H_DISK_VALUE_BYTES] != value_bytes:
             problems.append("disk entry counters out of step")
@@ -498,17 +487,3 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
         hu64[H_DISK_ENTRIES] = entries
         hu64[H_DISK_VALUE_BYTES] = value_bytes
     return problems
-
-
-def _reachable(buckets: np.ndarray, nxt: np.ndarray, limit: int) -> np.ndarray | None:
-    seen: list[int] = []
-    for b in map(int, np.flatnonzero(buckets >= 0)):
-        d = int(buckets[b])
-        steps = 0
-        while 0 <= d < limit and steps <= limit:
-            seen.append(d)
-            d = int(nxt[d])
-            steps += 1
-        if steps > limit or d >= limit:
-            return None
-    return np.sort(np.array(seen, dtype=np.int64))

@@ -186,17 +186,7 @@ class RemoteTier:
 
     def _count(self, field: int, n: int = 1, writer: bool = False) -> None:
         """Add to a shared counter, under the pool lock of this thread's own handle."""
-        pool = self._writer_pool if writer else self._pool
-        if pool is None or pool._closed:
-            return
-
-        def add() -> None:
-            pool._hu64[field] += n
-
-        try:
-            pool._locked(add)
-        except Exception:
-            pass  # counters are best effort: the pool may be closing
+        _add(self._writer_pool if writer else self._pool, ((field, n),))
 
     # ------------------------------------------------------------------ reads (caller's thread)
 
@@ -226,18 +216,7 @@ class RemoteTier:
                           (H_REMOTE_PROMOTIONS, promoted)))
 
     def _count_many(self, pairs: tuple) -> None:
-        pool = self._pool
-        if pool._closed:
-            return
-
-        def add() -> None:
-            for field, n in pairs:
-                pool._hu64[field] += n
-
-        try:
-            pool._locked(add)
-        except Exception:
-            pass
+        _add(self._pool, pairs)
 
     # ------------------------------------------------------------------ writes (background)
 
@@ -331,18 +310,7 @@ class RemoteTier:
                 self._writer_pool = None
 
     def _count_writer(self, pairs: tuple) -> None:
-        pool = self._writer_pool
-        if pool is None:
-            return
-
-        def add() -> None:
-            for field, n in pairs:
-                pool._hu64[field] += n
-
-        try:
-            pool._locked(add)
-        except Exception:
-            pass
+        _add(self._writer_pool, pairs)
 
     def _send(self, op: str, kb: bytes, value: bytes | None, flags: int, ttl: float | None) -> bool:
         """One command; False (counted, and the tier rests) if it failed."""
@@ -408,6 +376,21 @@ class RemoteTier:
             **({"error": self.unavailable} if self.unavailable else {}),
             **({"last_error": self.last_error} if self.last_error else {}),
         }
+
+
+def _add(pool: Any, pairs: tuple) -> None:
+    """Add (field, n) pairs to a pool's shared counters under its lock; best effort (it may be closing)."""
+    if pool is None or pool._closed:
+        return
+
+    def add() -> None:
+        for field, n in pairs:
+            pool._hu64[field] += n
+
+    try:
+        pool._locked(add)
+    except Exception:
+        pass
 
 
 __all__ = ["RemoteTier", "check_url", "redact", "remote_key", "encode", "decode"]

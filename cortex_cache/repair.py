@@ -132,19 +132,8 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         problems.append(f"block map out of step: {leaked} leaked block(s), {lost} in use but marked free")
 
     sealed = np.flatnonzero(state == SEALED)
-    buckets = np.full(pool._buckets.size, -1, dtype=np.int32)
-    nxt = np.full(n, -1, dtype=np.int32)
-    b = (s["key_hash"][sealed] & np.uint64(pool._mask)).astype(np.int64)
-    o = np.argsort(b, kind="stable")
-    sb, ss = b[o], sealed[o].astype(np.int32)
-    if ss.size:
-        same = sb[:-1] == sb[1:]
-        nxt[ss[:-1][same]] = ss[1:][same]
-        heads = np.flatnonzero(np.r_[True, ~same])
-        buckets[sb[heads]] = ss[heads]
     free = np.flatnonzero(state == FREE).astype(np.int32)
-    if free.size:
-        nxt[free[:-1]] = free[1:]
+    buckets, nxt = build_chains(sealed, s["key_hash"][sealed], pool._mask, pool._buckets.size, n, free)
     if not fix:  # a repair rebuilds the chains anyway; only a check needs to walk them
         # Walk them: equal bucket heads say nothing about the links behind them.
         chains_ok = np.array_equal(_chain_sets(pool._buckets, s["next"]), _chain_sets(buckets, nxt))
@@ -224,6 +213,32 @@ def _free_list_ok(head: int, state: np.ndarray, nxt: np.ndarray) -> bool:
         i = int(nxt[i])
         seen += 1
     return i == -1 and seen == int(np.count_nonzero(state == FREE))
+
+
+def build_chains(members: np.ndarray, hashes: np.ndarray, mask: int, n_buckets: int, n: int,
+                 free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hash chains of `members` (slot numbers, with their key hashes) and the free list, built anew.
+
+    Returns (bucket heads, next links); shared by the memory and the disk index.
+    """
+    buckets = np.full(n_buckets, -1, dtype=np.int32)
+    nxt = np.full(n, -1, dtype=np.int32)
+    b = (hashes & np.uint64(mask)).astype(np.int64)
+    o = np.argsort(b, kind="stable")
+    sb, ss = b[o], members[o].astype(np.int32)
+    if ss.size:
+        same = sb[:-1] == sb[1:]
+        nxt[ss[:-1][same]] = ss[1:][same]
+        heads = np.flatnonzero(np.r_[True, ~same])
+        buckets[sb[heads]] = ss[heads]
+    if free.size:
+        nxt[free[:-1]] = free[1:]
+    return buckets, nxt
+
+
+def chain_members(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+    """Slots reachable through the chains, sorted; [-1] for a loop or a link out of range (bounded walk)."""
+    return _chain_sets(buckets, nxt)
 
 
 def _chain_sets(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
