@@ -48,7 +48,11 @@ class Server:
         self.cluster = cluster
         self.password = password
         self.proc: subprocess.Popen | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # a server that did not start leaves no directory behind
+            raise
 
     def start(self) -> None:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--unixsocket", self.socket,
