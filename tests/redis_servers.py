@@ -103,8 +103,10 @@ class Cluster:
     """Three masters, no replicas, joined with `redis-cli --cluster create`."""
 
     def __init__(self) -> None:
-        self.nodes = [Server(cluster=True) for _ in range(3)]
+        self.nodes: list[Server] = []
         try:
+            for _ in range(3):
+                self.nodes.append(Server(cluster=True))  # a node that fails stops the ones already up
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
