@@ -241,8 +241,9 @@ class KVCache:
 
 
 def _chunk_tensor(torch: Any, mv: memoryview, nbytes: int, dtype: Any, shape: tuple) -> "torch.Tensor":
-    """A read-only view's payload as a tensor, without a copy (torch wants writable memory, so it is told
-    not to warn: nothing writes to it here)."""
+    """The payload of a read-only view as a tensor, without a copy.
+
+    torch warns about read-only memory; nothing writes to this tensor, so the warning is silenced."""
     import warnings
 
     arr = np.frombuffer(mv, np.uint8, nbytes, HEADER_SIZE)

@@ -1678,11 +1678,8 @@ class Pool:
             "uid": st.st_uid,
             "gid": st.st_gid,
             "disk": self._tier.stats() if self._tier is not None else None,
-            "remote": self._remote_stats(),
+            "remote": self._remote.stats() if self._remote is not None else None,
         }
-
-    def _remote_stats(self) -> dict[str, Any] | None:
-        return self._remote.stats() if self._remote is not None else None
 
     # ------------------------------------------------------------------ snapshots (persist.py)
 

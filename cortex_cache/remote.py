@@ -228,7 +228,8 @@ class RemoteTier:
         self._enqueue(("del", kb, None, 0, None))
 
     def _enqueue(self, item: tuple) -> None:
-        if self.unavailable:
+        if self.unavailable:  # no redis-py here: the write is lost, and says so in status
+            self._count(H_REMOTE_DROPPED)
             return
         value = item[2]
         n = 0

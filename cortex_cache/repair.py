@@ -136,7 +136,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     buckets, nxt = build_chains(sealed, s["key_hash"][sealed], pool._mask, pool._buckets.size, n, free)
     if not fix:  # a repair rebuilds the chains anyway; only a check needs to walk them
         # Walk them: equal bucket heads say nothing about the links behind them.
-        chains_ok = np.array_equal(_chain_sets(pool._buckets, s["next"]), _chain_sets(buckets, nxt))
+        chains_ok = np.array_equal(chain_members(pool._buckets, s["next"]), chain_members(buckets, nxt))
         if not chains_ok and not problems:
             problems.append("hash index out of step with the entries")
         if not problems and not _free_list_ok(int(h.free_slot[0]), s["state"], s["next"]):
@@ -238,11 +238,6 @@ def build_chains(members: np.ndarray, hashes: np.ndarray, mask: int, n_buckets: 
 
 def chain_members(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     """Slots reachable through the chains, sorted; [-1] for a loop or a link out of range (bounded walk)."""
-    return _chain_sets(buckets, nxt)
-
-
-def _chain_sets(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
-    """Sealed slots reachable through the chains, sorted (bounded walk)."""
     seen: list[int] = []
     limit = nxt.size
     for b in map(int, np.flatnonzero(buckets >= 0)):

@@ -261,3 +261,12 @@ def test_values_round_trip_through_get_into_and_view(make_pool, server, pool_nam
     a.evict(all=True)
     with a.view("v") as mv:
         assert check_value(bytes(mv)) == (7, 3)
+
+
+def test_without_redis_py_writes_are_counted_as_dropped(make_pool, server):
+    p = make_pool("2M", remote=server.url)
+    p._remote.unavailable = "redis-py is not installed"  # as in a process without the `remote` extra
+    p.put("k", b"v")
+    assert p.get("k") == b"v"  # memory serves
+    st = p.stats()["remote"]
+    assert st["writes_dropped"] == 1 and st["available"] is False and st["error"]
