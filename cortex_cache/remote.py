@@ -173,9 +173,11 @@ class RemoteTier:
         return self.monotonic() < self._retry_at
 
     def _failed(self, e: BaseException, writer: bool) -> None:
-        self._retry_at = self.monotonic() + self.backoff
+        # The error is recorded and counted before the rest begins: whoever sees the tier resting
+        # (another thread's lookup, status) also sees why.
         self.last_error = f"{type(e).__name__}: {redact(str(e))}"[:300]
         self._count(H_REMOTE_ERRORS, writer=writer)
+        self._retry_at = self.monotonic() + self.backoff
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:  # a fresh client (and connections) after the rest
@@ -260,10 +262,12 @@ class RemoteTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or failed); False on timeout."""
-        deadline = None if timeout is None else self.monotonic() + timeout
+        # Real time, never the rest period's clock (`self.monotonic`, which tests may stop):
+        # a flush with a timeout always returns.
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queue or self._busy:
-                left = None if deadline is None else deadline - self.monotonic()
+                left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(left)

@@ -84,6 +84,7 @@ print(json.dumps(totals), flush=True)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(SECONDS + 600)
 def test_soak(tmp_path, pool_name):
     p = Pool.create(pool_name, "32M", block_size="16K", disk_path=tmp_path / "tier", disk_size="128M",
                     multi_threaded=True)
