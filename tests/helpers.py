@@ -69,3 +69,40 @@ def check_value(value: bytes) -> tuple[int, int]:
     assert len(value) == size, f"value of key {key_id} v{version}: length {len(value)} != {size}"
     assert value == make_value(key_id, version, size), f"value of key {key_id} v{version} is torn"
     return key_id, version
+
+
+# What reading damaged input may cost: a damaged length or count must be checked against the real
+# size of what holds it, never trusted with an allocation.  The fuzz tests run under this bound.
+FUZZ_MEMORY_BOUND = 256 << 20
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+class memory_bound:
+    """Within the block, this process may map at most `extra` bytes more than it has now (RLIMIT_AS).
+
+    An allocation beyond it raises MemoryError (or fails an mmap), which no fuzz test accepts.
+    """
+
+    def __init__(self, extra: int = FUZZ_MEMORY_BOUND) -> None:
+        self.extra = extra
+
+    def __enter__(self) -> "memory_bound":
+        import resource
+
+        self._saved = resource.getrlimit(resource.RLIMIT_AS)
+        hard = self._saved[1]
+        soft = _vm_size() + self.extra
+        resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, self._saved)

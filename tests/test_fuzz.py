@@ -5,7 +5,9 @@ records of a DiskLog) thousands of times in total and asserts that cortex
 either refuses it with a clean error (a CortexCacheError with exit code 65:
 SegmentCorrupt, IncompatibleVersion, ...) or works correctly: never another
 exception type, never wrong bytes, never a hang (every example runs under a
-SIGALRM watchdog).  Snapshot files are fuzzed in test_persist.py.
+SIGALRM watchdog), never more than 256 MiB of new address space (RLIMIT_AS,
+tests.helpers.memory_bound: a damaged length must not be trusted with an
+allocation).  Snapshot files are fuzzed in test_persist.py.
 
 Bugs this file found, now fixed, each kept as a regression test:
 
@@ -43,7 +45,7 @@ from xxhash import xxh3_64_intdigest
 from cortex_cache import CortexCacheError, Pool, segment
 from cortex_cache.disklog import ALIGN, CORRUPT, FILES, HEAD, META_NAME, STALE, DiskLog, Found
 from cortex_cache.layout import DISK_ON, HEADER_DTYPE, HEADER_FIELDS, HEADER_SIZE, SEALED, SLOT_COLUMNS
-from tests.helpers import check_value, make_value
+from tests.helpers import FUZZ_MEMORY_BOUND, check_value, make_value, memory_bound
 
 EX_DATAERR = 65
 WATCHDOG_S = 10.0  # far above what any example takes (milliseconds), so only a real hang trips it
@@ -53,6 +55,13 @@ _names = itertools.count()
 
 def _fresh_name(kind: str) -> str:
     return f"fz-{kind}-{next(_names)}"
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory():
+    """Every fuzz test runs with at most FUZZ_MEMORY_BOUND more address space than it started with."""
+    with memory_bound(FUZZ_MEMORY_BOUND):
+        yield
 
 
 class Hang(BaseException):
@@ -738,3 +747,10 @@ def test_one_damaged_byte_revives_a_deleted_disk_entry(tier_image):
                 Pool.unlink(name)
     finally:
         shutil.rmtree(d)
+
+
+def test_the_memory_bound_is_real():
+    """The bound every fuzz test runs under refuses an allocation past it (so their passing means something)."""
+    with pytest.raises(MemoryError):
+        np.ones(FUZZ_MEMORY_BOUND + (64 << 20), dtype=np.uint8)
+    assert np.ones(16 << 20, dtype=np.uint8).sum() == 16 << 20
