@@ -33,6 +33,7 @@ p = Pool.open(name, multi_threaded=True)
 deadline = time.monotonic() + seconds
 totals = {"ops": 0, "puts": 0, "gets": 0, "hits": 0, "views": 0, "deletes": 0, "evicts": 0, "errors": 0}
 lock = threading.Lock()
+kinds = {}
 def run(tid):
     rng = random.Random(wid * 100 + tid)
     mine = {k: 0 for k in ("ops", "puts", "gets", "hits", "views", "deletes", "evicts", "errors")}
@@ -66,8 +67,10 @@ def run(tid):
                 mine["evicts"] += 1
         except AssertionError:
             raise
-        except CortexCacheError:
+        except CortexCacheError as e:
             mine["errors"] += 1  # PoolFull with everything pinned, and the like: counted, never wrong bytes
+            with lock:
+                kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
         n += 1
         mine["ops"] += 1
         if n % 500 == 0 and tid == 0:
@@ -79,6 +82,7 @@ threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
 for t in threads: t.start()
 for t in threads: t.join()
 p.close()
+totals["error_kinds"] = kinds
 print(json.dumps(totals), flush=True)
 """
 
@@ -92,6 +96,7 @@ def test_soak(tmp_path, pool_name):
     snaps = tmp_path / "snaps"
     snaps.mkdir()
     totals: dict[str, int] = {}
+    error_kinds: dict[str, int] = {}  # clean errors by class (PoolFull with everything pinned, ...)
     kills = persists = 0
     start = time.monotonic()
     try:
@@ -118,6 +123,8 @@ def test_soak(tmp_path, pool_name):
             out, err = proc.communicate(timeout=SECONDS + 120)
             assert proc.returncode == 0, err.decode()[-3000:]
             got = json.loads(out.decode().strip().splitlines()[-1])
+            for k, v in got.pop("error_kinds").items():
+                error_kinds[k] = error_kinds.get(k, 0) + v
             for k, v in got.items():
                 totals[k] = totals.get(k, 0) + v
         p.verify(repair=True)
@@ -142,7 +149,7 @@ def test_soak(tmp_path, pool_name):
         Pool.unlink(pool_name)
     report = {"seconds": SECONDS, "processes": 4, "threads_each": 4, "kills": kills, "persists": persists,
               **totals, "final_entries_checked": checked, "repairs": st["repairs"], "spills": st["disk"]["spills"],
-              "promotions": st["disk"]["promotions"]}
+              "promotions": st["disk"]["promotions"], "error_kinds": error_kinds}
     print("\nsoak:", json.dumps(report))
     if os.environ.get("CORTEX_SOAK_REPORT"):
         with open(os.environ["CORTEX_SOAK_REPORT"], "w") as f:
