@@ -111,7 +111,7 @@ _cortex()
             status:--format) _cortex_words 'table json prometheus' ;;
             get:-o|get:--output) _cortex_files ;;
             keys:--tier) _cortex_words 'memory disk all' ;;
-            evict:--tier) _cortex_words 'memory disk all' ;;
+            evict:--tier) _cortex_words 'memory disk all remote' ;;
             persist:-o|persist:--output) _cortex_files ;;
             restore:-i|restore:--input) _cortex_files ;;
         esac

@@ -155,7 +155,7 @@ complete -c cortex -n '__cortex_using evict' -l expired -d 'Evict expired entrie
 complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key (repeatable)'
 complete -c cortex -n '__cortex_using evict' -l prefix -x -d 'Evict every key starting with this'
 complete -c cortex -n '__cortex_using evict' -l all -d 'Evict everything'
-complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), or all (removed from both)'
+complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all remote' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)'
 complete -c cortex -n '__cortex_using evict' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using evict' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using evict' -l help -d 'Show this message and exit'

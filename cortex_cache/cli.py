@@ -91,6 +91,13 @@ class WhichTier(str, Enum):
     all = "all"
 
 
+class EvictTier(str, Enum):
+    memory = "memory"
+    disk = "disk"
+    all = "all"
+    remote = "remote"
+
+
 class Format(str, Enum):
     table = "table"
     json = "json"
@@ -658,7 +665,7 @@ def evict(
     key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
-    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), or all (removed from both)."),
+    tier: EvictTier = typer.Option(EvictTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -679,7 +686,8 @@ def evict(
     if as_json:
         _print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed})
     else:
-        _say(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes)")
+        where = " from the remote server" if tier is EvictTier.remote else ""
+        _say(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes){where}")
 
 
 @cache.command()

@@ -1496,10 +1496,16 @@ class Pool:
         `tier`: "memory" (default; with a disk tier, evicted entries that have
         not expired move to disk as any eviction does), "disk" (removed from
         the disk tier; by age, oldest written first, for percent/nbytes) or
-        "all" (removed from both tiers, nothing spilled).
+        "all" (removed from both tiers, nothing spilled), or "remote" (deleted
+        from the remote server now, for every host sharing it: `keys`, `prefix`
+        or `all` only, since the server evicts by its own memory policy; raises
+        ServiceUnavailable if the server cannot be reached).  "all" never
+        touches the remote tier: other hosts share it.
         """
-        if tier not in ("memory", "disk", "all"):
-            raise UsageError(f"unknown tier {tier!r}: choose memory, disk or all")
+        if tier not in ("memory", "disk", "all", "remote"):
+            raise UsageError(f"unknown tier {tier!r}: choose memory, disk, all or remote")
+        if tier == "remote":
+            return self._evict_remote(percent, nbytes, expired, keys, prefix, all)
         if tier != "memory" and self._tier is None:
             if tier == "disk":
                 raise UsageError(f"pool {self.name!r} has no disk tier")
@@ -1514,6 +1520,19 @@ class Pool:
                                     all=all)
         return self._evict_memory(percent=percent, nbytes=nbytes, expired=expired, keys=keys, prefix=prefix,
                                   all=all, spill=True)
+
+    def _evict_remote(self, percent, nbytes, expired, keys, prefix, all) -> tuple[int, int]:
+        self._check_selector(percent, nbytes, expired, keys, prefix, all)
+        if self._remote is None:
+            raise UsageError(f"pool {self.name!r} has no remote tier")
+        if percent is not None or nbytes is not None or expired:
+            raise UsageError("the remote tier evicts by --key, --prefix or --all "
+                             "(the server expires and evicts by its own policy)")
+        if self._closed:
+            raise PoolClosed(f"pool {self.name!r} is closed")
+        if keys is not None:
+            return self._remote.evict(keys=[key_bytes(k)[0] for k in keys])
+        return self._remote.evict(prefix=key_bytes(prefix)[0] if prefix is not None else b"")
 
     @staticmethod
     def _check_selector(percent, nbytes, expired, keys, prefix, all) -> int | None:

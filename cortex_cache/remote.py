@@ -334,6 +334,42 @@ class RemoteTier:
             self._failed(e, writer=True)
             return False
 
+    # ------------------------------------------------------------------ evict (an operator's request)
+
+    def evict(self, keys: list[bytes] | None = None, prefix: bytes | None = None) -> tuple[int, int]:
+        """Delete this pool's entries on the server now: the given `keys`, or those starting with
+        `prefix` (b"" for all of them); return (entries, value bytes) removed.
+
+        Unlike puts and gets, this answers for the server: trouble raises ServiceUnavailable (69).
+        This process's queued writes are sent first, so none of them brings an evicted key back.
+        """
+        from .errors import ServiceUnavailable
+
+        if self.unavailable:
+            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
+        self.flush(CLOSE_FLUSH)
+        base = remote_key(self.pool_name, b"")
+        try:
+            client = self._connect()
+            if keys is not None:
+                names: Any = [remote_key(self.pool_name, kb) for kb in keys]
+            else:
+                names = client.scan_iter(match=_glob_escape(base + (prefix or b"")) + b"*", count=1000)
+            count = nbytes = 0
+            batch: list[bytes] = []
+            for name in names:
+                batch.append(name)
+                if len(batch) >= 500:
+                    c, b = _unlink_batch(client, batch)
+                    count, nbytes, batch = count + c, nbytes + b, []
+            if batch:
+                c, b = _unlink_batch(client, batch)
+                count, nbytes = count + c, nbytes + b
+        except Exception as e:  # noqa: BLE001
+            self._failed(e, writer=False)
+            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.last_error}") from None
+        return count, nbytes
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self, flush: float = CLOSE_FLUSH) -> None:
@@ -381,6 +417,26 @@ class RemoteTier:
             **({"error": self.unavailable} if self.unavailable else {}),
             **({"last_error": self.last_error} if self.last_error else {}),
         }
+
+
+def _glob_escape(pattern: bytes) -> bytes:
+    """`pattern` with Redis glob specials escaped, so a key prefix matches only itself."""
+    out = bytearray()
+    for b in pattern:
+        if b in b"\\*?[]":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)
+
+
+def _unlink_batch(client: Any, names: list[bytes]) -> tuple[int, int]:
+    """Unlink `names`; (how many existed, their value bytes)."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.strlen(name)
+    sizes = pipe.execute()
+    removed = client.unlink(*names)
+    return int(removed), sum(max(0, int(n) - HEADER_SIZE) for n in sizes if n)
 
 
 def _add(pool: Any, pairs: tuple) -> None:

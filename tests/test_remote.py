@@ -271,3 +271,60 @@ def test_without_redis_py_writes_are_counted_as_dropped(make_pool, server):
     assert p.get("k") == b"v"  # memory serves
     st = p.stats()["remote"]
     assert st["writes_dropped"] == 1 and st["available"] is False and st["error"]
+
+
+def test_evict_tier_remote_deletes_by_key_prefix_or_all_and_nothing_else(make_pool, server, pool_name):
+    a = make_pool("8M", name=pool_name, remote=server.url)
+    neighbour = make_pool("2M", name=pool_name + "x", remote=server.url)  # its keys start like ours do
+    for k in ["a0", "a1", "a2", "b0", "b1", "x*y", "xzy", "x?"]:
+        a.put(k, b"v" * 100)
+    neighbour.put("a9", b"n")
+    assert a.flush_remote(30) and neighbour.flush_remote(30)
+    c = server.client()
+
+    def on_server():
+        return sorted(k.decode().split(":", 3)[3] for k in c.keys(f"cortex:1:{pool_name}:*"))
+
+    assert a.evict(prefix="a", tier="remote") == (3, 300)
+    assert on_server() == ["b0", "b1", "x*y", "x?", "xzy"]
+    assert a.evict(keys=["b0", "missing"], tier="remote") == (1, 100)
+    assert a.evict(prefix="x*", tier="remote") == (1, 100)  # a glob character is only itself
+    assert on_server() == ["b1", "x?", "xzy"]
+    assert a.get("a0") == b"v" * 100  # memory keeps its copy: only the server was asked
+    assert a.evict(all=True, tier="remote") == (3, 300)
+    assert on_server() == [] and c.exists(f"cortex:1:{pool_name}x:a9".encode()) == 1
+    for bad in (dict(percent=10), dict(nbytes="1K"), dict(expired=True)):
+        with pytest.raises(UsageError, match="--key, --prefix or --all"):
+            a.evict(tier="remote", **bad)
+
+
+def test_evict_tier_remote_on_a_cluster_reaches_every_node(make_pool, cluster, pool_name):
+    a = make_pool("8M", name=pool_name, remote=cluster.url, remote_cluster=True)
+    for i in range(30):
+        a.put(f"e{i}", b"c" * 10)
+    assert a.flush_remote(30)
+    assert a.evict(all=True, tier="remote") == (30, 300)
+    assert sum(len(n.client().keys(f"cortex:1:{pool_name}:*")) for n in cluster.nodes) == 0
+
+
+def test_cli_evict_tier_remote_and_its_errors(make_pool, pool_name):
+    password_server = Server(password="s3cret-pw")
+    try:
+        a = make_pool("2M", name=pool_name, remote=password_server.url)
+        a.put("k1", b"one")
+        a.put("k2", b"two")
+        assert a.flush_remote(30)
+        r = cli("cache", "evict", pool_name, "--tier", "remote", "--prefix", "k", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {"pool": pool_name, "tier": "remote", "entries": 2, "bytes": 6}
+        r = cli("cache", "evict", pool_name, "--tier", "remote", "--percent", "10")
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and b"--key, --prefix or --all" in r.stderr
+        password_server.kill()
+        r = cli("cache", "evict", pool_name, "--tier", "remote", "--all")
+        assert r.returncode == 69 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert b"s3cret-pw" not in r.stderr and b"***" in r.stderr
+    finally:
+        password_server.stop()
+    plain = make_pool("1M", name=pool_name + "plain")
+    r = cli("cache", "evict", plain.name, "--tier", "remote", "--all")
+    assert r.returncode == 2 and b"has no remote tier" in r.stderr
