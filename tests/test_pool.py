@@ -1,7 +1,8 @@
-"""The pool contract: run once per policy, with and without multi-threaded mode."""
+"""The pool contract: run once per policy, with and without multi-threaded mode, with and without a disk tier."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 
@@ -27,10 +28,21 @@ from cortex_cache.layout import MAX_KEY_BYTES
 from cortex_cache.segment import shm_path
 
 
-@pytest.fixture(params=[(p, mt) for p in POLICY_IDS for mt in (False, True)], ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}")
-def pool(request, make_pool):
-    policy, mt = request.param
-    return make_pool("1M", block_size="4K", policy=policy, multi_threaded=mt)
+# Every policy, single- and multi-threaded, without a disk tier and with one (write-back; and
+# write-through for one of the modes, to keep the count sane).
+CONTRACT_VARIANTS = [(p, mt, None) for p in POLICY_IDS for mt in (False, True)] + [
+    (p, mt, "back") for p in POLICY_IDS for mt in (False, True)] + [
+    (p, mt, "through") for p, mt in zip(POLICY_IDS, itertools.cycle((False, True)))]
+
+
+@pytest.fixture(params=CONTRACT_VARIANTS,
+                ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}" + (f"-disk-{v[2]}" if v[2] else ""))
+def pool(request, make_pool, tmp_path):
+    policy, mt, disk = request.param
+    tier = dict(disk_path=tmp_path / "tier", disk_size="4M", disk_write=disk) if disk else {}
+    p = make_pool("1M", block_size="4K", policy=policy, multi_threaded=mt, **tier)
+    assert (p.stats().get("disk") or {}).get("write") == disk
+    return p
 
 
 # ---------------------------------------------------------------- contract (every policy, both modes)
@@ -68,6 +80,29 @@ def test_replace_delete_contains_len(pool):
     assert pool.delete("k") is False
     assert "k" not in pool and len(pool) == 0
     assert pool.stats()["blocks_used"] == 0
+
+
+def test_twice_the_pool_put_through_it(pool):
+    """More than fits: with a disk tier nothing is lost, without one evictions only; never other bytes."""
+    from tests.helpers import check_value, make_value
+
+    n = 48  # 48 x 40 KB ~ 1.9x the 1 MiB pool; the 4 MiB disk tier holds them all
+    for i in range(n):
+        pool.put(f"v{i}", make_value(i, 0, 40_000))
+    tier = pool.stats().get("disk")
+    assert pool.stats()["evictions"] > 0
+    found = [i for i in range(n) if (v := pool.get(f"v{i}")) is not None and check_value(v) == (i, 0)]
+    if tier is None:
+        assert 0 < len(found) < n
+    else:
+        assert found == list(range(n))  # misses in memory came back from disk
+    gone = found[0]
+    assert pool.delete(f"v{gone}") is True
+    pool.evict(all=True)  # with a tier: the rest move to disk
+    assert pool.get(f"v{gone}") is None and f"v{gone}" not in pool  # deleted from every tier
+    assert len(pool) == 0
+    if tier is not None:
+        assert pool.get(f"v{found[-1]}") is not None and f"v{found[-1]}" in pool
 
 
 def test_str_and_bytes_keys(pool):
