@@ -33,6 +33,11 @@ Speed.  A pool of P MiB in memory (512; --quick 128) with 1 MiB values:
   read       plain read of as many bytes of a dropped file, 1 MiB reads.
 Medians over rounds (3; --quick 2) with min-max, pairs interleaved with
 alternating order.  Target: spill and promote >= 0.6x the plain figures.
+
+Lock hold.  A spill is written while the evicting process holds the pool
+lock.  64 KiB puts into a full 64 MiB pool, memory only and with a tier
+(every put then spills one victim): the put's latency, and the get latency
+of a hot 4 KiB key read in a loop by another process meanwhile.
 The disk is virtual: "dropped" pages may still be cached by the host.
 """
 
@@ -217,6 +222,61 @@ def plain_read_bytes(path: Path, nbytes: int, ring: memoryview) -> float:
     return t
 
 
+READER = """
+import json, sys, time
+from cortex_cache import Pool
+p = Pool.open(sys.argv[1])
+lat = []
+print("ready", flush=True)
+while not p.get("stop"):
+    a = time.perf_counter_ns()
+    p.get("hot")
+    lat.append(time.perf_counter_ns() - a)
+p.close()
+lat.sort()
+print(json.dumps({"n": len(lat), "p50": lat[len(lat) // 2] / 1e3, "p99": lat[int(len(lat) * 0.99)] / 1e3,
+                  "p999": lat[int(len(lat) * 0.999)] / 1e3}))
+"""
+
+
+def lock_hold(workdir: Path, with_tier: bool, puts: int = 6000, size: int = 64 << 10) -> dict:
+    """Put latency of 64 KiB values into a full 64 MiB pool (with a tier every put spills its victim,
+    under the pool lock) and what it costs a reader of a hot 4 KiB key in another process."""
+    import subprocess
+
+    from cortex_cache import Pool
+    from cortex_cache.disklog import DiskLog
+
+    tier = workdir / "lock-tier"
+    kw = dict(disk_path=tier, disk_size="1G") if with_tier else {}
+    p = Pool.create("lockhold", 64 * MIB, block_size=size, **kw)
+    try:
+        value = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8).tobytes()
+        for i in range(64 * MIB // size * 2):  # full, and (with a tier) spilling
+            p.put(f"w{i}", value)
+        p.put("hot", b"h" * 4096, priority=1 << 40)
+        reader = subprocess.Popen([sys.executable, "-c", READER, "lockhold"], stdout=subprocess.PIPE, text=True,
+                                  cwd=str(Path(__file__).resolve().parents[1]))
+        assert reader.stdout.readline().strip() == "ready"
+        lat = []
+        for i in range(puts):
+            a = time.perf_counter_ns()
+            p.put(f"x{i}", value)
+            lat.append(time.perf_counter_ns() - a)
+            p.get("hot")  # keep it recent, so the policy never evicts it
+        p.put("stop", b"1")
+        got = json.loads(reader.communicate(timeout=120)[0].strip().splitlines()[-1])
+        lat.sort()
+        return {"put_p50_us": lat[len(lat) // 2] / 1e3, "put_p99_us": lat[int(len(lat) * 0.99)] / 1e3,
+                "reader_p50_us": got["p50"], "reader_p99_us": got["p99"], "reader_p999_us": got["p999"],
+                "spills": (p.stats().get("disk") or {}).get("spills", 0)}
+    finally:
+        p.close()
+        Pool.unlink("lockhold")
+        if with_tier:
+            DiskLog.destroy(tier)
+
+
 def summarise(times: list[float], nbytes: list[int]) -> dict:
     rates = [b / t / 1e9 for b, t in zip(nbytes, times)]
     return {"gbps": statistics.median(rates), "gbps_min": min(rates), "gbps_max": max(rates),
@@ -277,6 +337,13 @@ def main() -> int:
         print(f"ratios: spill/write {ratios['spill_vs_write']:.2f}, promote/read {ratios['promote_vs_read']:.2f} "
               f"(page cache resident before: promote {max(s['resident_before_promote']):.0%}, "
               f"read {max(s['resident_before_read']):.0%})")
+        print("\nlock hold: 64 KiB puts into a full 64 MiB pool; a reader of a hot key in another process")
+        out["lock_hold"] = {}
+        for label, with_tier in (("memory only", False), ("disk tier", True)):
+            r = out["lock_hold"][label] = lock_hold(workdir, with_tier, puts=2000 if args.quick else 6000)
+            print(f"  {label:12} put p50/p99 {r['put_p50_us']:6.1f}/{r['put_p99_us']:7.1f} us   reader get "
+                  f"p50/p99/p99.9 {r['reader_p50_us']:5.1f}/{r['reader_p99_us']:6.1f}/{r['reader_p999_us']:7.1f} us"
+                  f"   spills {r['spills']}")
         targets = {f"spill >= {TARGET}x write": ratios["spill_vs_write"] >= TARGET,
                    f"promote >= {TARGET}x read": ratios["promote_vs_read"] >= TARGET}
         for t, ok in targets.items():
