@@ -34,10 +34,11 @@ Speed.  A pool of P MiB in memory (512; --quick 128) with 1 MiB values:
 Medians over rounds (3; --quick 2) with min-max, pairs interleaved with
 alternating order.  Target: spill and promote >= 0.6x the plain figures.
 
-Lock hold.  A spill is written while the evicting process holds the pool
-lock.  64 KiB puts into a full 64 MiB pool, memory only and with a tier
-(every put then spills one victim): the put's latency, and the get latency
-of a hot 4 KiB key read in a loop by another process meanwhile.
+Lock hold.  A spill is copied aside under the pool lock and written after
+it (disktier.py).  64 KiB puts into a full 64 MiB pool, memory only and
+with a tier (every put then spills one victim): the put's latency, and the
+get latency of a hot 4 KiB key read in a loop by another process meanwhile;
+with the tier, the reader's tail should stay where it is without one.
 The disk is virtual: "dropped" pages may still be cached by the host.
 """
 
@@ -240,8 +241,8 @@ print(json.dumps({"n": len(lat), "p50": lat[len(lat) // 2] / 1e3, "p99": lat[int
 
 
 def lock_hold(workdir: Path, with_tier: bool, puts: int = 6000, size: int = 64 << 10) -> dict:
-    """Put latency of 64 KiB values into a full 64 MiB pool (with a tier every put spills its victim,
-    under the pool lock) and what it costs a reader of a hot 4 KiB key in another process."""
+    """Put latency of 64 KiB values into a full 64 MiB pool (with a tier every put spills its victim)
+    and what it costs a reader of a hot 4 KiB key in another process."""
     import subprocess
 
     from cortex_cache import Pool

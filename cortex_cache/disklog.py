@@ -33,6 +33,9 @@ checksums): an overwritten one reads as stale, a damaged one as corrupt;
 neither ever returns wrong bytes.  `scan` finds every intact record again
 after a restart.  A record whose entry was deleted, replaced or promoted is
 killed (its magic becomes b"CDSX"), so a restart never brings it back.
+A spill is written with the magic b"CDSP" (pending) and confirmed (b"CDSK")
+only once its index entry is still current; the header checksum is always
+computed with b"CDSK", so confirming rewrites 4 bytes and nothing else.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ FILES = 16
 ALIGN = 4096
 REC_MAGIC = b"CDSK"
 DEAD_MAGIC = b"CDSX"  # a killed record: skipped by scan, stale to read
+# A spill written outside the pool lock, not yet confirmed under it: skipped by scan and stale to
+# read until `confirm` turns it into REC_MAGIC, so a record whose entry was deleted while it was
+# being written never comes back after a restart, even if its writer died before it could say so.
+PENDING_MAGIC = b"CDSP"
 OWNER_OFF, OWNER_BYTES = 64, 256
 REC_FLAG_STR_KEY = 1
 _SCAN_CHUNK = 4 << 20
@@ -309,14 +316,19 @@ class DiskLog:
 
     def write(
         self, file: int, off: int, seq: int, key: bytes, value, expiry: float = 0.0, priority: int = 0,
-        flags: int = 0,
+        flags: int = 0, pending: bool = False, checksum: int | None = None,
     ) -> Location:
-        """Write one record at a place `reserve` handed out."""
+        """Write one record at a place `reserve` handed out (`pending`: as PENDING_MAGIC, for `confirm`).
+
+        `checksum`: the value's xxh3_64 when the caller knows it already."""
         value = memoryview(value).cast("B")
         length = _round_up(HEAD + len(key) + value.nbytes)
-        head = REC.pack(REC_MAGIC, VERSION, flags, len(key), 0, value.nbytes, seq, expiry, priority,
-                        xxhash.xxh3_64_intdigest(value))
+        if checksum is None:
+            checksum = xxhash.xxh3_64_intdigest(value)
+        head = REC.pack(REC_MAGIC, VERSION, flags, len(key), 0, value.nbytes, seq, expiry, priority, checksum)
         head += REC_CHECK.pack(xxhash.xxh3_64_intdigest(head + key))
+        if pending:
+            head = PENDING_MAGIC + head[4:]
         fd, direct = self._fds[file]
         if direct:
             buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT needs
@@ -351,6 +363,11 @@ class DiskLog:
         if len(head) == HEAD and head[:4] == REC_MAGIC and REC.unpack_from(head)[6] == loc.seq:
             # The magic and the header checksum both go: one damaged byte cannot revive the record.
             os.pwrite(fd, DEAD_MAGIC + head[4 : REC.size] + bytes(REC_CHECK.size), loc.offset)
+
+    def confirm(self, loc: Location) -> None:
+        """Turn the pending record at `loc` into a live one (its writer checked, under the pool lock,
+        that the place is still its own)."""
+        os.pwrite(self._plain_fd(loc.file), REC_MAGIC, loc.offset)
 
     def _plain_fd(self, file: int) -> int:
         fd, direct = self._fds[file]
@@ -411,7 +428,7 @@ class DiskLog:
             while off + HEAD <= self.file_size:
                 head = win.get(off, HEAD)
                 magic = head[:4]
-                if magic != REC_MAGIC and magic != DEAD_MAGIC:
+                if magic != REC_MAGIC and magic != DEAD_MAGIC and magic != PENDING_MAGIC:
                     off += ALIGN  # never written, or torn: look at the next boundary
                     continue
                 _, version, flags, klen, _, vlen, seq, expiry, prio, vcheck = REC.unpack_from(head)
@@ -427,6 +444,9 @@ class DiskLog:
                 key = bytes(win.get(off + HEAD, klen))
                 if hcheck != xxhash.xxh3_64_intdigest(REC_MAGIC + bytes(head[4 : REC.size]) + key):
                     off += ALIGN  # a stray magic inside some value, or a torn header
+                    continue
+                if magic == PENDING_MAGIC:
+                    off += length  # never confirmed: its entry may have been deleted meanwhile
                     continue
                 if xxhash.xxh3_64_intdigest(win.get(off + HEAD + klen, vlen)) != vcheck:
                     self.last_scan_corrupt += 1

@@ -11,7 +11,16 @@ restart case), and repair rebuilds its chains from the disk slots.
 How the two tiers relate:
 
 - write-back (default): an entry evicted from memory (not expired) is
-  written to disk in the evicting process, under the pool lock.  A disk hit
+  spilled by the evicting process in two steps.  Under the pool lock its
+  bytes are copied aside, room in the ring is reserved and the key is
+  indexed as PENDING; the lock is let go, the record is written (as a
+  pending record, disklog.PENDING_MAGIC), and under the lock again it is
+  confirmed and made LIVE -- unless the key was deleted, replaced or dropped
+  meanwhile, which removed the PENDING entry; then the record stays pending,
+  which no read and no restart scan accepts.  A reader that meets a PENDING
+  entry waits for it (Pool._settled).  A spiller that dies leaves a PENDING
+  entry that reads as a miss until its key is written again, the ring or a
+  repair drops it.  A disk hit
   is copied back into memory and its record killed (the tiers are
   exclusive, so the disk holds what memory does not).
 - write-through: every put also writes a record (before it takes the lock
@@ -39,7 +48,7 @@ from xxhash import xxh3_64_intdigest
 
 from .disklog import DiskLog, Location
 from .layout import (
-    DFREE, DISK_O_DIRECT, DISK_WRITE_THROUGH, DLIVE, DSLOT_COLUMNS,
+    DFREE, DISK_O_DIRECT, DISK_WRITE_THROUGH, DLIVE, DPENDING, DSLOT_COLUMNS,
     H_DFREE_SLOT, H_DISK_BYTES_READ, H_DISK_BYTES_WRITTEN, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ENTRIES,
     H_DISK_ERRORS, H_DISK_EVICTIONS, H_DISK_HITS, H_DISK_MISSES, H_DISK_PROMOTIONS, H_DISK_SPILLS,
     H_DISK_VALUE_BYTES,
@@ -59,6 +68,23 @@ def key_hash2(kb: bytes) -> int:
 def default_disk_entries(capacity: int, block_size: int) -> int:
     """Index rows for a tier: one per record of a block (records are at least 4 KiB)."""
     return max(16, min(capacity // max(block_size, 4096), MAX_DEFAULT_DSLOTS))
+
+
+SPILLING = "spilling"  # what a lookup answers for a key whose spill is being written right now
+
+
+@dataclass(frozen=True)
+class Spill:
+    """A spill begun under the lock, to be written outside it and then finished under it."""
+
+    slot: int
+    loc: Location
+    key: bytes
+    value: bytes
+    expiry: float
+    priority: int
+    flags: int
+    checksum: int
 
 
 @dataclass(frozen=True)
@@ -168,7 +194,7 @@ class DiskTier:
     def _drop_oldest(self) -> None:
         """The index is full: forget the oldest written entries (their records stay until the ring reaches them)."""
         seq = self.cols["seq"]
-        live = np.flatnonzero(self.cols["state"] == DLIVE)
+        live = np.flatnonzero(self.cols["state"] != DFREE)
         k = max(1, live.size // _DROP_BATCH)
         oldest = live[np.argpartition(seq[live], k - 1)[:k]] if k < live.size else live
         for d in map(int, oldest):
@@ -176,8 +202,8 @@ class DiskTier:
         self._hu64[H_DISK_DROPPED] += len(oldest)
 
     def insert(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
-               expiry: float, priority: int) -> int:
-        """Index a record just written; an older record of the same key is killed."""
+               expiry: float, priority: int, state: int = DLIVE) -> int:
+        """Index a record just written (or, DPENDING, about to be); an older record of the key is killed."""
         old = self.find(kh, kh2, klen)
         if old >= 0:
             self.forget_slot(old)
@@ -189,7 +215,7 @@ class DiskTier:
         b = kh & self._mask
         self._next[d] = self._bkt[b]
         self._bkt[b] = d
-        self._state[d] = DLIVE
+        self._state[d] = state
         hu64 = self._hu64
         hu64[H_DISK_ENTRIES] += 1
         hu64[H_DISK_VALUE_BYTES] += vlen
@@ -242,7 +268,7 @@ class DiskTier:
     def drop_file(self, file: int) -> None:
         """The ring entered `file`: every entry in it is about to be overwritten."""
         cols = self.cols
-        gone = np.flatnonzero((cols["state"] == DLIVE) & (cols["file"] == file))
+        gone = np.flatnonzero((cols["state"] != DFREE) & (cols["file"] == file))
         for d in map(int, gone):
             self._drop(d)
         self._hu64[H_DISK_DROPPED] += gone.size
@@ -267,22 +293,81 @@ class DiskTier:
             self.drop_file(file)
         return file, off, seq
 
-    def spill(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int) -> bool:
-        """Write an entry leaving memory to disk (unless it has a record there already)."""
+    def _spill_place(self, kb: bytes, kh: int, vlen: int) -> tuple[int, tuple[int, int, int] | None] | None:
+        """(second key hash, reserved (file, offset, seq) or None if there is no room) for a spill;
+        None when there is nothing to write (write-through already has the key's record)."""
         kh2 = key_hash2(kb)
         if self.write_through and self.find(kh, kh2, len(kb)) >= 0:
-            return True
+            return None
+        return kh2, self.reserve(DiskLog.record_length(len(kb), vlen))
+
+    def begin_spill(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
+                    checksum: int) -> Spill | None:
+        """Start spilling an entry leaving memory: copy it aside, reserve its record, index it PENDING.
+
+        None when there is nothing to write or no room."""
+        place = self._spill_place(kb, kh, value.nbytes)
+        if place is None or place[1] is None:
+            return None
+        kh2, (file, off, seq) = place
         vlen = value.nbytes
-        where = self.reserve(DiskLog.record_length(len(kb), vlen))
-        if where is None:
-            return False
+        loc = Location(file, off, DiskLog.record_length(len(kb), vlen), seq)
+        d = self.insert(kh, kh2, len(kb), flags, loc, vlen, expiry, priority, state=DPENDING)
+        self._spilled[d] = os.getpid()  # while PENDING, `spilled` names the writer (readers check it lives)
+        return Spill(d, loc, kb, value.tobytes(), expiry, priority, flags, checksum)
+
+    def spill_now(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
+                  checksum: int) -> None:
+        """Write an entry leaving memory to disk right here, under the lock (when copying it aside
+        would hold too much memory: see Pool._spill)."""
+        place = self._spill_place(kb, kh, value.nbytes)
+        if place is None or place[1] is None:
+            return
+        kh2, where = place
         try:
-            loc = self.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
+            loc = self.log.write(*where, kb, value, expiry, priority, flags, checksum=checksum)  # type: ignore[union-attr]
         except OSError:
             self._hu64[H_DISK_ERRORS] += 1
+            return
+        self.note_written(kh, kh2, len(kb), flags, loc, value.nbytes, expiry, priority)
+
+    def write_spill(self, sp: Spill) -> bool:
+        """Write a begun spill's record, as pending (no lock held).  False if the write failed."""
+        log = self.log
+        if log is None:
             return False
-        self.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
+        try:
+            log.write(sp.loc.file, sp.loc.offset, sp.loc.seq, sp.key, sp.value, sp.expiry, sp.priority, sp.flags,
+                      pending=True, checksum=sp.checksum)
+        except OSError:
+            return False
         return True
+
+    def finish_spill(self, sp: Spill, written: bool) -> None:
+        """Confirm a written spill if its entry is still the PENDING one it made; else leave it pending."""
+        d = sp.slot
+        if self._state[d] != DPENDING or self._seq[d] != sp.loc.seq:
+            return  # deleted, replaced or dropped meanwhile: the pending record is never read
+        if written:
+            try:
+                self.log.confirm(sp.loc)  # type: ignore[union-attr]
+            except OSError:
+                written = False
+        if not written:
+            self._hu64[H_DISK_ERRORS] += 1
+            self._drop(d)
+            return
+        self._state[d] = DLIVE
+        self._spilled[d] = self.clock()
+        hu64 = self._hu64
+        hu64[H_DISK_SPILLS] += 1
+        hu64[H_DISK_BYTES_WRITTEN] += sp.loc.length
+
+    def spill_orphaned(self, d: int) -> bool:
+        """Is PENDING slot `d` a spill whose writer died (so it will never be written)?"""
+        from .procs import alive
+
+        return not alive(int(self._spilled[d]), 0)
 
     def note_written(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
                      expiry: float, priority: int) -> None:
@@ -303,6 +388,11 @@ class DiskTier:
             e = self._expiry[d]
             if e > 0 and e <= self.clock():
                 self.kill_slot(d)
+                d = -1
+            elif self._state[d] == DPENDING:
+                if not self.spill_orphaned(d):
+                    return SPILLING  # not counted: the caller asks again once the record is written
+                self._drop(d)  # its writer died: it will never be written
                 d = -1
         if d < 0:
             self._hu64[H_DISK_MISSES] += 1
@@ -329,7 +419,7 @@ class DiskTier:
             return None
         # The index moved on while we read (a newer record, or the entry is gone): look again.
         d = self.find(kh, key_hash2(kb), len(kb))
-        if d < 0:
+        if d < 0 or self._state[d] == DPENDING:
             self._hu64[H_DISK_MISSES] += 1
             return None
         return self.hit(d)
@@ -343,7 +433,9 @@ class DiskTier:
             "disk_file": int(self._file[d]),
             "disk_offset": int(self._off[d]),
             "disk_bytes": int(self._len[d]),
-            "spilled": float(self._spilled[d]),
+            # While a spill is being written, `spilled` holds its writer's pid, not a time.
+            "spilled": None if self._state[d] == DPENDING else float(self._spilled[d]),
+            "spilling": bool(self._state[d] == DPENDING),
             "priority": int(self._prio[d]),
             "expires": e if e > 0 else None,
             "ttl_remaining": max(0.0, e - now) if e > 0 else None,
@@ -353,6 +445,10 @@ class DiskTier:
 
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.cols["state"] == DLIVE)
+
+    def indexed_slots(self) -> np.ndarray:
+        """Live entries and spills being written."""
+        return np.flatnonzero(self.cols["state"] != DFREE)
 
     def stats(self) -> dict[str, Any]:
         h = self._hu64
@@ -429,7 +525,7 @@ def check_disk_path(path: str | os.PathLike) -> str:
     return p
 
 
-__all__ = ["DiskTier", "DiskHit", "key_hash2", "default_disk_entries", "open_log", "check_disk_path"]
+__all__ = ["DiskTier", "DiskHit", "Spill", "SPILLING", "key_hash2", "default_disk_entries", "open_log", "check_disk_path"]
 
 
 def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
@@ -446,10 +542,17 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
     n = tier._n
     problems: list[str] = []
     state = c["state"].copy()
-    bad = np.flatnonzero(state > DLIVE)
+    bad = np.flatnonzero(state > DPENDING)
     if bad.size:
         problems.append(f"{bad.size} disk slot(s) with an invalid state")
         state[bad] = DFREE
+    pending = np.flatnonzero(state == DPENDING)
+    orphans = np.array([d for d in map(int, pending) if tier.spill_orphaned(d)], dtype=np.int64)
+    if orphans.size:
+        # Spills whose writer died: never written, or written and never confirmed (nothing reads those).
+        problems.append(f"{orphans.size} unfinished spill(s) of dead processes dropped")
+        state[orphans] = DFREE
+        pending = np.setdiff1d(pending, orphans)
     file_size = tier.log.file_size if tier.log is not None else None
     live = np.flatnonzero(state == DLIVE)
     length, off = c["length"][live], c["offset"][live]
@@ -471,11 +574,12 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
         state[live[order[dup]]] = DFREE
     live = np.flatnonzero(state == DLIVE)
     free = np.flatnonzero(state == DFREE).astype(np.int32)
-    buckets, nxt = build_chains(live, c["key_hash"][live], tier._mask, tier.buckets.size, n, free)
-    entries, value_bytes = live.size, int(c["value_len"][live].sum())
+    indexed = np.sort(np.concatenate([live, pending]))  # pending spills are in the chains too
+    buckets, nxt = build_chains(indexed, c["key_hash"][indexed], tier._mask, tier.buckets.size, n, free)
+    entries, value_bytes = indexed.size, int(c["value_len"][indexed].sum())
     hu64, hi64 = tier._hu64, tier._hi64
     if not fix and not problems:
-        if not np.array_equal(chain_members(tier.buckets, c["next"]), np.sort(live)):
+        if not np.array_equal(chain_members(tier.buckets, c["next"]), indexed):
             problems.append("disk index chains out of step with the disk entries")
         elif hu64[H_DISK_ENTRIES] != entries or hu64[H_DISK_VALUE_BYTES] != value_bytes:
             problems.append("disk entry counters out of step")

@@ -80,6 +80,7 @@ REMOTE_CLUSTER = 1 << 1  # the URL names a node of a Redis/Valkey cluster
 
 DFREE = 0  # unused; `next` links the free list
 DLIVE = 1  # a record on disk, indexed by its key's hashes
+DPENDING = 2  # a spill being written outside the pool lock: in the chains, not yet readable
 DISK_PATH_BYTES = 2048
 
 NAME_BYTES = 64
@@ -208,7 +209,7 @@ VICTIM_COLUMNS: list[tuple[str, str]] = [
 
 # The disk index (disktier.py): one row per record on disk, by column.
 DSLOT_COLUMNS: list[tuple[str, str]] = [
-    ("state", "<u4"),  # DFREE / DLIVE
+    ("state", "<u4"),  # DFREE / DLIVE / DPENDING
     ("key_len", "<u4"),
     ("file", "<u4"),  # which tier file holds the record
     ("flags", "<u4"),  # bit 0: the key was given as str
@@ -406,7 +407,7 @@ class Geometry:
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
     "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE",
-    "DSLOT_COLUMNS", "DFREE", "DLIVE", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
+    "DSLOT_COLUMNS", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 
 

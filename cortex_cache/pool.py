@@ -29,7 +29,7 @@ from xxhash import xxh3_64_intdigest
 from . import procs, segment
 from .allocator import find_run, run_around
 from .disklog import CORRUPT, DiskLog, Found
-from .disktier import DiskHit, DiskTier, check_disk_path, default_disk_entries, key_hash2, open_log
+from .disktier import SPILLING, DiskHit, DiskTier, Spill, check_disk_path, default_disk_entries, key_hash2, open_log
 from .errors import (
     BufferTooSmall,
     CannotCreate,
@@ -82,6 +82,12 @@ COPY_IN_LOCK = 256 * 1024
 GET_COPY_IN_LOCK = 32 * 1024
 # Large values are copied and checksummed in chunks that stay in cache.
 _HASH_CHUNK = 256 * 1024
+# How long a reader waits for a key whose spill to disk another process is writing (normally
+# microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
+SPILL_WAIT = 2.0
+# At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
+SPILL_ASIDE = 64 << 20
+_spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
 _MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
 _ONES = b"\x01" * 256  # block-map filler for runs of up to 256 blocks
 SLOT_FLAG_STR_KEY = 1  # the key was given as str: keys() returns it as str
@@ -271,6 +277,8 @@ class Pool:
         self._ppid, self._pslot, self._pstart = self._pinrec["pid"], self._pinrec["slot"], self._pinrec["start"]
         self._pin_hint = 0
         self._reserved_slot = -1
+        self._spills: list[Spill] = []  # begun under the lock; written and finished after it (_locked)
+        self._spill_bytes = 0  # bytes copied aside in `_spills`
         self._n_slots, self._n_pins = g.n_slots, g.n_pins
         # ... and typed memoryviews over the same bytes for the hot paths,
         # where a memoryview item costs ~0.04 us against numpy's ~0.2 us.
@@ -606,17 +614,15 @@ class Pool:
             hu32[H_DIRTY] = 1
             result = fn(*args)
         except SegmentCorrupt:
-            lock.release()  # damage was seen: the dirty mark stays, so the next holder repairs
+            self._release(lock, clean=False)  # damage was seen: the dirty mark stays, so the next holder repairs
             raise
         except CortexCacheError:
-            # Expected errors leave the metadata consistent.
-            hu32[H_DIRTY] = 0
-            lock.release()
+            self._release(lock, clean=True)  # expected errors leave the metadata consistent
             raise
         except (IndexError, ValueError, OverflowError, ZeroDivisionError) as e:
             # Only damaged metadata gets here (an index out of range, a counter
             # at its limit): a clean error now, and a repair by the next holder.
-            lock.release()
+            self._release(lock, clean=False)
             raise SegmentCorrupt(
                 f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
                 "it is repaired on its next use, or with `cortex cache verify --repair`"
@@ -624,11 +630,59 @@ class Pool:
         except BaseException:
             # Anything else may have stopped a change half-way: leave the
             # dirty mark so the next holder repairs.
-            lock.release()
+            self._release(lock, clean=False)
             raise
-        hu32[H_DIRTY] = 0
-        lock.release()
+        self._release(lock, clean=True)
         return result
+
+    def _release(self, lock: Any, clean: bool) -> None:
+        """Let the pool lock go (`clean`: clearing the dirty mark); then write the spills begun meanwhile."""
+        spills = self._spills
+        if spills:
+            self._spills = []
+            self._spill_bytes = 0
+        if clean:
+            self._hu32[H_DIRTY] = 0
+        lock.release()
+        if spills:
+            self._write_spills(spills)
+
+    def _write_spills(self, spills: list[Spill]) -> None:
+        """Write the records of spills begun under the lock, without it; then finish them under it.
+
+        The victims' bytes were copied aside, so the lock is free while the disk works: other
+        processes go on, and a reader of a key being spilled waits for it (`_settled`)."""
+        t = self._tier
+        assert t is not None
+        written = [t.write_spill(sp) for sp in spills]
+
+        def finish() -> None:
+            for sp, ok in zip(spills, written):
+                t.finish_spill(sp, ok)
+
+        try:
+            self._locked(finish)
+        except Exception:  # noqa: BLE001
+            # The caller's own operation is done; this is the tier's business.  Entries left
+            # PENDING read as misses once this process is gone, or go when their key is written.
+            pass
+
+    def _settled(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`self._locked(fn, *args)` for a lookup, asked again while the answer is SPILLING (a record
+        being written by another process or thread); a miss after SPILL_WAIT seconds (its writer
+        may have died)."""
+        r = self._locked(fn, *args)
+        if r is not SPILLING:
+            return r
+        deadline = time.monotonic() + SPILL_WAIT
+        delay = 20e-6
+        while r is SPILLING:
+            if time.monotonic() > deadline:
+                return None
+            _spill_pause(delay)
+            delay = min(delay * 2, 1e-3)
+            r = self._locked(fn, *args)
+        return r
 
     # ------------------------------------------------------------------ put
 
@@ -973,15 +1027,23 @@ class Pool:
         return True
 
     def _spill(self, i: int) -> None:
-        """Write sealed entry `i`, about to leave memory, to the disk tier (lock held)."""
+        """Begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are copied
+        aside and its disk entry made PENDING here; `_locked` writes it after letting the lock go."""
         vlen, klen = self._c_vlen[i], self._c_klen[i]
         off = self._data_off + self._c_first[i] * self._bs
         mv = self._mv
         kb = mv[off + vlen : off + vlen + klen].tobytes()
-        self._tier.spill(  # type: ignore[union-attr]
-            kb, self._c_khash[i], self._c_flags[i] & SLOT_FLAG_STR_KEY, mv[off : off + vlen],
-            self._c_expiry[i], self._c_prio[i],
-        )
+        args = (kb, self._c_khash[i], self._c_flags[i] & SLOT_FLAG_STR_KEY, mv[off : off + vlen],
+                self._c_expiry[i], self._c_prio[i], int(self._c_cks[i]))
+        if self._spill_bytes + vlen > SPILL_ASIDE:
+            # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
+            # holding copies of it all.
+            self._tier.spill_now(*args)  # type: ignore[union-attr]
+            return
+        sp = self._tier.begin_spill(*args)  # type: ignore[union-attr]
+        if sp is not None:
+            self._spills.append(sp)
+            self._spill_bytes += vlen
 
     def _count_eviction(self, i: int, expired: bool) -> None:
         hu64 = self._hu64
@@ -1126,7 +1188,7 @@ class Pool:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
-        r = self._locked(self._get_locked, kb, kh, None)
+        r = self._settled(self._get_locked, kb, kh, None)
         if r.__class__ is bytes:
             return r
         if r is None or r.__class__ is DiskHit:
@@ -1157,7 +1219,7 @@ class Pool:
                 raise UsageError("get_into needs a contiguous buffer")
             omv = omv.cast("B")
         kh = xxh3_64_intdigest(kb)
-        r = self._locked(self._get_locked, kb, kh, omv)
+        r = self._settled(self._get_locked, kb, kh, omv)
         if r.__class__ is int:
             return r
         if r is None or r.__class__ is DiskHit:
@@ -1198,7 +1260,7 @@ class Pool:
         """
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
-        r = self._locked(self._view_locked, kb, kh)
+        r = self._settled(self._view_locked, kb, kh)
         if r is None and self._remote is not None:
             r = None if self._from_remote(kb, kh) is None else self._locked(self._view_locked, kb, kh, False)
         elif r.__class__ is DiskHit:
@@ -1629,12 +1691,12 @@ class Pool:
 
         def select() -> list[int]:
             c = t.cols
+            if all:  # spills being written too, or they would land after the tier was emptied
+                return list(map(int, t.indexed_slots()))
             idx = t.live_slots()
             if expired:
                 e = c["expiry"][idx]
                 return list(map(int, idx[(e > 0) & (e <= self.clock())]))
-            if all:
-                return list(map(int, idx))
             idx = idx[np.argsort(c["seq"][idx], kind="stable")]  # oldest written first
             goal = target if target is not None else int(np.ceil(int(c["value_len"][idx].sum()) * percent / 100))
             sizes = np.cumsum(c["value_len"][idx].astype(np.int64))

@@ -238,15 +238,15 @@ from tests.helpers import make_value
 name, kill_at = sys.argv[1], int(sys.argv[2])
 real = disklog.DiskLog.write
 count = [0]
-def write(self, file, off, seq, key, value, *a):
+def write(self, file, off, seq, key, value, *a, **kw):
     count[0] += 1
     if count[0] == kill_at:
         # Die half-way through a record: its header is on disk, half its value is not.
-        loc = real(self, file, off, seq, key, value, *a)
+        loc = real(self, file, off, seq, key, value, *a, **kw)
         n = memoryview(value).nbytes // 2
         os.pwrite(self._fds[file][0], bytes(n), off + 64 + len(key) + n)
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, file, off, seq, key, value, *a)
+    return real(self, file, off, seq, key, value, *a, **kw)
 disklog.DiskLog.write = write
 p = Pool.open(name)
 for i in range(100, 200):
@@ -282,6 +282,146 @@ def test_sigkill_mid_spill_leaves_the_tier_consistent(make_pool, tier_dir, pool_
     finally:
         q.close()
         Pool.unlink(pool_name)
+
+
+# ---------------------------------------------------------------- spills are written outside the lock
+
+HELD_SPILLER = """
+import sys
+from cortex_cache import Pool
+from cortex_cache import disklog
+from tests.helpers import make_value
+name, hold = sys.argv[1], sys.argv[2]  # hold: "before" or "after" the record is written
+real = disklog.DiskLog.write
+def write(self, file, off, seq, key, value, *a, **kw):
+    if hold == "before":
+        print(key.decode(), flush=True)
+        sys.stdin.readline()  # held here, outside the pool lock, until the test says go
+    loc = real(self, file, off, seq, key, value, *a, **kw)
+    if hold == "after":
+        print(key.decode(), flush=True)
+        sys.stdin.readline()
+    return loc
+disklog.DiskLog.write = write
+p = Pool.open(name)
+p.put("newcomer", make_value(999, 0, 60000))  # evicts (and spills) one entry
+p.close()
+print("done", flush=True)
+"""
+
+
+def _held_spiller(p: Pool, hold: str):
+    proc = spawn_py(HELD_SPILLER, p.name, hold)
+    victim = proc.stdout.readline().decode().strip()
+    assert victim.startswith("k"), proc.stderr.read().decode()[-2000:]
+    return proc, victim
+
+
+def _go(proc) -> None:
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+
+
+def test_a_spill_is_written_outside_the_lock_and_readers_wait_for_it(make_pool, tier_dir, monkeypatch):
+    import cortex_cache.pool as pool_mod
+
+    p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
+    _fill(p, 16)  # memory is full; the next put evicts the least recently used entry
+    proc, victim = _held_spiller(p, "before")
+    try:
+        p._lock_timeout = 1.0  # the spiller is inside its disk write: the lock must be free
+        other = next(f"k{i}" for i in range(16) if f"k{i}" != victim)
+        assert check_value(p.get(other))[0] == int(other[1:])
+        assert victim in p and p.verify()["ok"]  # a spill in flight is a consistent state
+        paused = []
+
+        def pause(seconds: float) -> None:  # the reader found the spill in flight: let it finish now
+            if not paused:
+                _go(proc)
+            paused.append(seconds)
+
+        monkeypatch.setattr(pool_mod, "_spill_pause", pause)
+        monkeypatch.setattr(pool_mod, "SPILL_WAIT", 120.0)
+        assert check_value(p.get(victim)) == (int(victim[1:]), 0)  # waited, then promoted from disk
+        assert paused, "the get never met the spill in flight"
+        assert proc.stdout.readline() == b"done\n" and proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    st = p.stats()["disk"]
+    assert st["spills"] == 2 and st["hits"] == 1 and st["misses"] == 0  # the promotion spilled another
+    assert p.verify()["ok"]
+
+
+def test_a_key_deleted_while_its_spill_is_written_stays_deleted_after_a_restart(make_pool, tier_dir, pool_name):
+    p = make_pool(MEM, name=pool_name, disk_path=tier_dir, disk_size="16M")
+    _fill(p, 16)
+    proc, victim = _held_spiller(p, "before")
+    try:
+        assert p.delete(victim) is True  # the spill in flight is the key's only copy: gone now
+        _go(proc)
+        assert proc.stdout.readline() == b"done\n" and proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    assert p.get(victim) is None and victim not in p
+    st = p.stats()["disk"]
+    assert st["spills"] == 0 and st["entries"] == 0 and p.verify()["ok"]
+    p.close()
+    Pool.unlink(pool_name)
+    q = Pool.create(pool_name, MEM, disk_path=tier_dir)  # the restart scan reads every record
+    try:
+        assert q.get(victim) is None and q.stats()["disk"]["entries"] == 0
+    finally:
+        q.close()
+        Pool.unlink(pool_name)
+
+
+def test_a_spiller_killed_before_confirming_leaves_a_miss_never_a_resurrection(make_pool, tier_dir, pool_name,
+                                                                             monkeypatch):
+    import cortex_cache.pool as pool_mod
+
+    p = make_pool(MEM, name=pool_name, disk_path=tier_dir, disk_size="16M")
+    _fill(p, 20)  # 4 spills confirmed
+    proc, victim = _held_spiller(p, "after")  # its record is on disk, not confirmed
+    _kill(proc)
+    rep = p.verify()
+    assert not rep["ok"] and any("unfinished spill" in x for x in rep["problems"])
+
+    def pause(seconds: float) -> None:
+        raise AssertionError("waited for a spill whose writer is dead")
+
+    monkeypatch.setattr(pool_mod, "_spill_pause", pause)
+    assert p.get(victim) is None  # a miss at once, no error; the orphan is dropped on the way
+    assert p.stats()["disk"]["entries"] == 4 and p.verify()["ok"]
+    p.put(victim, make_value(int(victim[1:]), 1, VAL))
+    assert check_value(p.get(victim)) == (int(victim[1:]), 1)
+    p.close()
+    Pool.unlink(pool_name)
+    q = Pool.create(pool_name, MEM, disk_path=tier_dir)
+    try:
+        found = sorted(q.keys(tier="disk"))
+        # The 4 confirmed spills and the one the put above caused; never the unconfirmed record.
+        assert len(found) == 5 and victim not in found
+        for k in found:
+            assert check_value(q.get(k))[0] == int(k[1:])
+    finally:
+        q.close()
+        Pool.unlink(pool_name)
+
+
+def test_a_big_eviction_writes_in_place_beyond_what_it_may_copy_aside(make_pool, tier_dir, monkeypatch):
+    import cortex_cache.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "SPILL_ASIDE", 3 * VAL)  # 3 copies aside, the rest written in place
+    p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
+    _fill(p, 16)
+    assert p.evict(all=True) == (16, 16 * VAL)
+    st = p.stats()
+    assert st["entries"] == 0 and st["disk"]["entries"] == 16 and st["disk"]["spills"] == 16
+    for i in range(16):
+        assert check_value(p.get(f"k{i}")) == (i, 0)
+    assert p.verify()["ok"]
 
 
 WORKER = """
