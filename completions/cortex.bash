@@ -110,7 +110,7 @@ _cortex()
             create:--disk-write) _cortex_words 'back through' ;;
             status:--format) _cortex_words 'table json prometheus' ;;
             get:-o|get:--output) _cortex_files ;;
-            keys:--tier) _cortex_words 'memory disk all' ;;
+            keys:--tier) _cortex_words 'memory disk all remote' ;;
             evict:--tier) _cortex_words 'memory disk all remote' ;;
             persist:-o|persist:--output) _cortex_files ;;
             restore:-i|restore:--input) _cortex_files ;;

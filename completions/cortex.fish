@@ -143,7 +143,7 @@ complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using keys' -l prefix -x -d 'Only keys starting with this'
 complete -c cortex -n '__cortex_using keys' -l limit -x -d 'At most this many keys'
 complete -c cortex -n '__cortex_using keys' -s l -l long -d 'Show size, age, TTL, accesses and priority'
-complete -c cortex -n '__cortex_using keys' -l tier -x -a 'memory disk all' -d 'memory (default), disk (reads each key from its record), or all'
+complete -c cortex -n '__cortex_using keys' -l tier -x -a 'memory disk all remote' -d 'memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool\'s keys on the remote server, in key order)'
 complete -c cortex -n '__cortex_using keys' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using keys' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using keys' -l help -d 'Show this message and exit'

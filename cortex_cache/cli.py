@@ -89,12 +89,6 @@ class WhichTier(str, Enum):
     memory = "memory"
     disk = "disk"
     all = "all"
-
-
-class EvictTier(str, Enum):
-    memory = "memory"
-    disk = "disk"
-    all = "all"
     remote = "remote"
 
 
@@ -615,7 +609,7 @@ def keys(
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Only keys starting with this."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, metavar="N", help="At most this many keys."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
-    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default), disk (reads each key from its record), or all."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool's keys on the remote server, in key order)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -626,11 +620,15 @@ def keys(
     from .pool import Pool
 
     with Pool.open(name, lock_timeout=10) as p:
-        if tier is not WhichTier.memory and p.disk_path is None:
+        if tier in (WhichTier.disk, WhichTier.all) and p.disk_path is None:
             raise UsageError(f"pool {name!r} has no disk tier")
-        ks = p.keys(prefix=prefix, limit=limit, tier=tier.value)
-        infos = []
-        if long or as_json:
+        if tier is WhichTier.remote:
+            infos = p.remote_entries(prefix=prefix, limit=limit)
+            ks = [inf["key"] for inf in infos]
+        else:
+            ks = p.keys(prefix=prefix, limit=limit, tier=tier.value)
+            infos = []
+        if (long or as_json) and tier is not WhichTier.remote:
             for k in ks:
                 try:
                     infos.append(p.info(k))
@@ -652,7 +650,8 @@ def keys(
     for inf in infos:
         ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
         age = _fmt_age(inf.get("created") or inf.get("spilled"))
-        t.add_row(_show_key(inf["key"]), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), str(inf["priority"]))
+        prio = "-" if inf["priority"] is None else str(inf["priority"])
+        t.add_row(_show_key(inf["key"]), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), prio)
     _print_table(t)
 
 
@@ -665,7 +664,7 @@ def evict(
     key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
-    tier: EvictTier = typer.Option(EvictTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -686,7 +685,7 @@ def evict(
     if as_json:
         _print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed})
     else:
-        where = " from the remote server" if tier is EvictTier.remote else ""
+        where = " from the remote server" if tier is WhichTier.remote else ""
         _say(f"evicted {count} entries, {_fmt_size(freed)} ({freed} bytes){where}")
 
 

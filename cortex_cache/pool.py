@@ -1434,10 +1434,13 @@ class Pool:
         """Keys of live entries, oldest insert first (str keys come back as str).
 
         `tier`: "memory" (default), "disk" (read from the tier's records,
-        oldest written first) or "all" (memory, then disk-only keys).
+        oldest written first), "all" (memory, then disk-only keys) or "remote"
+        (this pool's keys on the remote server, in key order; see `remote_entries`).
         """
-        if tier not in ("memory", "disk", "all"):
-            raise UsageError(f"unknown tier {tier!r}: choose memory, disk or all")
+        if tier not in ("memory", "disk", "all", "remote"):
+            raise UsageError(f"unknown tier {tier!r}: choose memory, disk, all or remote")
+        if tier == "remote":
+            return [e["key"] for e in self.remote_entries(prefix, limit)]
         pb = key_bytes(prefix)[0] if prefix else b""
         if tier != "memory":
             mem = [] if tier == "disk" else self.keys(prefix, limit)
@@ -1462,6 +1465,18 @@ class Pool:
             return out
 
         return self._locked(collect)
+
+    def remote_entries(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """This pool's entries on the remote server (key, size, ttl_remaining), in key order.
+
+        Asks the server (a SCAN of every primary, then each record's header): UsageError without
+        a remote tier, ServiceUnavailable (69) if the server cannot be reached.
+        """
+        if self._remote is None:
+            raise UsageError(f"pool {self.name!r} has no remote tier")
+        if self._closed:
+            raise PoolClosed(f"pool {self.name!r} is closed")
+        return self._remote.entries(key_bytes(prefix)[0] if prefix else b"", limit)
 
     def __iter__(self) -> Iterator[str | bytes]:
         return iter(self.keys())

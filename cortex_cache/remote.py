@@ -370,6 +370,45 @@ class RemoteTier:
             raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.last_error}") from None
         return count, nbytes
 
+    def entries(self, prefix: bytes = b"", limit: int | None = None) -> list[dict[str, Any]]:
+        """This pool's entries on the server whose keys start with `prefix`, in key order (at most
+        `limit`): key (str or bytes, as put), size and TTL, read from each record's header.
+
+        Records that are not ours (no valid header) are left out.  Trouble raises ServiceUnavailable.
+        """
+        from .errors import ServiceUnavailable
+
+        if self.unavailable:
+            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
+        base = remote_key(self.pool_name, b"")
+        try:
+            client = self._connect()
+            names = sorted(client.scan_iter(match=_glob_escape(base + prefix) + b"*", count=1000))
+            out: list[dict[str, Any]] = []
+            for k in range(0, len(names), 500):
+                batch = names[k : k + 500]
+                pipe = client.pipeline(transaction=False)
+                for name in batch:
+                    pipe.getrange(name, 0, HEADER_SIZE - 1)
+                    pipe.pttl(name)
+                got = pipe.execute()
+                for name, head, pttl in zip(batch, got[0::2], got[1::2]):
+                    if len(head) != HEADER_SIZE:
+                        continue  # gone meanwhile, or not a record of ours
+                    magic, version, flags, n, _vcheck, kcheck = HEADER.unpack(head)
+                    kb = name[len(base):]
+                    if magic != MAGIC or version != VERSION or kcheck != xxhash.xxh3_64_intdigest(kb):
+                        continue
+                    out.append({"key": kb.decode("utf-8", "surrogateescape") if flags & 1 else kb,
+                                "tier": "remote", "size": n, "priority": None,
+                                "ttl_remaining": pttl / 1000 if pttl is not None and pttl >= 0 else None})
+                    if limit is not None and len(out) >= limit:
+                        return out
+            return out
+        except Exception as e:  # noqa: BLE001
+            self._failed(e, writer=False)
+            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.last_error}") from None
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self, flush: float = CLOSE_FLUSH) -> None:

@@ -328,3 +328,31 @@ def test_cli_evict_tier_remote_and_its_errors(make_pool, pool_name):
     plain = make_pool("1M", name=pool_name + "plain")
     r = cli("cache", "evict", plain.name, "--tier", "remote", "--all")
     assert r.returncode == 2 and b"has no remote tier" in r.stderr
+
+
+def test_keys_tier_remote_lists_the_pools_entries_on_the_server(make_pool, server, pool_name):
+    a = make_pool("8M", name=pool_name, remote=server.url)
+    neighbour = make_pool("2M", name=pool_name + "x", remote=server.url)
+    a.put("a1", b"1" * 10)
+    a.put("a2", b"2" * 20, ttl=300)
+    a.put(b"\xffbin", b"3" * 30)
+    neighbour.put("a9", b"n")
+    assert a.flush_remote(30) and neighbour.flush_remote(30)
+    server.client().set(f"cortex:1:{pool_name}:junk".encode(), b"not a record")  # not ours: left out
+    assert a.keys(tier="remote") == ["a1", "a2", b"\xffbin"]  # key order, str and bytes as put
+    assert a.keys(prefix="a", tier="remote") == ["a1", "a2"] and a.keys(limit=1, tier="remote") == ["a1"]
+    got = {e["key"]: e for e in a.remote_entries()}
+    assert [got[k]["size"] for k in ("a1", "a2", b"\xffbin")] == [10, 20, 30]
+    assert got["a1"]["ttl_remaining"] is None and 0 < got["a2"]["ttl_remaining"] <= 300
+    r = cli("cache", "keys", pool_name, "--tier", "remote", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["keys"]
+    assert [(x["key"], x["tier"], x["size"]) for x in rows][:2] == [("a1", "remote", 10), ("a2", "remote", 20)]
+    r = cli("cache", "keys", pool_name, "--tier", "remote", "--prefix", "a", "-l")
+    assert r.returncode == 0 and r.stdout.decode().count("remote") == 2
+    server.kill()
+    r = cli("cache", "keys", pool_name, "--tier", "remote")
+    assert r.returncode == 69 and len(r.stderr.splitlines()) == 1, r.stderr
+    plain = make_pool("1M", name=pool_name + "plain")
+    r = cli("cache", "keys", plain.name, "--tier", "remote")
+    assert r.returncode == 2 and b"has no remote tier" in r.stderr
