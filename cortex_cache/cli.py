@@ -622,14 +622,13 @@ def keys(
     with Pool.open(name, lock_timeout=10) as p:
         if tier in (WhichTier.disk, WhichTier.all) and p.disk_path is None:
             raise UsageError(f"pool {name!r} has no disk tier")
-        if tier is WhichTier.remote:
+        if tier is WhichTier.remote:  # the server's listing carries size and TTL already
             infos = p.remote_entries(prefix=prefix, limit=limit)
             ks = [inf["key"] for inf in infos]
         else:
             ks = p.keys(prefix=prefix, limit=limit, tier=tier.value)
             infos = []
-        if (long or as_json) and tier is not WhichTier.remote:
-            for k in ks:
+            for k in ks if long or as_json else []:
                 try:
                     infos.append(p.info(k))
                 except KeyNotFound:  # removed meanwhile

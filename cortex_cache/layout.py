@@ -74,10 +74,11 @@ DISK_ON = 1 << 0  # the pool has a disk tier
 DISK_WRITE_THROUGH = 1 << 1  # every put also goes to disk (else: write-back, on eviction)
 DISK_O_DIRECT = 1 << 2  # the tier's files are written and read with O_DIRECT
 
-# Disk slot states.
+# Remote tier flags (header field remote_flags).
 REMOTE_ON = 1 << 0  # the pool has a remote tier
 REMOTE_CLUSTER = 1 << 1  # the URL names a node of a Redis/Valkey cluster
 
+# Disk slot states.
 DFREE = 0  # unused; `next` links the free list
 DLIVE = 1  # a record on disk, indexed by its key's hashes
 DPENDING = 2  # a spill being written outside the pool lock: in the chains, not yet readable

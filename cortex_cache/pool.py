@@ -1472,11 +1472,15 @@ class Pool:
         Asks the server (a SCAN of every primary, then each record's header): UsageError without
         a remote tier, ServiceUnavailable (69) if the server cannot be reached.
         """
-        if self._remote is None:
-            raise UsageError(f"pool {self.name!r} has no remote tier")
+        return self._remote_tier().entries(key_bytes(prefix)[0] if prefix else b"", limit)
+
+    def _remote_tier(self) -> Any:
+        """The remote tier, for an operator's request; UsageError without one."""
         if self._closed:
             raise PoolClosed(f"pool {self.name!r} is closed")
-        return self._remote.entries(key_bytes(prefix)[0] if prefix else b"", limit)
+        if self._remote is None:
+            raise UsageError(f"pool {self.name!r} has no remote tier")
+        return self._remote
 
     def __iter__(self) -> Iterator[str | bytes]:
         return iter(self.keys())
@@ -1600,16 +1604,13 @@ class Pool:
 
     def _evict_remote(self, percent, nbytes, expired, keys, prefix, all) -> tuple[int, int]:
         self._check_selector(percent, nbytes, expired, keys, prefix, all)
-        if self._remote is None:
-            raise UsageError(f"pool {self.name!r} has no remote tier")
+        remote = self._remote_tier()
         if percent is not None or nbytes is not None or expired:
             raise UsageError("the remote tier evicts by --key, --prefix or --all "
                              "(the server expires and evicts by its own policy)")
-        if self._closed:
-            raise PoolClosed(f"pool {self.name!r} is closed")
         if keys is not None:
-            return self._remote.evict(keys=[key_bytes(k)[0] for k in keys])
-        return self._remote.evict(prefix=key_bytes(prefix)[0] if prefix is not None else b"")
+            return remote.evict(keys=[key_bytes(k)[0] for k in keys])
+        return remote.evict(prefix=key_bytes(prefix)[0] if prefix is not None else b"")
 
     @staticmethod
     def _check_selector(percent, nbytes, expired, keys, prefix, all) -> int | None:

@@ -61,6 +61,7 @@ MAX_QUEUE_BYTES = 256 << 20
 SOCKET_TIMEOUT = 2.0
 BACKOFF = 1.0
 CLOSE_FLUSH = 5.0  # seconds close() lets queued writes finish
+_BATCH = 500  # keys per round trip of an operator's request (evict, entries)
 
 
 def check_url(url: str) -> str:
@@ -108,15 +109,22 @@ def encode(kb: bytes, value: memoryview, flags: int) -> list:
     return [head, value]
 
 
-def decode(kb: bytes, data: bytes) -> tuple[memoryview, int, int] | None:
-    """(value, flags, xxh3_64 of the value) if `data` is a record of `kb` that checks out, else None."""
+def read_head(kb: bytes, data: bytes) -> tuple[int, int, int] | None:
+    """(flags, value length, xxh3_64 of the value) if `data` starts with a header of a record of `kb`."""
     if len(data) < HEADER_SIZE:
         return None
     magic, version, flags, n, vcheck, kcheck = HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION or n != len(data) - HEADER_SIZE:
+    if magic != MAGIC or version != VERSION or kcheck != xxhash.xxh3_64_intdigest(kb):
         return None
-    if kcheck != xxhash.xxh3_64_intdigest(kb):
+    return flags, n, vcheck
+
+
+def decode(kb: bytes, data: bytes) -> tuple[memoryview, int, int] | None:
+    """(value, flags, xxh3_64 of the value) if `data` is a record of `kb` that checks out, else None."""
+    head = read_head(kb, data)
+    if head is None or head[1] != len(data) - HEADER_SIZE:
         return None
+    flags, _, vcheck = head
     value = memoryview(data)[HEADER_SIZE:]
     if xxhash.xxh3_64_intdigest(value) != vcheck:
         return None
@@ -343,32 +351,20 @@ class RemoteTier:
         Unlike puts and gets, this answers for the server: trouble raises ServiceUnavailable (69).
         This process's queued writes are sent first, so none of them brings an evicted key back.
         """
-        from .errors import ServiceUnavailable
-
-        if self.unavailable:
-            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
         self.flush(CLOSE_FLUSH)
-        base = remote_key(self.pool_name, b"")
-        try:
-            client = self._connect()
+
+        def run(client: Any) -> tuple[int, int]:
             if keys is not None:
-                names: Any = [remote_key(self.pool_name, kb) for kb in keys]
+                names = [remote_key(self.pool_name, kb) for kb in keys]
             else:
-                names = client.scan_iter(match=_glob_escape(base + (prefix or b"")) + b"*", count=1000)
+                names = self._scan(client, prefix or b"")
             count = nbytes = 0
-            batch: list[bytes] = []
-            for name in names:
-                batch.append(name)
-                if len(batch) >= 500:
-                    c, b = _unlink_batch(client, batch)
-                    count, nbytes, batch = count + c, nbytes + b, []
-            if batch:
-                c, b = _unlink_batch(client, batch)
+            for k in range(0, len(names), _BATCH):
+                c, b = _unlink_batch(client, names[k : k + _BATCH])
                 count, nbytes = count + c, nbytes + b
-        except Exception as e:  # noqa: BLE001
-            self._failed(e, writer=False)
-            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.last_error}") from None
-        return count, nbytes
+            return count, nbytes
+
+        return self._answer(run)
 
     def entries(self, prefix: bytes = b"", limit: int | None = None) -> list[dict[str, Any]]:
         """This pool's entries on the server whose keys start with `prefix`, in key order (at most
@@ -376,35 +372,46 @@ class RemoteTier:
 
         Records that are not ours (no valid header) are left out.  Trouble raises ServiceUnavailable.
         """
-        from .errors import ServiceUnavailable
+        base_len = len(remote_key(self.pool_name, b""))
 
-        if self.unavailable:
-            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
-        base = remote_key(self.pool_name, b"")
-        try:
-            client = self._connect()
-            names = sorted(client.scan_iter(match=_glob_escape(base + prefix) + b"*", count=1000))
+        def run(client: Any) -> list[dict[str, Any]]:
+            names = sorted(self._scan(client, prefix))
             out: list[dict[str, Any]] = []
-            for k in range(0, len(names), 500):
-                batch = names[k : k + 500]
+            for k in range(0, len(names), _BATCH):
+                batch = names[k : k + _BATCH]
                 pipe = client.pipeline(transaction=False)
                 for name in batch:
                     pipe.getrange(name, 0, HEADER_SIZE - 1)
                     pipe.pttl(name)
                 got = pipe.execute()
-                for name, head, pttl in zip(batch, got[0::2], got[1::2]):
-                    if len(head) != HEADER_SIZE:
+                for name, data, pttl in zip(batch, got[0::2], got[1::2]):
+                    kb = name[base_len:]
+                    head = read_head(kb, data)
+                    if head is None:
                         continue  # gone meanwhile, or not a record of ours
-                    magic, version, flags, n, _vcheck, kcheck = HEADER.unpack(head)
-                    kb = name[len(base):]
-                    if magic != MAGIC or version != VERSION or kcheck != xxhash.xxh3_64_intdigest(kb):
-                        continue
+                    flags, n, _ = head
                     out.append({"key": kb.decode("utf-8", "surrogateescape") if flags & 1 else kb,
                                 "tier": "remote", "size": n, "priority": None,
                                 "ttl_remaining": pttl / 1000 if pttl is not None and pttl >= 0 else None})
                     if limit is not None and len(out) >= limit:
                         return out
             return out
+
+        return self._answer(run)
+
+    def _scan(self, client: Any, prefix: bytes) -> list[bytes]:
+        """Names of this pool's keys starting with `prefix` (SCAN; every primary of a cluster)."""
+        match = _glob_escape(remote_key(self.pool_name, prefix)) + b"*"
+        return list(client.scan_iter(match=match, count=1000))
+
+    def _answer(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(client)` for an operator's request: the server's trouble is ServiceUnavailable (69), counted."""
+        from .errors import ServiceUnavailable
+
+        if self.unavailable:
+            raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
+        try:
+            return fn(self._connect())
         except Exception as e:  # noqa: BLE001
             self._failed(e, writer=False)
             raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.last_error}") from None

@@ -298,6 +298,17 @@ def _exercise_open_pool(p: Pool) -> None:
         assert v is None or v == _seg_expected(k), k
 
 
+def _check_image(kind: str, buf: bytearray) -> None:
+    """Write `buf` as a fresh segment, open and use it under the watchdog, then remove it."""
+    name = _fresh_name(kind)
+    _write_segment(name, bytes(buf))
+    try:
+        with watchdog():
+            _open_and_check(name)
+    finally:
+        Pool.unlink(name)
+
+
 def _open_and_check(name: str) -> str:
     """Open pool `name` (fuzzed bytes); 'refused' or 'opened', asserting the contract either way."""
     try:
@@ -331,13 +342,7 @@ def test_damaged_segment_is_refused_or_still_correct(seg_image, data):
     edits = data.draw(segment_edits(len(image), geo))
     buf = bytearray(image)
     _apply(buf, edits)
-    name = _fresh_name("seg")
-    _write_segment(name, bytes(buf))
-    try:
-        with watchdog():
-            _open_and_check(name)
-    finally:
-        Pool.unlink(name)
+    _check_image("seg", buf)
 
 
 @settings(max_examples=200, deadline=None, database=None,
@@ -434,13 +439,7 @@ def test_known_segment_bugs(seg_image, bug):
     buf = bytearray(image)
     KNOWN_SEGMENT_BUGS[bug][0](buf, geo)
     assert known_segment_bug(buf, geo) == bug  # what the random test leaves out
-    name = _fresh_name("known")
-    _write_segment(name, bytes(buf))
-    try:
-        with watchdog():
-            _open_and_check(name)
-    finally:
-        Pool.unlink(name)
+    _check_image("known", buf)
 
 
 # ---------------------------------------------------------------------------

@@ -353,12 +353,18 @@ def test_a_spill_is_written_outside_the_lock_and_readers_wait_for_it(make_pool, 
     assert p.verify()["ok"]
 
 
-def test_a_key_deleted_while_its_spill_is_written_stays_deleted_after_a_restart(make_pool, tier_dir, pool_name):
+@pytest.mark.parametrize("how", ["delete", "evict-disk-all"])
+def test_a_key_removed_while_its_spill_is_written_stays_removed_after_a_restart(make_pool, tier_dir, pool_name,
+                                                                               how):
     p = make_pool(MEM, name=pool_name, disk_path=tier_dir, disk_size="16M")
     _fill(p, 16)
     proc, victim = _held_spiller(p, "before")
     try:
-        assert p.delete(victim) is True  # the spill in flight is the key's only copy: gone now
+        assert p.info(victim)["spilling"] is True
+        if how == "delete":
+            assert p.delete(victim) is True  # the spill in flight is the key's only copy: gone now
+        else:
+            assert p.evict(all=True, tier="disk") == (1, VAL)  # an emptied tier takes spills in flight too
         _go(proc)
         assert proc.stdout.readline() == b"done\n" and proc.wait(timeout=60) == 0
     finally:
