@@ -12,6 +12,7 @@ benchmark's full output.
   peers     cortex beside Redis (Unix socket and TCP), a naive shared-memory
             store, LMCache's CPU backend (if installed) and numpy copies
   pool      put/get/get_into against numpy copies of the same footprint
+  capacity  entries that fit in a 64 MiB pool against size / value
   scaling   get_into throughput of two reader processes against one
   eviction  put latency and throughput in a full pool against an empty one
   persist   snapshot persist/restore against plain file write/read
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "gpu", "startup"]
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -114,6 +115,12 @@ def rows_pool(d: dict) -> list:
                      r["get_gbps"] / r["copy_out_gbps"], None))
         rows.append((f"{size} put / get ops/s", f"{r['put_ops']:,.0f} / {r['get_ops']:,.0f}", "", None, None))
     return rows
+
+
+def rows_capacity(d: dict) -> list:
+    return [(f"{r['value'] // 1024} KiB values, {r['block'] // 1024} KiB blocks: entries", f"{r['entries']:,}",
+             f"ideal {r['ideal']:,}", r["ratio"], (r["ratio"] >= 0.98) if r["value"] >= r["block"] else None)
+            for r in d["rows"]]
 
 
 def rows_scaling(d: list) -> list:
@@ -200,7 +207,7 @@ def rows_startup(d: dict) -> list:
              "python -c pass", r["x_python"], None) for r in d["rows"]]
 
 
-EXTRACT = {"peers": rows_peers, "pool": rows_pool, "scaling": rows_scaling, "eviction": rows_eviction,
+EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling, "eviction": rows_eviction,
            "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv, "lmcache": rows_lmcache, "gpu": rows_gpu,
            "startup": rows_startup}
 
