@@ -60,4 +60,14 @@ def run_around(blockmap: np.ndarray, first: int, count: int, k: int) -> int:
     return lo + i if i >= 0 else -1
 
 
-__all__ = ["find_run", "run_around"]
+def largest_run(blockmap: np.ndarray) -> int:
+    """Length of the longest run of free blocks (what the largest value that fits without eviction needs)."""
+    padded = np.empty(blockmap.size + 2, dtype=np.int8)
+    padded[0] = padded[-1] = 0
+    padded[1:-1] = blockmap == 0
+    edges = np.diff(padded)
+    lengths = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+    return int(lengths.max(initial=0))
+
+
+__all__ = ["find_run", "run_around", "largest_run"]

@@ -303,6 +303,8 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
         ("size_bytes", "gauge", "Data capacity of the pool in bytes."),
         ("used_bytes", "gauge", "Bytes of blocks in use."),
         ("value_bytes", "gauge", "Bytes of stored values."),
+        ("fill_ratio", "gauge", "Value bytes per byte of blocks in use (low: blocks too large for the values)."),
+        ("largest_free_bytes", "gauge", "Bytes of the longest run of free blocks."),
         ("entries", "gauge", "Live entries."),
         ("max_entries", "gauge", "Index capacity."),
         ("blocks_total", "gauge", "Blocks in the data region."),
@@ -427,7 +429,9 @@ def status(
         t.add_column("value")
         used_pct = r["used_bytes"] / r["size_bytes"] * 100
         t.add_row("size", f"{_fmt_size(r['size_bytes'])} ({r['size_bytes']} bytes; segment {_fmt_size(r['segment_bytes'])})")
-        t.add_row("used", f"{_fmt_size(r['used_bytes'])} ({used_pct:.1f}%), values {_fmt_size(r['value_bytes'])}")
+        t.add_row("used", f"{_fmt_size(r['used_bytes'])} ({used_pct:.1f}%), values {_fmt_size(r['value_bytes'])} "
+                  f"(fill {r['fill_ratio']:.3f})")
+        t.add_row("largest run", f"{_fmt_size(r['largest_free_bytes'])} free")
         t.add_row("entries", f"{r['entries']} of {r['max_entries']}")
         t.add_row("blocks", f"{r['blocks_used']} / {r['blocks_total']} of {_fmt_size(r['block_size'])}")
         t.add_row("policy", r["policy"] + (", multi-threaded" if r["multi_threaded"] else ""))

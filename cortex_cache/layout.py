@@ -1,7 +1,7 @@
-"""Byte layout of a pool segment (format version 2).
+"""Byte layout of a pool segment (format version 3).
 
-A segment is one POSIX shared-memory object, laid out as eight regions, each
-starting on a 4096-byte boundary::
+A segment is one POSIX shared-memory object, laid out as ten regions, each
+starting on a 4096-byte boundary (docs/design.md, "Segment layout")::
 
     0             header     4096 bytes, HEADER_FIELDS below
     slots_off     slots      one column per SLOT_COLUMNS entry, n_slots values each
@@ -11,10 +11,15 @@ starting on a 4096-byte boundary::
     victims_off   victims    CANDIDATES (4096) x 32 bytes, VICTIM_COLUMNS below
     dslots_off    disk index one column per DSLOT_COLUMNS entry, n_dslots values each
     dbuckets_off  disk hash  n_dbuckets x int32: head disk slot of each chain, -1 empty
-    data_off      data       n_blocks  x block_size bytes
+    keymap_off    key map    n_kcells  x uint8: 0 free, 1 used
+    keys_off      key arena  n_kcells  x KEY_CELL bytes: the keys of the entries
+    data_off      data       n_blocks  x block_size bytes: values only
 
 The two disk-index regions are empty (n_dslots = 0) in a pool without a disk
-tier.  Version 2 added them and the tier fields of the header (from byte 384).
+tier.  Version 2 added them and the tier fields of the header (from byte 384);
+version 3 moved the keys out of the data blocks into the key arena (header
+fields from byte 624), so a value of N x block_size bytes takes exactly N
+blocks, and aligned the data region to the block size.
 
 All integers are little-endian.  The tables below are the single source of
 truth: offsets and dtypes are derived from them, and `tests/test_layout.py`
@@ -24,14 +29,18 @@ bumping FORMAT_VERSION.
 Slots are stored by column (all `state` values, then all `pins`, ...), each
 column starting on a 64-byte boundary: eviction scans a few fields of every
 slot, and reading them from contiguous columns is ~5x faster than striding
-through 136-byte records.  Column k of a pool with n slots starts at
+through 144-byte records.  Column k of a pool with n slots starts at
 `slots_off + sum(align64(n * size_j) for j < k)`.
 
-Entries.  An entry occupies a contiguous run of blocks: its value starts at
-the first block (so tensor views over it are block-aligned) and its key
-follows the value.  The slot columns are authoritative; the hash chains, the
-block map, the free-slot list, the victim list and the entry/usage counters
-are derived from them and are rebuilt by repair.
+Entries.  An entry's value occupies ceil(value_len / block_size) contiguous
+blocks (none for an empty value), starting on a block boundary, so tensor
+views over it are block-aligned and, from 4 KiB blocks up, page-aligned (what
+O_DIRECT and DMA want).  Its key occupies ceil(key_len / KEY_CELL) contiguous
+cells of the key arena, which holds KEY_BYTES_PER_SLOT bytes per slot on
+average; an entry is evicted for key room as it is for block room.  The slot
+columns are authoritative; the hash chains, the block map, the key map, the
+free-slot list, the victim list and the entry/usage counters are derived from
+them and are rebuilt by repair.
 
 Why a byte per block instead of a bit: the allocator scans the map with numpy,
 which is several times faster on bytes than on packed bits, and the map costs
@@ -54,7 +63,7 @@ if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("cortex_cache supports little-endian machines only")
 
 MAGIC = b"CORTEXKV"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 HEADER_SIZE = 4096
 PAGE = 4096
 
@@ -168,7 +177,13 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("remote_dropped", "<u8", 600),  # writes dropped: queue full, or abandoned at close
     ("remote_bytes_written", "<u8", 608),
     ("remote_bytes_read", "<u8", 616),
-    # 624..1023 reserved (zero).
+    # Key arena (format 3).
+    ("keymap_off", "<u8", 624),
+    ("keys_off", "<u8", 632),
+    ("n_kcells", "<u8", 640),  # cells of KEY_CELL bytes in the key arena
+    ("used_kcells", "<u8", 648),
+    ("key_hint", "<u8", 656),  # next-fit cursor into the key map
+    # 664..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -195,8 +210,9 @@ SLOT_COLUMNS: list[tuple[str, str]] = [
     ("lfu_epoch", "<u8"),  # epoch at which access_count was last aged
     ("priority", "<i8"),
     ("owner_start", "<u8"),  # writer's process start time (pid reuse guard)
+    ("key_cell", "<u8"),  # first cell of the key in the key arena
 ]
-SLOT_BYTES = sum(np.dtype(f).itemsize for _, f in SLOT_COLUMNS)  # 136 per slot
+SLOT_BYTES = sum(np.dtype(f).itemsize for _, f in SLOT_COLUMNS)  # 144 per slot
 
 # The shared victim list (eviction.py): CANDIDATES rows, by column.
 CANDIDATES = 4096
@@ -268,6 +284,20 @@ MIN_BLOCK_SIZE = 64
 MAX_DEFAULT_SLOTS = 1 << 20
 DEFAULT_PINS = 1024
 MAX_KEY_BYTES = 4096
+# The key arena: cells of KEY_CELL bytes, KEY_BYTES_PER_SLOT of them per slot on average
+# (a KV connector's keys are 40-150 bytes), and room for two keys of the largest size at least.
+KEY_CELL = 32
+KEY_BYTES_PER_SLOT = 256
+
+
+def key_cells(klen: int) -> int:
+    """Cells of the key arena that a key of `klen` bytes occupies."""
+    return -(-klen // KEY_CELL)
+
+
+def blocks_for(nbytes: int, block_size: int) -> int:
+    """Blocks a value of `nbytes` occupies: exactly ceil(nbytes / block_size), none for an empty value."""
+    return -(-nbytes // block_size)
 
 
 def _align(n: int, a: int = PAGE) -> int:
@@ -294,6 +324,9 @@ class Geometry:
     n_dbuckets: int = 0
     dslots_off: int = 0
     dbuckets_off: int = 0
+    n_kcells: int = 0
+    keymap_off: int = 0
+    keys_off: int = 0
 
     @property
     def data_size(self) -> int:
@@ -344,15 +377,18 @@ class Geometry:
             raise UsageError(f"invalid disk entries {disk_entries}: at most {2**31 - 2}")
         n_dbuckets = 1 << max(4, (2 * disk_entries - 1).bit_length()) if disk_entries else 0
         dbuckets_off = _align(dslots_off + columns_size(DSLOT_COLUMNS, disk_entries))
-        data_off = _align(dbuckets_off + n_dbuckets * 4)
-        # The data region starts on a block boundary when blocks are larger
-        # than a page, so huge-page-sized blocks stay aligned too.
-        data_off = _align(data_off, max(PAGE, min(block_size, 2 * 1024 * 1024)))
+        n_kcells = max(n_slots * KEY_BYTES_PER_SLOT, 2 * MAX_KEY_BYTES) // KEY_CELL
+        keymap_off = _align(dbuckets_off + n_dbuckets * 4)
+        keys_off = _align(keymap_off + n_kcells)
+        data_off = _align(keys_off + n_kcells * KEY_CELL)
+        # The data region starts on a block boundary (and a page boundary), so
+        # every value starts on one: blocks of 4 KiB and up are page-aligned.
+        data_off = _align(data_off, max(PAGE, block_size))
         segment_size = data_off + n_blocks * block_size
         return cls(
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
-            disk_entries, n_dbuckets, dslots_off, dbuckets_off,
+            disk_entries, n_dbuckets, dslots_off, dbuckets_off, n_kcells, keymap_off, keys_off,
         )
 
     @classmethod
@@ -363,6 +399,7 @@ class Geometry:
             int(h["n_pins"]), int(h["slots_off"]), int(h["buckets_off"]), int(h["blockmap_off"]),
             int(h["pins_off"]), int(h["victims_off"]), int(h["data_off"]), int(h["segment_size"]),
             int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
+            int(h["n_kcells"]), int(h["keymap_off"]), int(h["keys_off"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -392,7 +429,11 @@ class Geometry:
                 (self.dslots_off, columns_size(DSLOT_COLUMNS, self.n_dslots)),
                 (self.dbuckets_off, self.n_dbuckets * 4),
             ]
+        if not 2 * MAX_KEY_BYTES // KEY_CELL <= self.n_kcells <= 1 << 40:
+            return "bad key arena size"
         regions += [
+            (self.keymap_off, self.n_kcells),
+            (self.keys_off, self.n_kcells * KEY_CELL),
             (self.data_off, self.n_blocks * bs),
         ]
         end = HEADER_SIZE
@@ -400,6 +441,8 @@ class Geometry:
             if off < end or off % PAGE:
                 return "regions overlap or are misaligned"
             end = off + length
+        if self.data_off % bs:
+            return "regions overlap or are misaligned"
         if end != self.segment_size or self.segment_size != file_size:
             return f"segment is {file_size} bytes but its header describes {self.segment_size}"
         return None
@@ -407,7 +450,8 @@ class Geometry:
 
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
-    "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE",
+    "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE", "KEY_CELL", "key_cells",
+    "blocks_for",
     "DSLOT_COLUMNS", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 
@@ -441,6 +485,7 @@ H_CAND_NEXT_EXPIRY, H_CAND_MAX_PRIMARY, H_CAND_MAX_SECONDARY, H_CAND_EPOCH = (
     for n in ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "hits", "misses", "puts", "deletes",
               "evictions", "expirations", "bytes_evicted", "repairs", "lfu_epoch", "lfu_period", "ops")
 )
+H_USED_KCELLS, H_KEY_HINT = (_word(HEADER_FIELDS, n, 8) for n in ("used_kcells", "key_hint"))
 H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
 (H_DFREE_SLOT, H_DISK_ENTRIES, H_DISK_VALUE_BYTES, H_DISK_HITS, H_DISK_MISSES, H_DISK_SPILLS,
  H_DISK_PROMOTIONS, H_DISK_BYTES_WRITTEN, H_DISK_BYTES_READ, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ERRORS,

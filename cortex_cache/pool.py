@@ -27,7 +27,7 @@ import xxhash
 from xxhash import xxh3_64_intdigest
 
 from . import procs, segment
-from .allocator import find_run, run_around
+from .allocator import find_run, largest_run, run_around
 from .disklog import CORRUPT, DiskLog, Found
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, check_disk_path, default_disk_entries, key_hash2, open_log
 from .errors import (
@@ -48,6 +48,7 @@ from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_
 from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
+    H_KEY_HINT, H_USED_KCELLS, KEY_CELL, blocks_for, key_cells,
     H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS,
     DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, REMOTE_CLUSTER, REMOTE_ON,
     P32, P64, P_PID, P_SLOT, P_START,
@@ -300,8 +301,13 @@ class Pool:
         self._pu32, self._pi32, self._pu64 = pins_mv.cast("I"), pins_mv.cast("i"), pins_mv.cast("Q")
         self._bkt = mv[g.buckets_off : g.buckets_off + g.n_buckets * 4].cast("i")
         self._bmap = mv[g.blockmap_off : g.blockmap_off + g.n_blocks]
+        # The key arena (docs/design.md, "Keys"): its cell map, like the block map, and its cells.
+        self._kmap = mv[g.keymap_off : g.keymap_off + g.n_kcells]
+        self._keymap = np.frombuffer(mm, np.uint8, g.n_kcells, g.keymap_off)
+        self._keys_off, self._n_kcells = g.keys_off, g.n_kcells
+        self._c_kcell = views["key_cell"]
         self._typed_views = [*views.values(), hdr_mv, pins_mv, self._hu64, self._hi64, self._hu32,
-                             self._pu32, self._pi32, self._pu64, self._bkt, self._bmap]
+                             self._pu32, self._pi32, self._pu64, self._bkt, self._bmap, self._kmap]
         flags = int(self._h.flags[0])
         if multi_threaded is None:
             multi_threaded = bool(flags & FLAG_MULTI_THREADED)
@@ -482,7 +488,7 @@ class Pool:
         h["header_size"] = HEADER_SIZE
         for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins",
                   "slots_off", "buckets_off", "blockmap_off", "pins_off", "victims_off", "data_off",
-                  "n_dslots", "n_dbuckets", "dslots_off", "dbuckets_off"):
+                  "n_dslots", "n_dbuckets", "dslots_off", "dbuckets_off", "n_kcells", "keymap_off", "keys_off"):
             h[f] = getattr(geo, f)
         h["policy"] = POLICY_IDS.index(policy)
         h["flags"] = (FLAG_MULTI_THREADED if multi_threaded else 0) | (FLAG_RESERVED if reserve else 0)
@@ -703,13 +709,7 @@ class Pool:
             -(2**63) <= priority < 2**63
         ):
             raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
-        vlen, klen = vb.nbytes, len(kb)
-        nblk = max(1, -(-(vlen + klen) // self._bs))
-        if nblk > self._n_blocks:
-            raise ValueTooLarge(
-                f"value of {format_size(vlen)} does not fit in pool {self.name!r} "
-                f"({format_size(self.geometry.data_size)})"
-            )
+        nblk = self._blocks_or_raise(vb.nbytes)
         kh = xxh3_64_intdigest(kb)
         flags = SLOT_FLAG_STR_KEY if is_str else 0
         self._put_local(kb, kh, flags, vb, nblk, ttl, int(priority))
@@ -718,7 +718,7 @@ class Pool:
 
     def _put_local(self, kb, kh, flags, vb, nblk, ttl, priority, checksum: int | None = None) -> None:
         """Store in memory (and, write-through, on disk); `checksum`: the value's xxh3_64 if already known."""
-        vlen, klen = vb.nbytes, len(kb)
+        vlen = vb.nbytes
         t = self._tier
         if t is not None and t.write_through:
             self._put_through(kb, kh, flags, vb, nblk, ttl, int(priority))
@@ -740,7 +740,6 @@ class Pool:
                     mv[off + c : off + c + len(chunk)] = chunk
                     hasher.update(chunk)
                 checksum = hasher.intdigest()
-            mv[off + vlen : off + vlen + klen] = kb
         except BaseException:
             self._locked(self._abort, i)
             raise
@@ -760,7 +759,6 @@ class Pool:
             i, off = self._locked(self._reserve_entry, kb, flags, vlen, nblk, kh)
             try:
                 self._mv[off : off + vlen] = vb
-                self._mv[off + vlen : off + vlen + len(kb)] = kb
             except BaseException:
                 self._locked(self._abort, i)
                 raise
@@ -800,17 +798,21 @@ class Pool:
         if not isinstance(priority, (int, np.integer)) or not -(2**63) <= priority < 2**63:
             raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
         nbytes = int(nbytes)
-        nblk = max(1, -(-(nbytes + len(kb)) // self._bs))
-        if nblk > self._n_blocks:
-            raise ValueTooLarge(
-                f"value of {format_size(nbytes)} does not fit in pool {self.name!r} "
-                f"({format_size(self.geometry.data_size)})"
-            )
+        nblk = self._blocks_or_raise(nbytes)
         kh = xxh3_64_intdigest(kb)
         flags = SLOT_FLAG_STR_KEY if is_str else 0
         i, off = self._locked(self._reserve_entry, kb, flags, nbytes, nblk, kh)
-        self._mv[off + nbytes : off + nbytes + len(kb)] = kb
         return EntryWriter(self, i, kb, kh, flags, off, nbytes, ttl, int(priority))
+
+    def _blocks_or_raise(self, vlen: int, what: str = "value") -> int:
+        """Blocks a value of `vlen` bytes occupies (layout.blocks_for); ValueTooLarge beyond the pool."""
+        nblk = blocks_for(vlen, self._bs)
+        if nblk > self._n_blocks:
+            raise ValueTooLarge(
+                f"{what} of {format_size(vlen)} does not fit in pool {self.name!r} "
+                f"({format_size(self.geometry.data_size)})"
+            )
+        return nblk
 
     def _data_region(self) -> tuple[int, int]:
         """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
@@ -834,10 +836,7 @@ class Pool:
         if old >= 0:
             self._remove(old)
         off = self._reserve(kb, flags, vb.nbytes, nblk, kh)
-        vlen = vb.nbytes
-        mv = self._mv
-        mv[off : off + vlen] = vb
-        mv[off + vlen : off + vlen + len(kb)] = kb
+        self._mv[off : off + vb.nbytes] = vb
         if rec is None:
             self._seal(self._reserved_slot, kb, kh, checksum, ttl, priority, False, disk)
         else:
@@ -849,13 +848,22 @@ class Pool:
         Returns the data offset; the slot is left in `self._reserved_slot`.
         """
         i = self._alloc_slot()
+        klen = len(kb)
         try:
-            first = self._alloc_blocks(nblk)
+            kcell = self._alloc_kcells(key_cells(klen))
+            try:
+                first = self._alloc_blocks(nblk)
+            except BaseException:
+                self._free_kcells(kcell, klen)
+                raise
         except BaseException:
             self._free_slot(i)
             raise
+        koff = self._keys_off + kcell * KEY_CELL
+        self._mv[koff : koff + klen] = kb
         pid, start = procs.me()
-        self._c_klen[i] = len(kb)
+        self._c_kcell[i] = kcell
+        self._c_klen[i] = klen
         self._c_flags[i] = flags
         self._c_pins[i] = 0
         self._c_opid[i] = pid
@@ -930,8 +938,7 @@ class Pool:
 
     def _abort(self, i: int) -> None:
         if self._c_state[i] == WRITING:
-            self._free_blocks(i)
-            self._free_slot(i)
+            self._free_entry(i)
 
     def _tick(self) -> int:
         """Count one put or hit; return the LFU epoch after it."""
@@ -948,7 +955,7 @@ class Pool:
         hi64 = self._hi64
         i = hi64[H_FREE_SLOT]
         while i < 0:
-            if not self._evict_one():
+            if self._evict_one() is None:
                 raise PoolFull(
                     f"pool {self.name!r} has no free entry slot ({self.geometry.n_slots} max entries) "
                     "and nothing can be evicted"
@@ -981,58 +988,89 @@ class Pool:
             # skip the scan and go straight to eviction.
             first = find_run(self._map, k, hint) if hu64[H_USED_BLOCKS] + k <= self._n_blocks else -1
             while first < 0:
-                victim = self._evict_one(want_blocks=k)
-                if victim is None:
+                freed = self._evict_one()
+                if freed is None:
                     raise PoolFull(
                         f"pool {self.name!r} is full: no run of {k} free blocks, "
                         "and every entry is pinned, being written, or already evicted"
                     )
-                first = victim
+                vfirst, vn = freed
+                # The victim's own run is enough when it is as long (the common
+                # case of equal-sized KV chunks); else look at its neighbours.
+                if vn >= k:
+                    first = vfirst
+                elif vn > 0:
+                    first = run_around(self._map, vfirst, vn, k)
+                else:
+                    first = find_run(self._map, k, 0)
         bmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
         hu64[H_USED_BLOCKS] += k
         nxt = first + k
         hu64[H_ALLOC_HINT] = nxt if nxt < self._n_blocks else 0
         return first
 
-    def _free_blocks(self, i: int) -> None:
+    def _alloc_kcells(self, k: int) -> int:
+        """First cell of a run of `k` free cells of the key arena, evicting for room (as `_alloc_blocks`)."""
+        hu64 = self._hu64
+        hint = hu64[H_KEY_HINT]
+        kmap = self._kmap
+        if hint + k <= self._n_kcells and kmap[hint : hint + k] == bytes(k):
+            first = hint
+        else:
+            first = find_run(self._keymap, k, hint)
+            while first < 0:
+                if self._evict_one() is None:
+                    raise PoolFull(
+                        f"pool {self.name!r} is full: no room for a key of {k * KEY_CELL} bytes, "
+                        "and every entry is pinned, being written, or already evicted"
+                    )
+                first = find_run(self._keymap, k, 0)
+        kmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
+        hu64[H_USED_KCELLS] += k
+        nxt = first + k
+        hu64[H_KEY_HINT] = nxt if nxt < self._n_kcells else 0
+        return first
+
+    def _free_kcells(self, first: int, klen: int) -> None:
+        k = key_cells(klen)
+        self._kmap[first : first + k] = bytes(k)
+        self._hu64[H_USED_KCELLS] -= k
+        self._hu64[H_KEY_HINT] = first
+
+    def _free_entry(self, i: int) -> None:
+        """Give slot `i`'s blocks, key cells and the slot itself back."""
         first, n = self._c_first[i], self._c_nblk[i]
         self._bmap[first : first + n] = bytes(n)
         self._hu64[H_USED_BLOCKS] -= n
         # Reuse freed blocks first: they are likely still in the CPU cache.
         self._hu64[H_ALLOC_HINT] = first
+        self._free_kcells(self._c_kcell[i], self._c_klen[i])
+        self._free_slot(i)
 
-    def _evict_one(self, want_blocks: int = 0) -> Any:
-        """Evict one victim by policy (expired entries first).
+    def _evict_one(self) -> tuple[int, int] | None:
+        """Evict one victim by policy (expired entries first), or reclaim what dead processes left.
 
-        With `want_blocks`, return the start of a free run of that many blocks
-        that the eviction opened (or -1 when it opened none yet), and None when
-        nothing can be evicted.  Without, return True/False.
+        Returns the run of blocks freed, (first, count) -- count 0 when dead
+        processes' leftovers were reclaimed, wherever they were -- or None when
+        nothing could be freed.
         """
         i, expired = self._victims.next_victim()
         if i < 0:
-            if not self._reap_dead():
-                return None if want_blocks else False
-            if want_blocks:
-                return find_run(self._map, want_blocks, 0)
-            return self._hi64[H_FREE_SLOT] >= 0
+            return (0, 0) if self._reap_dead() else None
         first, n = self._c_first[i], self._c_nblk[i]
         self._count_eviction(i, expired)
         if self._tier is not None and not expired:
             self._spill(i)
         self._remove(i)
-        if want_blocks:
-            # The victim's own run is enough when it is as long (the common
-            # case of equal-sized KV chunks); else look at its neighbours.
-            return first if n >= want_blocks else run_around(self._map, first, n, want_blocks)
-        return True
+        return first, n
 
     def _spill(self, i: int) -> None:
         """Begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are copied
         aside and its disk entry made PENDING here; `_locked` writes it after letting the lock go."""
-        vlen, klen = self._c_vlen[i], self._c_klen[i]
+        vlen = self._c_vlen[i]
         off = self._data_off + self._c_first[i] * self._bs
         mv = self._mv
-        kb = mv[off + vlen : off + vlen + klen].tobytes()
+        kb = self._key_bytes(i)
         args = (kb, self._c_khash[i], self._c_flags[i] & SLOT_FLAG_STR_KEY, mv[off : off + vlen],
                 self._c_expiry[i], self._c_prio[i], int(self._c_cks[i]))
         if self._spill_bytes + vlen > SPILL_ASIDE:
@@ -1062,7 +1100,7 @@ class Pool:
         steps = 0
         while i >= 0:
             if self._c_khash[i] == kh and self._c_klen[i] == klen:
-                off = self._data_off + self._c_first[i] * self._bs + self._c_vlen[i]
+                off = self._keys_off + self._c_kcell[i] * KEY_CELL
                 if self._mv[off : off + klen] == kb:
                     return i
             i = self._c_next[i]
@@ -1092,8 +1130,7 @@ class Pool:
         if self._c_pins[i]:
             self._c_state[i] = ZOMBIE
         else:
-            self._free_blocks(i)
-            self._free_slot(i)
+            self._free_entry(i)
 
     def _expired(self, i: int) -> bool:
         e = self._c_expiry[i]
@@ -1160,8 +1197,7 @@ class Pool:
             self._c_pins[i] = pins
         if pins == 0:
             if self._c_state[i] == ZOMBIE:
-                self._free_blocks(i)
-                self._free_slot(i)
+                self._free_entry(i)
             elif self._c_state[i] == SEALED:
                 self._victims.on_unpin(i)
 
@@ -1287,7 +1323,7 @@ class Pool:
         value, flags, checksum = got
         if room is not None and value.nbytes > room:
             raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {value.nbytes} bytes")
-        nblk = max(1, -(-(value.nbytes + len(kb)) // self._bs))
+        nblk = blocks_for(value.nbytes, self._bs)
         promoted = 0
         if nblk <= self._n_blocks:
             try:
@@ -1331,7 +1367,7 @@ class Pool:
     def _promote(self, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
         """Copy a value read from disk back into memory (if it is still the current one)."""
         vlen = len(found.value)
-        nblk = max(1, -(-(vlen + len(kb)) // self._bs))
+        nblk = blocks_for(vlen, self._bs)
         if vlen <= COPY_IN_LOCK or nblk > self._n_blocks:
             self._locked(self._promote_locked, kb, kh, hit, found, nblk, True)
             return
@@ -1341,7 +1377,6 @@ class Pool:
         i, off = r
         try:
             self._mv[off : off + vlen] = found.value
-            self._mv[off + vlen : off + vlen + len(kb)] = kb
         except BaseException:
             self._locked(self._abort, i)
             raise
@@ -1362,9 +1397,7 @@ class Pool:
         i = self._reserved_slot
         if not copy_now:
             return i, off
-        vlen = len(found.value)
-        self._mv[off : off + vlen] = found.value
-        self._mv[off + vlen : off + vlen + len(kb)] = kb
+        self._mv[off : off + len(found.value)] = found.value
         self._seal(i, kb, kh, found.checksum, None, found.priority, False, hit, found.expiry)
         return None
 
@@ -1421,9 +1454,13 @@ class Pool:
         """Number of live (sealed, unexpired) entries."""
         return int(self._locked(lambda: int(np.count_nonzero(self._live_mask()))))
 
+    def _key_bytes(self, i: int) -> bytes:
+        """The key of slot `i`, from the key arena."""
+        off = self._keys_off + int(self._c_kcell[i]) * KEY_CELL
+        return self._mv[off : off + int(self._c_klen[i])].tobytes()
+
     def _key_of(self, i: int) -> str | bytes:
-        off = self._data_off + int(self._first[i]) * self._bs + int(self._vlen[i])
-        kb = bytes(self._mv[off : off + int(self._klen[i])])
+        kb = self._key_bytes(i)
         if int(self._sflags[i]) & SLOT_FLAG_STR_KEY:
             return kb.decode("utf-8", "surrogateescape")
         return kb
@@ -1741,6 +1778,8 @@ class Pool:
         g = self.geometry
         sealed = self._state == SEALED
         hits, misses = int(h["hits"]), int(h["misses"])
+        used = int(h["used_blocks"]) * g.block_size
+        value_bytes = int(self._vlen[sealed].sum())
         st = self._seg.stat()
         last = float(h["last_snapshot"])
         return {
@@ -1754,8 +1793,15 @@ class Pool:
             "block_size": g.block_size,
             "blocks_total": g.n_blocks,
             "blocks_used": int(h["used_blocks"]),
-            "used_bytes": int(h["used_blocks"]) * g.block_size,
-            "value_bytes": int(self._vlen[sealed].sum()),
+            "used_bytes": used,
+            "value_bytes": value_bytes,
+            # How well the blocks are used: value bytes per allocated byte (1.0 when every value
+            # fills its blocks; low when the block size is too large for the values), and the
+            # longest run of free blocks (the largest value that fits without an eviction).
+            "fill_ratio": value_bytes / used if used else 1.0,
+            "largest_free_bytes": largest_run(self._map) * g.block_size,
+            "key_arena_bytes": g.n_kcells * KEY_CELL,
+            "key_arena_used_bytes": int(h["used_kcells"]) * KEY_CELL,
             "entries": int(h["n_entries"]),
             "max_entries": g.n_slots,
             "hits": hits,
@@ -1844,7 +1890,7 @@ class Pool:
                 continue
             vlen, klen = self._c_vlen[i], self._c_klen[i]
             off = self._data_off + self._c_first[i] * self._bs
-            key = self._mv[off + vlen : off + vlen + klen].tobytes()
+            key = self._key_bytes(i)
             age = epoch - self._c_lfuep[i]
             head = REC_HEAD.pack(
                 REC_MAGIC, klen, self._c_flags[i], 0, vlen, self._c_created[i], self._c_lastacc[i],
@@ -1865,10 +1911,8 @@ class Pool:
     def _restore_entry(self, rec: Any, base: int) -> None:
         """Insert one snapshot record with its metadata (like put, outside-lock copy for large values)."""
         kb, vb = rec.key, rec.value
-        vlen, klen = len(vb), len(kb)
-        nblk = max(1, -(-(vlen + klen) // self._bs))
-        if nblk > self._n_blocks:
-            raise ValueTooLarge(f"snapshot entry of {format_size(vlen)} does not fit in pool {self.name!r}")
+        vlen = len(vb)
+        nblk = self._blocks_or_raise(vlen, "snapshot entry")
         kh = xxh3_64_intdigest(kb)
         flags = rec.flags & SLOT_FLAG_STR_KEY
         if vlen <= COPY_IN_LOCK:
@@ -1881,7 +1925,6 @@ class Pool:
             done = 0
             while done < vlen:
                 done += os.pwrite(self._seg.fd, vb[done:], off + done)
-            self._mv[off + vlen : off + vlen + klen] = kb
         except BaseException:
             self._locked(self._abort, i)
             raise
@@ -1924,13 +1967,11 @@ class Pool:
                 if 0 <= i < self._n_slots and self._pins[i] > 0:
                     self._pins[i] -= 1
                     if self._pins[i] == 0 and self._state[i] == ZOMBIE:
-                        self._free_blocks(i)
-                        self._free_slot(i)
+                        self._free_entry(i)
                         freed = True
         for i in map(int, np.flatnonzero(self._state == WRITING)):
             if not alive(int(self._opid[i]), int(self._ostart[i])):
-                self._free_blocks(i)
-                self._free_slot(i)
+                self._free_entry(i)
                 freed = True
         if freed:
             self._victims.invalidate()
@@ -2036,8 +2077,13 @@ def _validate(seg: segment.Segment) -> None:
         raise SegmentCorrupt(f"segment of pool {seg.name!r} is not a cortex pool")
     version = int(h["version"])
     if version != FORMAT_VERSION:
+        advice = (
+            "persist it with the cortex_cache that made it (`cortex cache persist`), delete it, and "
+            "`cortex cache restore` it with this one" if version < FORMAT_VERSION else "use a newer cortex_cache"
+        )
         raise IncompatibleVersion(
-            f"pool {seg.name!r} has format version {version}; this cortex_cache reads version {FORMAT_VERSION}"
+            f"pool {seg.name!r} has segment format version {version}; this cortex_cache reads version "
+            f"{FORMAT_VERSION}: {advice}"
         )
     if int(h["header_size"]) != HEADER_SIZE:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header (header size)")

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from . import procs
-from .layout import FREE, H_DISK_CORRUPT, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
+from .layout import FREE, H_DISK_CORRUPT, KEY_CELL, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -46,8 +46,12 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     used = np.flatnonzero(state != FREE)
     first, nblk = s["first_block"][used], s["n_blocks"][used]
     vlen, klen = s["value_len"][used], s["key_len"][used].astype(np.uint64)
-    ok = (nblk >= 1) & (nblk <= n_blocks) & (first <= n_blocks - np.minimum(nblk, n_blocks))
-    ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (vlen <= nblk * np.uint64(bs) - np.minimum(klen, nblk * np.uint64(bs)))
+    kcell, n_kcells = s["key_cell"][used], np.uint64(pool._n_kcells)
+    ok = (nblk <= n_blocks) & (first <= n_blocks - np.minimum(nblk, n_blocks))
+    # A value fills exactly ceil(value_len / block_size) blocks (layout.blocks_for).
+    ok &= (vlen <= nblk * np.uint64(bs)) & (vlen + np.uint64(bs) > nblk * np.uint64(bs))
+    kn = (klen + np.uint64(KEY_CELL - 1)) // np.uint64(KEY_CELL)
+    ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (kcell <= n_kcells - np.minimum(kn, n_kcells))
     if not ok.all():
         problems.append(f"{int((~ok).sum())} entr(y/ies) with impossible size or position dropped")
         state[used[~ok]] = FREE
@@ -76,26 +80,14 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         problems.append(f"{zombies.size} deleted entr(y/ies) whose readers are gone freed")
         state[zombies] = FREE
 
-    # Overlapping runs: keep the most recently inserted entry of each clash.
-    used = np.flatnonzero(state != FREE)
-    order = used[np.argsort(s["first_block"][used], kind="stable")]
-    starts = s["first_block"][order].astype(np.int64)
-    ends = starts + s["n_blocks"][order].astype(np.int64)
-    clash = 0
-    last = -1
-    for k in range(order.size):
-        i = int(order[k])
-        if last >= 0 and starts[k] < int(s["first_block"][last]) + int(s["n_blocks"][last]):
-            loser = i if int(s["insert_seq"][i]) < int(s["insert_seq"][last]) else last
-            state[loser] = FREE
-            clash += 1
-            if loser == last:
-                last = i
-        else:
-            last = i
+    # Overlapping runs of blocks or of key cells: keep the most recently inserted entry of each clash.
+    n_kcells = pool._n_kcells
+    key_len = s["key_len"].astype(np.int64)
+    kcells = (key_len + KEY_CELL - 1) // KEY_CELL
+    clash = _drop_overlaps(state, s["first_block"].astype(np.int64), s["n_blocks"].astype(np.int64), s["insert_seq"])
+    clash += _drop_overlaps(state, s["key_cell"].astype(np.int64), kcells, s["insert_seq"])
     if clash:
         problems.append(f"{clash} entr(y/ies) overlapping another dropped")
-    del starts, ends
 
     # Duplicate keys among sealed entries: keep the newest.
     sealed = np.flatnonzero(state == SEALED)
@@ -122,14 +114,14 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
 
     # Derived structures, rebuilt from the surviving slots.
     used = np.flatnonzero(state != FREE)
-    cover = np.zeros(n_blocks + 1, dtype=np.int64)
-    np.add.at(cover, s["first_block"][used].astype(np.int64), 1)
-    np.add.at(cover, (s["first_block"][used] + s["n_blocks"][used]).astype(np.int64), -1)
-    blockmap = (np.cumsum(cover[:-1]) > 0).astype(np.uint8)
-    leaked = int(np.count_nonzero(pool._map.astype(bool) & ~blockmap.astype(bool)))
-    lost = int(np.count_nonzero(~pool._map.astype(bool) & blockmap.astype(bool)))
-    if leaked or lost:
-        problems.append(f"block map out of step: {leaked} leaked block(s), {lost} in use but marked free")
+    blockmap = _coverage(n_blocks, s["first_block"][used].astype(np.int64), s["n_blocks"][used].astype(np.int64))
+    keymap = _coverage(n_kcells, s["key_cell"][used].astype(np.int64), kcells[used])
+    for what, built, cur in (("block", blockmap, pool._map), ("key", keymap, pool._keymap)):
+        leaked = int(np.count_nonzero(cur.astype(bool) & ~built.astype(bool)))
+        lost = int(np.count_nonzero(~cur.astype(bool) & built.astype(bool)))
+        if leaked or lost:
+            unit = "block(s)" if what == "block" else "key cell(s)"
+            problems.append(f"{what} map out of step: {leaked} leaked {unit}, {lost} in use but marked free")
 
     sealed = np.flatnonzero(state == SEALED)
     free = np.flatnonzero(state == FREE).astype(np.int32)
@@ -142,6 +134,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         if not problems and not _free_list_ok(int(h.free_slot[0]), s["state"], s["next"]):
             problems.append("free-slot list out of step with the entries")
     counts_ok = int(h.n_entries[0]) == sealed.size and int(h.used_blocks[0]) == int(blockmap.sum())
+    counts_ok &= int(h.used_kcells[0]) == int(keymap.sum())
     if not counts_ok and not problems:
         problems.append("entry or block counters out of step")
 
@@ -156,12 +149,15 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         ppid[~keep_pin] = 0
         pslot[~keep_pin] = -1
         pool._map[:] = blockmap
+        pool._keymap[:] = keymap
         pool._buckets[:] = buckets
         s["next"][:] = nxt
         h.free_slot[0] = int(free[0]) if free.size else -1
         h.n_entries[0] = sealed.size
         h.used_blocks[0] = int(blockmap.sum())
         h.alloc_hint[0] = 0
+        h.used_kcells[0] = int(keymap.sum())
+        h.key_hint[0] = 0
         h.cand_valid[0] = 0
     return problems
 
@@ -202,6 +198,32 @@ def _header_sanity(pool: "Pool", fix: bool) -> list[str]:
             s["lfu_epoch"][ahead] = epoch
             s["access_count"][huge] = 1
     return problems
+
+
+def _drop_overlaps(state: np.ndarray, starts: np.ndarray, lengths: np.ndarray, iseq: np.ndarray) -> int:
+    """Free (in `state`) the older entry of each pair whose runs [start, start + length) overlap; how many."""
+    used = np.flatnonzero((state != FREE) & (lengths > 0))  # an empty run overlaps nothing
+    order = used[np.argsort(starts[used], kind="stable")]
+    clash = 0
+    last = -1
+    for i in map(int, order):
+        if last >= 0 and starts[i] < starts[last] + lengths[last]:
+            loser = i if int(iseq[i]) < int(iseq[last]) else last
+            state[loser] = FREE
+            clash += 1
+            if loser == last:
+                last = i
+        else:
+            last = i
+    return clash
+
+
+def _coverage(n: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A map of `n` cells, 1 where one of the runs [start, start + length) lies."""
+    cover = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(cover, starts, 1)
+    np.add.at(cover, starts + lengths, -1)
+    return (np.cumsum(cover[:-1]) > 0).astype(np.uint8)
 
 
 def _free_list_ok(head: int, state: np.ndarray, nxt: np.ndarray) -> bool:
@@ -253,8 +275,7 @@ def chain_members(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
 
 
 def _raw_key(pool: "Pool", i: int) -> bytes:
-    off = pool._data_off + int(pool._first[i]) * pool._bs + int(pool._vlen[i])
-    return bytes(pool._mv[off : off + int(pool._klen[i])])
+    return pool._key_bytes(i)
 
 
 def repair(pool: "Pool") -> list[str]:

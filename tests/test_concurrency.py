@@ -109,7 +109,7 @@ def test_sigkill_mid_put_leaves_no_visible_entry_and_no_leak(make_pool):
         from cortex_cache import Pool
         p = Pool.open({p.name!r})
         # Reserve room for a 1 MiB value, copy half of it, then stop mid-copy.
-        off = p._locked(p._reserve, b"victim", 0, 1 << 20, 257, 12345)
+        off = p._locked(p._reserve, b"victim", 0, 1 << 20, 256, 12345)
         p._mv[off : off + (1 << 19)] = b"\\xab" * (1 << 19)
         print("mid-copy", flush=True)
         sys.stdin.read()

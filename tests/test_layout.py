@@ -8,9 +8,10 @@ import pytest
 from cortex_cache import layout
 from cortex_cache.layout import Geometry
 
-# Frozen copy of format version 2 (2 added the disk and remote tiers' header fields and the disk index).  If this test fails you changed the bytes
+# Frozen copy of format version 3 (2 added the disk and remote tiers' header fields and the disk index;
+# 3 moved the keys into their own arena, so values fill exactly their blocks).  If this test fails you changed the bytes
 # of the segment: bump FORMAT_VERSION and update this table on purpose.
-FROZEN_VERSION = 2
+FROZEN_VERSION = 3
 FROZEN_HEADER = [
     ("magic", "S8", 0), ("version", "<u4", 8), ("header_size", "<u4", 12), ("segment_size", "<u8", 16),
     ("block_size", "<u8", 24), ("n_blocks", "<u8", 32), ("n_slots", "<u8", 40), ("n_buckets", "<u8", 48),
@@ -35,14 +36,15 @@ FROZEN_HEADER = [
     ("remote_hits", "<u8", 544), ("remote_misses", "<u8", 552), ("remote_promotions", "<u8", 560),
     ("remote_errors", "<u8", 568), ("remote_corrupt", "<u8", 576), ("remote_sent", "<u8", 584),
     ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
-    ("remote_bytes_read", "<u8", 616), ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
+    ("remote_bytes_read", "<u8", 616), ("keymap_off", "<u8", 624), ("keys_off", "<u8", 632),
+    ("n_kcells", "<u8", 640), ("used_kcells", "<u8", 648), ("key_hint", "<u8", 656), ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
     ("state", "<u4"), ("pins", "<u4"), ("key_len", "<u4"), ("flags", "<u4"), ("owner_pid", "<u4"),
     ("next", "<i4"), ("key_hash", "<u8"), ("value_len", "<u8"), ("first_block", "<u8"), ("n_blocks", "<u8"),
     ("checksum", "<u8"), ("created", "<f8"), ("last_access", "<f8"), ("expiry", "<f8"), ("insert_seq", "<u8"),
     ("access_seq", "<u8"), ("access_count", "<u8"), ("lfu_epoch", "<u8"), ("priority", "<i8"),
-    ("owner_start", "<u8"),
+    ("owner_start", "<u8"), ("key_cell", "<u8"),
 ]
 FROZEN_VICTIM_COLUMNS = [("slot", "<i4"), ("pad", "<i4"), ("ident", "<u8"), ("primary", "<f8"), ("secondary", "<u8")]
 FROZEN_DSLOT_COLUMNS = [
@@ -61,7 +63,7 @@ def test_layout_matches_frozen_format():
     assert layout.VICTIM_COLUMNS == FROZEN_VICTIM_COLUMNS
     assert layout.PIN_FIELDS == FROZEN_PIN
     assert layout.DSLOT_COLUMNS == FROZEN_DSLOT_COLUMNS
-    assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 136, 16, 4096)
+    assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 144, 16, 4096)
     assert layout.DSLOT_BYTES == 96
 
 
@@ -93,7 +95,8 @@ def test_slot_columns_are_packed_in_order_on_64_byte_boundaries():
 
 def test_header_documents_the_layout():
     doc = layout.__doc__
-    for region in ("header", "slots", "buckets", "block map", "pins", "victims", "disk index", "disk hash", "data"):
+    for region in ("header", "slots", "buckets", "block map", "pins", "victims", "disk index", "disk hash", "key map",
+                   "key arena", "data"):
         assert region in doc
 
 
@@ -109,6 +112,20 @@ def test_geometry_with_a_disk_index():
     g = Geometry.compute(16 << 20, 4096, max_entries=1000, disk_entries=5000)
     assert g.check(g.segment_size) is None
     assert g.n_dslots == 5000 and g.n_dbuckets >= 10000 and g.n_dbuckets & (g.n_dbuckets - 1) == 0
-    assert g.victims_off < g.dslots_off < g.dbuckets_off < g.data_off
+    assert g.victims_off < g.dslots_off < g.dbuckets_off < g.keymap_off < g.keys_off < g.data_off
     plain = Geometry.compute(16 << 20, 4096, max_entries=1000)
     assert plain.n_dslots == 0 and plain.data_off < g.data_off
+
+
+@pytest.mark.parametrize("block_size", [64, 4096, 65536, 4 << 20])
+def test_values_start_on_block_and_page_boundaries(block_size):
+    """The data region starts on a block boundary, and on a page boundary: every value does (from 4 KiB blocks up
+    both at once, what O_DIRECT and pinned-memory DMA want)."""
+    g = Geometry.compute(64 * block_size, block_size)
+    assert g.check(g.segment_size) is None
+    assert g.data_off % block_size == 0 and g.data_off % 4096 == 0
+
+
+def test_blocks_for_a_value_are_exactly_its_size_in_blocks():
+    assert [layout.blocks_for(n, 4096) for n in (0, 1, 4095, 4096, 4097, 8192)] == [0, 1, 1, 1, 2, 2]
+    assert layout.key_cells(1) == 1 and layout.key_cells(layout.KEY_CELL) == 1 and layout.key_cells(33) == 2
