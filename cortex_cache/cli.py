@@ -675,11 +675,10 @@ def evict(
 
     Example: cortex cache evict llama --percent 25
     """
-    from .pool import Pool
+    from .pool import Pool, check_selector
 
-    chosen = [percent is not None, nbytes is not None, expired, bool(key), prefix is not None, all_]
-    if sum(chosen) != 1:
-        raise UsageError("give exactly one of --percent, --bytes, --expired, --key, --prefix, --all")
+    check_selector(percent, nbytes, expired, key or None, prefix, all_,
+                   names=("--percent", "--bytes", "--expired", "--key", "--prefix", "--all"))
     with Pool.open(name, lock_timeout=10) as p:
         count, freed = p.evict(
             percent=percent, nbytes=nbytes, expired=expired, keys=key or None, prefix=prefix, all=all_,

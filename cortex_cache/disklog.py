@@ -69,7 +69,6 @@ DEAD_MAGIC = b"CDSX"  # a killed record: skipped by scan, stale to read
 # being written never comes back after a restart, even if its writer died before it could say so.
 PENDING_MAGIC = b"CDSP"
 OWNER_OFF, OWNER_BYTES = 64, 256
-REC_FLAG_STR_KEY = 1
 _SCAN_CHUNK = 4 << 20
 REC = struct.Struct("<4sHHII QQ dq Q")
 REC_CHECK = struct.Struct("<Q")

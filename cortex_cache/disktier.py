@@ -18,7 +18,7 @@ How the two tiers relate:
   confirmed and made LIVE -- unless the key was deleted, replaced or dropped
   meanwhile, which removed the PENDING entry; then the record stays pending,
   which no read and no restart scan accepts.  A reader that meets a PENDING
-  entry waits for it (Pool._settled).  A spiller that dies leaves a PENDING
+  entry waits for it (Tiers.settled).  A spiller that dies leaves a PENDING
   entry that reads as a miss until its key is written again, the ring or a
   repair drops it.  A disk hit
   is copied back into memory and its record killed (the tiers are
@@ -46,18 +46,19 @@ from typing import Any, Callable
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from .chains import build_chains, chain_members, unchain
+from .core import hit_stats
 from .disklog import DiskLog, Location
 from .layout import (
-    DFREE, DISK_O_DIRECT, DISK_WRITE_THROUGH, DLIVE, DPENDING, DSLOT_COLUMNS,
+    DFREE, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, DLIVE, DPENDING, DSLOT_COLUMNS,
     H_DFREE_SLOT, H_DISK_BYTES_READ, H_DISK_BYTES_WRITTEN, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ENTRIES,
     H_DISK_ERRORS, H_DISK_EVICTIONS, H_DISK_HITS, H_DISK_MISSES, H_DISK_PROMOTIONS, H_DISK_SPILLS,
-    H_DISK_VALUE_BYTES,
+    H_DISK_VALUE_BYTES, MV_FORMAT,
     Geometry,
 )
 
 KEY_SEED2 = 0x9E3779B97F4A7C15  # seed of the second key hash (64 + 64 bits tell keys apart)
 MAX_DEFAULT_DSLOTS = 1 << 21
-_MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
 _DROP_BATCH = 64  # a full disk index drops its oldest 1/64th at once
 
 
@@ -123,7 +124,7 @@ class DiskTier:
         views = {}
         for name, fmt in DSLOT_COLUMNS:
             size = np.dtype(fmt).itemsize
-            views[name] = mv[offs[name] : offs[name] + g.n_dslots * size].cast(_MV_FORMAT[fmt])
+            views[name] = mv[offs[name] : offs[name] + g.n_dslots * size].cast(MV_FORMAT[fmt])
         self._views = list(views.values())
         self._state, self._klen, self._file = views["state"], views["key_len"], views["file"]
         self._flags, self._next = views["flags"], views["next"]
@@ -144,13 +145,34 @@ class DiskTier:
             self.log = None
 
     @staticmethod
-    def initialise(mm: Any, g: Geometry) -> None:
-        """Empty index of a new segment: every disk slot on the free list."""
+    def initialise(mm: Any, g: Geometry, flags: int, log: DiskLog, path: str) -> None:
+        """Empty index of a new segment (every disk slot on the free list) and the tier's header fields."""
         nxt = np.frombuffer(mm, np.int32, g.n_dslots, g.dslot_columns()["next"])
         nxt[:-1] = np.arange(1, g.n_dslots, dtype=np.int32)
         nxt[-1] = -1
         np.frombuffer(mm, np.int32, g.n_dbuckets, g.dbuckets_off)[:] = -1
         del nxt
+        h = np.frombuffer(mm, HEADER_DTYPE, 1, 0)[0]
+        h["dfree_slot"] = 0
+        h["disk_flags"] = flags
+        h["disk_size"] = log.capacity
+        h["disk_path"] = path.encode("utf-8", "surrogateescape")
+        del h
+
+    @classmethod
+    def attach(cls, mm: Any, core: Any, log: DiskLog | None = None) -> "DiskTier | None":
+        """The disk tier of the pool whose core is `core` (this process's handle on its files; `log` if
+        already open), or None when the pool has none."""
+        h = core.fields
+        flags = int(h.disk_flags[0])
+        if not flags & DISK_ON:
+            return None
+        path = bytes(h.disk_path[0]).decode("utf-8", "surrogateescape")
+        why = None
+        if log is None:
+            log, why = open_log(path, bool(flags & DISK_O_DIRECT))
+        return cls(mm, core.mv, (core.counters, core.signed_counters), core.geometry, flags, path, log, why,
+                   core.clock)
 
     # ------------------------------------------------------------------ index
 
@@ -223,18 +245,7 @@ class DiskTier:
 
     def _drop(self, d: int) -> None:
         """Take disk slot `d` out of the index (its record stays on disk)."""
-        b = self._kh[d] & self._mask
-        bkt = self._bkt
-        j = bkt[b]
-        if j == d:
-            bkt[b] = self._next[d]
-        else:
-            while j >= 0:
-                nj = self._next[j]
-                if nj == d:
-                    self._next[j] = self._next[d]
-                    break
-                j = nj
+        unchain(self._bkt, self._next, self._kh[d] & self._mask, d)
         self._state[d] = DFREE
         hu64, hi64 = self._hu64, self._hi64
         hu64[H_DISK_ENTRIES] -= 1
@@ -319,7 +330,7 @@ class DiskTier:
     def spill_now(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
                   checksum: int) -> None:
         """Write an entry leaving memory to disk right here, under the lock (when copying it aside
-        would hold too much memory: see Pool._spill)."""
+        would hold too much memory: see Tiers._spill)."""
         place = self._spill_place(kb, kh, value.nbytes)
         if place is None or place[1] is None:
             return
@@ -443,6 +454,24 @@ class DiskTier:
 
     # ------------------------------------------------------------------ scans
 
+    def records(self) -> list[tuple[int, int, Location, int, int]]:
+        """(slot, seq, location, key length, flags) of every live unexpired entry, oldest written first."""
+        c = self.cols
+        idx = self.live_slots()
+        e = c["expiry"][idx]
+        idx = idx[(e == 0) | (e > self.clock())]
+        idx = idx[np.argsort(c["seq"][idx], kind="stable")]
+        return [(int(d), int(c["seq"][d]), self.hit(int(d)).loc, int(c["key_len"][d]), int(c["flags"][d]))
+                for d in idx]
+
+    def forget_slots(self, slots: list[int]) -> tuple[int, int]:
+        """Remove these entries (their records are killed); (entries, value bytes)."""
+        freed = 0
+        for d in slots:
+            freed += self._vlen[d]
+            self.forget_slot(d)
+        return len(slots), freed
+
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.cols["state"] == DLIVE)
 
@@ -452,7 +481,6 @@ class DiskTier:
 
     def stats(self) -> dict[str, Any]:
         h = self._hu64
-        hits, misses = h[H_DISK_HITS], h[H_DISK_MISSES]
         out: dict[str, Any] = {
             "path": self.path,
             "available": self.log is not None,
@@ -462,9 +490,7 @@ class DiskTier:
             "entries": h[H_DISK_ENTRIES],
             "max_entries": self._n,
             "value_bytes": h[H_DISK_VALUE_BYTES],
-            "hits": hits,
-            "misses": misses,
-            "hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+            **hit_stats(h[H_DISK_HITS], h[H_DISK_MISSES]),
             "spills": h[H_DISK_SPILLS],
             "promotions": h[H_DISK_PROMOTIONS],
             "bytes_written": h[H_DISK_BYTES_WRITTEN],
@@ -505,6 +531,31 @@ class DiskTier:
         return n
 
 
+def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: bool,
+                     owner: str) -> tuple[DiskLog, bool]:
+    """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made).
+
+    `owner`: the /dev/shm path of the pool that will use it (a live other pool's tier is refused)."""
+    from .errors import CannotCreate, UsageError
+
+    if not DiskLog.exists(path):
+        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct), True
+    log = DiskLog.open(path, o_direct=o_direct)
+    try:
+        if size is not None and DiskLog.capacity_for(size) != log.capacity:
+            raise UsageError(
+                f"{path!r} holds a disk tier of {log.capacity} bytes; give that --disk-size "
+                "(or none) to use it, or remove it with `cortex cache delete --force`"
+            )
+        was = log.owner()
+        if was and was != owner and was.startswith("/dev/shm/") and os.path.exists(was):
+            raise CannotCreate(f"{path!r} is the disk tier of another pool ({was}); choose another --disk-path")
+        return log, False
+    except BaseException:
+        log.close()
+        raise
+
+
 def open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, str | None]:
     """This process's handle on a pool's tier files, or None and why not."""
     from .errors import CortexCacheError
@@ -525,7 +576,8 @@ def check_disk_path(path: str | os.PathLike) -> str:
     return p
 
 
-__all__ = ["DiskTier", "DiskHit", "Spill", "SPILLING", "key_hash2", "default_disk_entries", "open_log", "check_disk_path"]
+__all__ = ["DiskTier", "DiskHit", "Spill", "SPILLING", "key_hash2", "default_disk_entries", "open_log", "check_disk_path",
+           "open_or_make_log", "analyse_index"]
 
 
 def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
@@ -536,7 +588,6 @@ def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
     on disk and a later restart finds it again).
     """
     from .disklog import ALIGN, FILES
-    from .repair import build_chains, chain_members
 
     c = tier.cols
     n = tier._n

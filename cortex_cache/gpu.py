@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
-def _torch():
+def torch_module():
     try:
         import torch
     except ImportError:
@@ -52,12 +52,12 @@ def _torch():
 
 
 def cuda_available() -> bool:
-    return _torch().cuda.is_available()
+    return torch_module().cuda.is_available()
 
 
 def device_of(device: Any) -> "torch.device":
     """A torch.device; GpuUnavailable when CUDA is asked for and there is none."""
-    torch = _torch()
+    torch = torch_module()
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GpuUnavailable(f"{device} was asked for, but no CUDA device is available here")
@@ -66,8 +66,8 @@ def device_of(device: Any) -> "torch.device":
     return dev
 
 
-def _dtype(dtype: Any) -> "torch.dtype":
-    torch = _torch()
+def as_dtype(dtype: Any) -> "torch.dtype":
+    torch = torch_module()
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -86,10 +86,10 @@ def _shape(shape: Any, nbytes: int, itemsize: int) -> tuple[int, ...]:
     return shape
 
 
-def _host_tensor(pool: "Pool", off: int, nbytes: int, dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
+def host_tensor(pool: "Pool", off: int, nbytes: int, dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
     """A CPU tensor over bytes of the pool's mapping (no copy); keeps the mapping alive while it lives."""
-    torch = _torch()
-    arr = np.frombuffer(pool._seg.mm, np.uint8, nbytes, off)
+    torch = torch_module()
+    arr = pool.core.value_array(off, nbytes)
     return torch.from_numpy(arr).view(dtype).view(shape)
 
 
@@ -104,8 +104,8 @@ def entry_tensor(pool: "Pool", key: str | bytes, dtype: Any, shape: Sequence[int
     included), so eviction and delete cannot reuse its blocks under it.
     Raises KeyNotFound, UsageError (shape or dtype does not match the value).
     """
-    torch = _torch()
-    dt = _dtype(dtype)
+    torch = torch_module()
+    dt = as_dtype(dtype)
     ev = pool.view(key)  # pins the entry
     try:
         mv = ev.memoryview
@@ -115,14 +115,13 @@ def entry_tensor(pool: "Pool", key: str | bytes, dtype: Any, shape: Sequence[int
             raise UsageError(f"offset {offset} is outside a value of {mv.nbytes} bytes")
         itemsize = torch.empty((), dtype=dt).element_size()
         shp = _shape(shape, nbytes, itemsize)
-        start = pool._data_off + int(pool._c_first[ev._slot]) * pool._bs + offset
-        arr = np.frombuffer(pool._seg.mm, np.uint8, nbytes, start)
+        arr = pool.core.value_array(ev.offset + offset, nbytes)
     except BaseException:
         ev.release()
         raise
     # The numpy array is the storage's owner: torch keeps it alive exactly as
     # long as some tensor uses the memory, so its finaliser is the unpin.
-    pool._views.discard(ev)  # released by the finaliser, not by pool.close()
+    ev.detach()  # released by the finaliser, not by pool.close()
     weakref.finalize(arr, _release_view, ev)
     return torch.from_numpy(arr).view(dt).view(shp)
 
@@ -137,13 +136,17 @@ def _release_view(ev: Any) -> None:
 # ------------------------------------------------------------------ pinned memory
 
 
+# This process's CUDA registrations, by pool handle (each unregisters at its handle's close).
+_registrations: "weakref.WeakKeyDictionary[Pool, _Registration]" = weakref.WeakKeyDictionary()
+
+
 class _Registration:
     def __init__(self, addr: int) -> None:
         self.addr = addr
 
     def unregister(self) -> None:
         if self.addr:
-            _torch().cuda.cudart().cudaHostUnregister(self.addr)
+            torch_module().cuda.cudart().cudaHostUnregister(self.addr)
             self.addr = 0
 
 
@@ -153,25 +156,25 @@ def pin_memory(pool: "Pool") -> bool:
     Done once per handle; unregistered by `pool.close()` before the mapping
     is unmapped.  Raises GpuUnavailable if CUDA refuses.
     """
-    torch = _torch()
+    torch = torch_module()
     if not torch.cuda.is_available():
         return False
-    if getattr(pool, "_cuda_registration", None) is not None:
+    if pool in _registrations:
         return True
-    addr, length = pool._data_region()
+    addr, length = pool.core.data_region()
     if length <= 0:
         return False  # never register zero bytes
     err = int(torch.cuda.cudart().cudaHostRegister(addr, length, _REGISTER_PORTABLE))
     if err != 0:
         raise GpuUnavailable(f"cudaHostRegister of pool {pool.name!r} ({length} bytes) failed with CUDA error {err}")
     reg = _Registration(addr)
-    pool._cuda_registration = reg  # type: ignore[attr-defined]
-    pool._close_hooks.append(reg.unregister)
+    _registrations[pool] = reg
+    pool.add_close_hook(reg.unregister)
     return True
 
 
 def is_pinned(pool: "Pool") -> bool:
-    return getattr(pool, "_cuda_registration", None) is not None
+    return pool in _registrations
 
 
 # ------------------------------------------------------------------ batched transfers
@@ -215,7 +218,7 @@ class Transfer:
 
 def _stream_ctx(dev: "torch.device", stream: Any):
     """Run on the caller's stream, after the work already queued on the current one (which made the data)."""
-    torch = _torch()
+    torch = torch_module()
     if dev.type != "cuda":
         return _Null()
     current = torch.cuda.current_stream(dev)
@@ -237,7 +240,7 @@ class _Null:
 def _record(dev: "torch.device", stream: Any) -> Any:
     if dev.type != "cuda":
         return None
-    torch = _torch()
+    torch = torch_module()
     ev = torch.cuda.Event()
     ev.record(stream if stream is not None else torch.cuda.current_stream(dev))
     return ev
@@ -255,9 +258,9 @@ def load(
     raises KeyNotFound and nothing is copied.  The entries stay pinned until
     `wait()`.
     """
-    torch = _torch()
+    torch = torch_module()
     dev = device_of(device)
-    dt = _dtype(dtype)
+    dt = as_dtype(dtype)
     shp = tuple(int(s) for s in shape)
     views = []
     try:
@@ -278,8 +281,8 @@ def load(
         for v in views:
             n = v.memoryview.nbytes - offset  # type: ignore[union-attr]
             _shape(shp, n, itemsize)
-            start = pool._data_off + int(pool._c_first[v._slot]) * pool._bs + offset
-            srcs.append(_host_tensor(pool, start, n, dt, shp))
+            start = v.offset + offset
+            srcs.append(host_tensor(pool, start, n, dt, shp))
         if out is None:
             pin = dev.type == "cuda"
             dsts = [torch.empty(shp, dtype=dt, device=dev) for _ in srcs] if pin else [s.clone() for s in srcs]
@@ -314,7 +317,7 @@ def store(
     visible (atomically, checksummed) at `wait()`.  If the process dies
     before, nothing half-written is ever seen.
     """
-    torch = _torch()
+    torch = torch_module()
     if len(keys) != len(tensors):
         raise UsageError(f"{len(keys)} keys for {len(tensors)} tensors")
     devs = {t.device for t in tensors}
@@ -336,18 +339,18 @@ def store(
             writers.append(pool.reserve_write(k, t.numel() * t.element_size(), ttl=ttl, priority=priority))
         with _stream_ctx(dev, stream):
             for w, t in zip(writers, tensors):
-                host = _host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
+                host = host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
                 host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
                 del host
                 # Each value is checksummed as soon as its own copy lands, on a
                 # worker thread (xxhash and the event wait release the GIL), so
                 # checksums overlap the copies still in flight and each other.
-                jobs.append(_executor().submit(_checksum_when_done, w.memoryview, _record(dev, stream)))
+                jobs.append(copy_executor().submit(_checksum_when_done, w.memoryview, _record(dev, stream)))
             event = _record(dev, stream)
     except BaseException:
         for j in jobs:
             j.cancel()
-        _wait_jobs(jobs)
+        wait_jobs(jobs)
         abort()
         raise
 
@@ -358,7 +361,7 @@ def store(
                 w.commit(j.result())
                 done += 1
         finally:
-            _wait_jobs(jobs)
+            wait_jobs(jobs)
             for w in writers[done + 1 :]:
                 w.abort()
 
@@ -368,7 +371,7 @@ def store(
 _EXECUTOR = None
 
 
-def _executor():
+def copy_executor():
     """Worker threads for checksums (made on first use; daemon threads, no more than 8)."""
     global _EXECUTOR
     if _EXECUTOR is None:
@@ -387,7 +390,7 @@ def _checksum_when_done(mv: memoryview, event: Any) -> int:
     return xxh3_64_intdigest(mv)
 
 
-def _wait_jobs(jobs: list) -> None:
+def wait_jobs(jobs: list) -> None:
     for j in jobs:
         try:
             j.result()
@@ -399,7 +402,7 @@ def _wait_jobs(jobs: list) -> None:
 
 
 def _check_paged(kv_caches: Sequence["torch.Tensor"], block_ids: Any) -> tuple["torch.Tensor", int, tuple]:
-    torch = _torch()
+    torch = torch_module()
     if not kv_caches:
         raise UsageError("no KV cache layers given")
     c0 = kv_caches[0]
@@ -416,7 +419,7 @@ def _check_paged(kv_caches: Sequence["torch.Tensor"], block_ids: Any) -> tuple["
 
 def gather_blocks(kv_caches: Sequence["torch.Tensor"], block_ids: Any, out: Any = None) -> "torch.Tensor":
     """The chunk `[num_layers, 2, len(block_ids) * block_size, num_heads, head_dim]` those blocks hold."""
-    torch = _torch()
+    torch = torch_module()
     ids, bs, (h, d) = _check_paged(kv_caches, block_ids)
     n_tok = ids.numel() * bs
     c0 = kv_caches[0]

@@ -91,7 +91,7 @@ class KVCache:
         self, pool: "Pool", *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: Any,
         chunk_tokens: int = 256,
     ) -> None:
-        from .gpu import _dtype, _torch
+        from .gpu import as_dtype, torch_module
 
         if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):
             raise UsageError(f"invalid model tag {model!r}: 1-128 of A-Z a-z 0-9 . _ : / @ + -")
@@ -99,10 +99,10 @@ class KVCache:
                         ("chunk_tokens", chunk_tokens)):
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name} must be a positive integer, not {v!r}")
-        torch = _torch()
+        torch = torch_module()
         self.pool = pool
         self.model = model
-        self.dtype = _dtype(dtype)
+        self.dtype = as_dtype(dtype)
         self.chunk_tokens = chunk_tokens
         self.chunk_shape = (num_layers, 2, chunk_tokens, num_heads, head_dim)
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -141,7 +141,7 @@ class KVCache:
         `kv[:, :, t]` is the KV of `tokens[t]`.  Values go straight from `kv`
         (CPU or GPU) into reserved pool memory, one chunk at a time.
         """
-        from .gpu import _executor, _host_tensor, _wait_jobs
+        from .gpu import copy_executor, host_tensor, wait_jobs
         from xxhash import xxh3_64_intdigest
 
         keys = self.keys(tokens)
@@ -157,11 +157,11 @@ class KVCache:
                 w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
                 pending.append((w, None))
                 w.memoryview[:HEADER_SIZE] = self._header  # type: ignore[index]
-                dst = _host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
+                dst = host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
                                    self.chunk_shape)
                 dst.copy_(kv[:, :, i * c : (i + 1) * c])
                 del dst
-                pending[-1] = (w, _executor().submit(xxh3_64_intdigest, w.memoryview))
+                pending[-1] = (w, copy_executor().submit(xxh3_64_intdigest, w.memoryview))
                 while len(pending) > 2:
                     done, job = pending.pop(0)
                     done.commit(job.result())
@@ -169,7 +169,7 @@ class KVCache:
                 done, job = pending.pop(0)
                 done.commit(job.result())
         except BaseException:
-            _wait_jobs([j for _, j in pending if j is not None])
+            wait_jobs([j for _, j in pending if j is not None])
             for w, _ in pending:
                 w.abort()
             raise
@@ -204,9 +204,9 @@ class KVCache:
         device; else a new CPU tensor (or on `device`) of the retrieved
         length.  Stops at the first chunk missing or not ours.
         """
-        from .gpu import _torch, device_of
+        from .gpu import torch_module, device_of
 
-        torch = _torch()
+        torch = torch_module()
         keys = self.keys(tokens)
         c = self.chunk_tokens
         if out is not None:

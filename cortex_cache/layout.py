@@ -78,6 +78,9 @@ ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
 FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
 FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
 
+# Slot flags (column `flags`; the disk index and snapshot records use the same bit).
+SLOT_FLAG_STR_KEY = 1 << 0  # the key was given as str: keys() returns it as str
+
 # Disk tier flags (header field disk_flags).
 DISK_ON = 1 << 0  # the pool has a disk tier
 DISK_WRITE_THROUGH = 1 << 1  # every put also goes to disk (else: write-back, on eviction)
@@ -250,6 +253,10 @@ PIN_FIELDS: list[tuple[str, str, int]] = [
     ("slot", "<i4", 4),
     ("start", "<u8", 8),  # process start time of pid
 ]
+
+
+# The struct format of a typed memoryview over a column of each numpy type (the hot paths' views).
+MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
 
 
 def _dtype(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
@@ -451,7 +458,7 @@ class Geometry:
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
     "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE", "KEY_CELL", "key_cells",
-    "blocks_for",
+    "blocks_for", "MV_FORMAT", "SLOT_FLAG_STR_KEY",
     "DSLOT_COLUMNS", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 

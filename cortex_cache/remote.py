@@ -44,8 +44,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
 
+from .core import hit_stats
 from .errors import UsageError
 from .layout import (
+    SLOT_FLAG_STR_KEY,
     H_REMOTE_BYTES_READ, H_REMOTE_BYTES_WRITTEN, H_REMOTE_CORRUPT, H_REMOTE_DROPPED, H_REMOTE_SENT,
     H_REMOTE_ERRORS, H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_WRITTEN,
 )
@@ -134,13 +136,16 @@ def decode(kb: bytes, data: bytes) -> tuple[memoryview, int, int] | None:
 class RemoteTier:
     """This process's client and writer for one pool's remote tier."""
 
-    def __init__(self, url: str, cluster: bool, pool: Any, *, socket_timeout: float = SOCKET_TIMEOUT,
-                 backoff: float = BACKOFF, max_entries: int = MAX_QUEUE_ENTRIES,
-                 max_bytes: int = MAX_QUEUE_BYTES) -> None:
+    def __init__(self, url: str, cluster: bool, core: Any, reopen: Callable[[], Any], *,
+                 socket_timeout: float = SOCKET_TIMEOUT, backoff: float = BACKOFF,
+                 max_entries: int = MAX_QUEUE_ENTRIES, max_bytes: int = MAX_QUEUE_BYTES) -> None:
+        """`core`: the caller's pool core (counts of lookups, made in the caller's thread); `reopen()` opens
+        another handle on the pool (with a `core` and a `close()`) for the writer thread's counts."""
         self.url = url
         self.cluster = cluster
-        self.pool_name = pool.name
-        self._pool = pool  # the caller's handle: counts of lookups, made in the caller's thread
+        self.pool_name = core.name
+        self._core = core
+        self._reopen = reopen
         self._writer_pool: Any = None  # the writer thread's own handle (an OFD lock excludes threads only across handles)
         self.socket_timeout = socket_timeout
         self.backoff = backoff
@@ -196,7 +201,7 @@ class RemoteTier:
 
     def _count(self, field: int, n: int = 1, writer: bool = False) -> None:
         """Add to a shared counter, under the pool lock of this thread's own handle."""
-        _add(self._writer_pool if writer else self._pool, ((field, n),))
+        _add(self._writer_core() if writer else self._core, ((field, n),))
 
     # ------------------------------------------------------------------ reads (caller's thread)
 
@@ -226,7 +231,7 @@ class RemoteTier:
                           (H_REMOTE_PROMOTIONS, promoted)))
 
     def _count_many(self, pairs: tuple) -> None:
-        _add(self._pool, pairs)
+        _add(self._core, pairs)
 
     # ------------------------------------------------------------------ writes (background)
 
@@ -282,10 +287,8 @@ class RemoteTier:
         return True
 
     def _run(self) -> None:
-        from .pool import Pool
-
         try:
-            self._writer_pool = Pool.open(self.pool_name, multi_threaded=False)
+            self._writer_pool = self._reopen()
         except Exception:
             self._writer_pool = None  # the pool is gone: write anyway, count nothing
         try:
@@ -323,7 +326,7 @@ class RemoteTier:
                 self._writer_pool = None
 
     def _count_writer(self, pairs: tuple) -> None:
-        _add(self._writer_pool, pairs)
+        _add(self._writer_core(), pairs)
 
     def _send(self, op: str, kb: bytes, value: bytes | None, flags: int, ttl: float | None) -> bool:
         """One command; False (counted, and the tier rests) if it failed."""
@@ -390,7 +393,7 @@ class RemoteTier:
                     if head is None:
                         continue  # gone meanwhile, or not a record of ours
                     flags, n, _ = head
-                    out.append({"key": kb.decode("utf-8", "surrogateescape") if flags & 1 else kb,
+                    out.append({"key": kb.decode("utf-8", "surrogateescape") if flags & SLOT_FLAG_STR_KEY else kb,
                                 "tier": "remote", "size": n, "priority": None,
                                 "ttl_remaining": pttl / 1000 if pttl is not None and pttl >= 0 else None})
                     if limit is not None and len(out) >= limit:
@@ -440,17 +443,17 @@ class RemoteTier:
                 pass
             self._client = None
 
+    def _writer_core(self) -> Any:
+        return self._writer_pool.core if self._writer_pool is not None else None
+
     def stats(self) -> dict[str, Any]:
-        h = self._pool._hu64
-        hits, misses = h[H_REMOTE_HITS], h[H_REMOTE_MISSES]
+        h = self._core.counters
         enq = h[H_REMOTE_SENT]
         return {
             "url": redact(self.url),
             "cluster": self.cluster,
             "available": self.unavailable is None,
-            "hits": hits,
-            "misses": misses,
-            "hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+            **hit_stats(h[H_REMOTE_HITS], h[H_REMOTE_MISSES]),
             "promotions": h[H_REMOTE_PROMOTIONS],
             "errors": h[H_REMOTE_ERRORS],
             "corrupt": h[H_REMOTE_CORRUPT],
@@ -485,17 +488,17 @@ def _unlink_batch(client: Any, names: list[bytes]) -> tuple[int, int]:
     return int(removed), sum(max(0, int(n) - HEADER_SIZE) for n in sizes if n)
 
 
-def _add(pool: Any, pairs: tuple) -> None:
+def _add(core: Any, pairs: tuple) -> None:
     """Add (field, n) pairs to a pool's shared counters under its lock; best effort (it may be closing)."""
-    if pool is None or pool._closed:
+    if core is None or core.closed:
         return
 
     def add() -> None:
         for field, n in pairs:
-            pool._hu64[field] += n
+            core.counters[field] += n
 
     try:
-        pool._locked(add)
+        core.locked(add)
     except Exception:
         pass
 

@@ -3,8 +3,9 @@
 The slot records are the truth; everything else (block map, hash chains,
 free-slot list, entry and block counters, pin counts) is derived from them and
 rebuilt here.  `analyse` runs with the pool lock held and changes nothing
-unless asked to fix; it is what runs automatically when a lock holder finds
-the dirty mark left by a process that died inside a critical section.
+unless asked to fix; it is the core's repairer (core.py), run automatically
+when a lock holder finds the dirty mark left by a process that died inside a
+critical section.  Everything here goes through the core's interface.
 """
 
 from __future__ import annotations
@@ -15,27 +16,30 @@ import numpy as np
 import xxhash
 
 from . import procs
+from .chains import build_chains, chain_members
+from .disklog import CORRUPT, Found
+from .disktier import DiskTier, key_hash2
 from .layout import FREE, H_DISK_CORRUPT, KEY_CELL, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .core import Core
 
 _CHECKSUM_BATCH = 64
 
 
-def analyse(pool: "Pool", fix: bool) -> list[str]:
-    """Find (and with `fix`, repair) every inconsistency in the metadata; lock held."""
-    s = pool._slots
-    n = pool._n_slots
-    bs, n_blocks = pool._bs, pool._n_blocks
+def analyse(core: "Core", fix: bool) -> list[str]:
+    """Find (and with `fix`, repair) every inconsistency in the memory tier's metadata; lock held."""
+    s = core.columns
+    g = core.geometry
+    n, bs, n_blocks, n_kcells = g.n_slots, g.block_size, g.n_blocks, g.n_kcells
     state = s["state"].copy()
     problems: list[str] = []
     alive = procs.alive_checker()
 
-    h = pool._h
+    h = core.fields
     if h.dirty[0]:
         problems.append("a process died while changing the pool's metadata")
-    problems += _header_sanity(pool, fix)
+    problems += _header_sanity(core, fix)
 
     bad_state = np.flatnonzero(state > ZOMBIE)
     if bad_state.size:
@@ -46,18 +50,20 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     used = np.flatnonzero(state != FREE)
     first, nblk = s["first_block"][used], s["n_blocks"][used]
     vlen, klen = s["value_len"][used], s["key_len"][used].astype(np.uint64)
-    kcell, n_kcells = s["key_cell"][used], np.uint64(pool._n_kcells)
+    kcell = s["key_cell"][used]
     ok = (nblk <= n_blocks) & (first <= n_blocks - np.minimum(nblk, n_blocks))
     # A value fills exactly ceil(value_len / block_size) blocks (layout.blocks_for).
     ok &= (vlen <= nblk * np.uint64(bs)) & (vlen + np.uint64(bs) > nblk * np.uint64(bs))
     kn = (klen + np.uint64(KEY_CELL - 1)) // np.uint64(KEY_CELL)
-    ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (kcell <= n_kcells - np.minimum(kn, n_kcells))
+    nk = np.uint64(n_kcells)
+    ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (kcell <= nk - np.minimum(kn, nk))
     if not ok.all():
         problems.append(f"{int((~ok).sum())} entr(y/ies) with impossible size or position dropped")
         state[used[~ok]] = FREE
 
     # Pin records: keep those of live processes on entries that can be pinned.
-    ppid, pslot, pstart = pool._ppid, pool._pslot, pool._pstart
+    pr = core.pin_records
+    ppid, pslot, pstart = pr["pid"], pr["slot"], pr["start"]
     keep_pin = np.zeros(ppid.size, dtype=bool)
     for j in map(int, np.flatnonzero(ppid != 0)):
         i = int(pslot[j])
@@ -81,7 +87,6 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         state[zombies] = FREE
 
     # Overlapping runs of blocks or of key cells: keep the most recently inserted entry of each clash.
-    n_kcells = pool._n_kcells
     key_len = s["key_len"].astype(np.int64)
     kcells = (key_len + KEY_CELL - 1) // KEY_CELL
     clash = _drop_overlaps(state, s["first_block"].astype(np.int64), s["n_blocks"].astype(np.int64), s["insert_seq"])
@@ -100,7 +105,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
         for i in (int(sealed[srt[g]]), int(sealed[srt[g + 1]])):
             if state[i] != SEALED:
                 continue
-            k = _raw_key(pool, i)
+            k = core.key_bytes(i)
             j = seen.get(k)
             if j is None or j == i:
                 seen[k] = i
@@ -116,7 +121,7 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     used = np.flatnonzero(state != FREE)
     blockmap = _coverage(n_blocks, s["first_block"][used].astype(np.int64), s["n_blocks"][used].astype(np.int64))
     keymap = _coverage(n_kcells, s["key_cell"][used].astype(np.int64), kcells[used])
-    for what, built, cur in (("block", blockmap, pool._map), ("key", keymap, pool._keymap)):
+    for what, built, cur in (("block", blockmap, core.block_map), ("key", keymap, core.key_map)):
         leaked = int(np.count_nonzero(cur.astype(bool) & ~built.astype(bool)))
         lost = int(np.count_nonzero(~cur.astype(bool) & built.astype(bool)))
         if leaked or lost:
@@ -125,10 +130,10 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
 
     sealed = np.flatnonzero(state == SEALED)
     free = np.flatnonzero(state == FREE).astype(np.int32)
-    buckets, nxt = build_chains(sealed, s["key_hash"][sealed], pool._mask, pool._buckets.size, n, free)
+    buckets, nxt = build_chains(sealed, s["key_hash"][sealed], g.n_buckets - 1, g.n_buckets, n, free)
     if not fix:  # a repair rebuilds the chains anyway; only a check needs to walk them
         # Walk them: equal bucket heads say nothing about the links behind them.
-        chains_ok = np.array_equal(chain_members(pool._buckets, s["next"]), chain_members(buckets, nxt))
+        chains_ok = np.array_equal(chain_members(core.buckets, s["next"]), chain_members(buckets, nxt))
         if not chains_ok and not problems:
             problems.append("hash index out of step with the entries")
         if not problems and not _free_list_ok(int(h.free_slot[0]), s["state"], s["next"]):
@@ -138,19 +143,14 @@ def analyse(pool: "Pool", fix: bool) -> list[str]:
     if not counts_ok and not problems:
         problems.append("entry or block counters out of step")
 
-    if pool._tier is not None:
-        from .disktier import analyse_index
-
-        problems += analyse_index(pool._tier, fix)
-
     if fix:
         s["state"][:] = state
         s["pins"][:] = pins
         ppid[~keep_pin] = 0
         pslot[~keep_pin] = -1
-        pool._map[:] = blockmap
-        pool._keymap[:] = keymap
-        pool._buckets[:] = buckets
+        core.block_map[:] = blockmap
+        core.key_map[:] = keymap
+        core.buckets[:] = buckets
         s["next"][:] = nxt
         h.free_slot[0] = int(free[0]) if free.size else -1
         h.n_entries[0] = sealed.size
@@ -170,15 +170,15 @@ _COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expiratio
 _IMPOSSIBLE = 1 << 63  # no counter of ours reaches this in centuries: a value past it is damage
 
 
-def _header_sanity(pool: "Pool", fix: bool) -> list[str]:
+def _header_sanity(core: "Core", fix: bool) -> list[str]:
     """Header fields and per-entry counters whose damage would break every later operation."""
     problems = []
-    hdr = pool._hdr[0]
-    s = pool._slots
+    hdr = core.header[0]
+    s = core.columns
     if int(hdr["lfu_period"]) < 1:
         problems.append("LFU period was 0")
         if fix:
-            hdr["lfu_period"] = max(1024, pool._n_slots)
+            hdr["lfu_period"] = max(1024, core.geometry.n_slots)
     wild = [c for c in _COUNTERS if int(hdr[c]) >= _IMPOSSIBLE]
     if wild:
         problems.append(f"counter(s) {', '.join(wild)} out of range reset")
@@ -237,112 +237,57 @@ def _free_list_ok(head: int, state: np.ndarray, nxt: np.ndarray) -> bool:
     return i == -1 and seen == int(np.count_nonzero(state == FREE))
 
 
-def build_chains(members: np.ndarray, hashes: np.ndarray, mask: int, n_buckets: int, n: int,
-                 free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Hash chains of `members` (slot numbers, with their key hashes) and the free list, built anew.
+def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = None) -> dict[str, Any]:
+    """Check metadata (lock held briefly) and entry checksums (outside the lock); with `repair`, fix what
+    is wrong and drop entries whose bytes no longer match.  `disk`: the pool's disk tier, if any."""
 
-    Returns (bucket heads, next links); shared by the memory and the disk index.
-    """
-    buckets = np.full(n_buckets, -1, dtype=np.int32)
-    nxt = np.full(n, -1, dtype=np.int32)
-    b = (hashes & np.uint64(mask)).astype(np.int64)
-    o = np.argsort(b, kind="stable")
-    sb, ss = b[o], members[o].astype(np.int32)
-    if ss.size:
-        same = sb[:-1] == sb[1:]
-        nxt[ss[:-1][same]] = ss[1:][same]
-        heads = np.flatnonzero(np.r_[True, ~same])
-        buckets[sb[heads]] = ss[heads]
-    if free.size:
-        nxt[free[:-1]] = free[1:]
-    return buckets, nxt
-
-
-def chain_members(buckets: np.ndarray, nxt: np.ndarray) -> np.ndarray:
-    """Slots reachable through the chains, sorted; [-1] for a loop or a link out of range (bounded walk)."""
-    seen: list[int] = []
-    limit = nxt.size
-    for b in map(int, np.flatnonzero(buckets >= 0)):
-        i = int(buckets[b])
-        steps = 0
-        while 0 <= i < limit and steps <= limit:
-            seen.append(i)
-            i = int(nxt[i])
-            steps += 1
-        if steps > limit or i >= limit:
-            return np.array([-1])
-    return np.sort(np.array(seen, dtype=np.int64))
-
-
-def _raw_key(pool: "Pool", i: int) -> bytes:
-    return pool._key_bytes(i)
-
-
-def repair(pool: "Pool") -> list[str]:
-    """Repair with the lock held (called when a dirty mark is found)."""
-    return analyse(pool, fix=True)
-
-
-def verify(pool: "Pool", repair: bool, checksums: bool) -> dict[str, Any]:
-    """Check metadata (lock held briefly) and entry checksums (outside the lock)."""
-    lock, h = pool._lock, pool._h
-    lock.acquire(pool._lock_timeout)
-    try:
-        problems = analyse(pool, fix=False)
+    def check() -> tuple[list[str], list[int]]:
+        problems = core.check()
         if repair and problems:
-            h.dirty[0] = 1
-            analyse(pool, fix=True)
-            h.repairs[0] += 1
-            h.dirty[0] = 0
-        sealed = [int(i) for i in np.flatnonzero(pool._state == SEALED)]
-    finally:
-        lock.release()
+            core.repair()
+        return problems, [int(i) for i in np.flatnonzero(core.columns["state"] == SEALED)]
+
+    problems, sealed = core.inspect(check)
     if problems and not repair:
         # A corrupt index makes entry checksums meaningless: report what we have.
         return {"ok": False, "problems": problems, "repaired": False, "entries": len(sealed), "checked": 0}
     checked = 0
-    bad: list[str] = []
+    bad: list[tuple[int, int]] = []
     if checksums:
         for k in range(0, len(sealed), _CHECKSUM_BATCH):
-            batch = pool._locked(_pin_batch, pool, sealed[k : k + _CHECKSUM_BATCH])
+            batch = core.locked(core.pin_batch, sealed[k : k + _CHECKSUM_BATCH])
             try:
-                for j, i, iseq, off, vlen, cks in batch:
-                    if xxhash.xxh3_64_intdigest(pool._mv[off : off + vlen]) != cks:
-                        bad.append((i, iseq))
+                for p in batch:
+                    if xxhash.xxh3_64_intdigest(core.mv[p.offset : p.offset + p.length]) != core.checksum(p.slot):
+                        bad.append((p.slot, core.insert_seq(p.slot)))
                 checked += len(batch)
             finally:
-                pool._locked(_unpin_batch, pool, batch)
-        for i, iseq in bad:
-            problems.append(f"entry {_show(pool, i)}: value does not match its checksum")
+                core.locked(core.unpin_batch, batch)
+        for i, _iseq in bad:
+            problems.append(f"entry {_show(core, i)}: value does not match its checksum")
         if repair and bad:
-            pool._locked(_drop_entries, pool, bad)
+            core.locked(_drop_entries, core, bad)
     report: dict[str, Any] = {}
-    if pool._tier is not None and checksums:
-        report["disk_checked"] = _verify_disk(pool, repair, problems)
-    n_entries = int(pool._h.n_entries[0])
+    if disk is not None and checksums:
+        report["disk_checked"] = _verify_disk(core, disk, repair, problems)
     return {
         "ok": not problems,
         "problems": problems,
         "repaired": bool(repair and problems),
-        "entries": n_entries,
+        "entries": int(core.fields.n_entries[0]),
         "checked": checked,
         **report,
     }
 
 
-def _verify_disk(pool: "Pool", repair: bool, problems: list[str]) -> int:
+def _verify_disk(core: "Core", tier: DiskTier, repair: bool, problems: list[str]) -> int:
     """Read every record the disk index points at and check it (outside the lock)."""
-    from .disklog import CORRUPT, Found
-    from .disktier import key_hash2
-
-    tier = pool._tier
-    assert tier is not None
     if tier.log is None:
         problems.append(f"disk tier unavailable: {tier.unavailable}")
         return 0
     checked = 0
     bad: list[tuple[int, int, bool]] = []
-    for d, seq, loc, klen, _flags in pool._locked(pool._disk_records):
+    for d, seq, loc, klen, _flags in core.locked(tier.records):
         try:
             found = tier.log.read(loc, None)
         except OSError as e:
@@ -359,7 +304,7 @@ def _verify_disk(pool: "Pool", repair: bool, problems: list[str]) -> int:
     def confirm() -> list[tuple[int, int, bool]]:
         return [(d, seq, corrupt) for d, seq, corrupt in bad if tier.is_live(d, seq)]  # not changed meanwhile
 
-    still_bad = pool._locked(confirm)
+    still_bad = core.locked(confirm)
     for d, _seq, corrupt in still_bad:
         what = "fails its checksums" if corrupt else "is not the record the index expects"
         problems.append(f"disk entry in file {int(tier.cols['file'][d])} at {int(tier.cols['offset'][d])}: {what}")
@@ -371,37 +316,21 @@ def _verify_disk(pool: "Pool", repair: bool, problems: list[str]) -> int:
                         tier.count(H_DISK_CORRUPT)
                     tier.kill_slot(d)
 
-        pool._locked(drop)
+        core.locked(drop)
     return checked
 
 
-def _show(pool: "Pool", i: int) -> str:
+def _show(core: "Core", i: int) -> str:
     try:
-        return repr(pool._key_of(i))[:80]
+        return repr(core.key_of(i))[:80]
     except Exception:
         return f"#{i}"
 
 
-def _pin_batch(pool: "Pool", slots: list[int]) -> list[tuple[int, int, int, int, int, int]]:
-    out = []
-    for i in slots:
-        if pool._state[i] != SEALED:
-            continue
-        j = pool._pin(i)
-        off = pool._data_off + int(pool._first[i]) * pool._bs
-        out.append((j, i, int(pool._iseq[i]), off, int(pool._vlen[i]), int(pool._cks[i])))
-    return out
-
-
-def _unpin_batch(pool: "Pool", batch: list[tuple[int, int, int, int, int, int]]) -> None:
-    for j, i, *_ in batch:
-        pool._unpin(j, i)
-
-
-def _drop_entries(pool: "Pool", bad: list[tuple[int, int]]) -> None:
+def _drop_entries(core: "Core", bad: list[tuple[int, int]]) -> None:
     for i, iseq in bad:
-        if pool._state[i] == SEALED and int(pool._iseq[i]) == iseq:
-            pool._remove(i)
+        if core.is_sealed(i) and core.insert_seq(i) == iseq:
+            core.remove(i)
 
 
-__all__ = ["analyse", "repair", "verify"]
+__all__ = ["analyse", "verify"]

@@ -71,7 +71,7 @@ def make_pool(pool_name):
     from cortex_cache.disklog import DiskLog
 
     for n, p in made:
-        tier = p._tier.path if p._tier is not None else None
+        tier = p.disk_path
         p.close()
         if Pool.exists(n):
             Pool.unlink(n)

@@ -109,8 +109,8 @@ def test_sigkill_mid_put_leaves_no_visible_entry_and_no_leak(make_pool):
         from cortex_cache import Pool
         p = Pool.open({p.name!r})
         # Reserve room for a 1 MiB value, copy half of it, then stop mid-copy.
-        off = p._locked(p._reserve, b"victim", 0, 1 << 20, 256, 12345)
-        p._mv[off : off + (1 << 19)] = b"\\xab" * (1 << 19)
+        off = p.core.locked(p.core.reserve, b"victim", 12345, 0, 1 << 20, 256)[1]
+        p.core.mv[off : off + (1 << 19)] = b"\\xab" * (1 << 19)
         print("mid-copy", flush=True)
         sys.stdin.read()
     """)
@@ -133,7 +133,7 @@ def test_dead_writers_blocks_are_reclaimed_when_room_runs_short(make_pool):
         import sys
         from cortex_cache import Pool
         p = Pool.open({p.name!r})
-        p._locked(p._reserve, b"victim", 0, 40000, 10, 1)
+        p.core.locked(p.core.reserve, b"victim", 1, 0, 40000, 10)
         print("reserved", flush=True)
         sys.stdin.read()
     """)
@@ -154,18 +154,18 @@ def test_sigkill_while_holding_the_lock_is_repaired_by_the_next_holder(make_pool
         from cortex_cache import Pool
         from cortex_cache.layout import H_DIRTY, H_N_ENTRIES
         p = Pool.open({p.name!r})
-        p._lock.acquire()
-        p._hu32[H_DIRTY] = 1
+        p.core.lock.acquire()
+        p.core.fields.dirty[0] = 1
         # Half-done changes: stray block-map bits and a broken counter.
-        p._map[500:600] = 1
-        p._hu64[H_N_ENTRIES] = 999
+        p.core.block_map[500:600] = 1
+        p.core.counters[H_N_ENTRIES] = 999
         print("locked", flush=True)
         sys.stdin.read()
     """)
     _wait_for_line(child, b"locked")
     _kill(child)
     # The kernel dropped the lock with the process; the next operation repairs.
-    p._lock_timeout = 5.0
+    p.core.lock_timeout = 5.0
     assert check_value(p.get("k3")) == (3, 0)
     st = p.stats()
     assert st["repairs"] == 1 and st["entries"] == 20
@@ -223,7 +223,7 @@ def test_sigkill_at_random_points_never_wedges_or_corrupts(make_pool, seed):
         if not child.stdout.readline():
             break
     _kill(child)
-    p._lock_timeout = 5.0  # a wedged lock would fail the test, not hang it
+    p.core.lock_timeout = 5.0  # a wedged lock would fail the test, not hang it
     p.put("after", b"alive")
     assert p.get("after") == b"alive"
     p.verify(repair=True)

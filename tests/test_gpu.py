@@ -30,7 +30,7 @@ def test_entry_tensor_is_zero_copy_and_pins_while_any_view_lives(make_pool):
     gc.collect()
     assert _pins(p, "t") == 1
     # Zero copy: the tensor reads the pool's bytes in place.
-    base, _ = p._data_region()
+    base, _ = p.core.data_region()
     assert row.data_ptr() == base + p.info("t")["first_block"] * p.geometry.block_size + 3 * 64 * 4
     assert torch.equal(row, src[192:256])
     # A pinned entry is not reused: delete unlinks it, the bytes stay until the tensor goes.

@@ -165,7 +165,7 @@ while True:
         p.persist(sys.argv[4])
     elif op == "repair":
         from cortex_cache.layout import H_DIRTY
-        p._hu32[H_DIRTY] = 1                               # as if a holder had died: the next hold repairs
+        p.core.fields.dirty[0] = 1                               # as if a holder had died: the next hold repairs
         p.get(f"k{k}")                                     # ... and is killed mid-repair, sometimes
     elif op == "remote":
         p.put(f"k{k}", make_value(k, i, 20_000))
@@ -179,12 +179,12 @@ while True:
 
 def _check_pool(p: Pool) -> int:
     """Repair if needed, then: verify clean, every entry exact, a put and get work.  Entries seen."""
-    p._lock_timeout = 1.0  # another process continues within a second, or this raises LockTimeout
+    p.core.lock_timeout = 1.0  # another process continues within a second, or this raises LockTimeout
     p.verify(repair=True)
     rep = p.verify()
     assert rep["ok"], rep["problems"]
     seen = 0
-    for k in p.keys(tier="all") if p._tier is not None else p.keys():
+    for k in p.keys(tier="all") if p.tiers.disk is not None else p.keys():
         if k == "alive":
             continue
         v = p.get(k)
@@ -228,7 +228,7 @@ def test_sigkill_at_random_points_of_disk_tier_operations(make_pool, tmp_path, o
         _kill_at_random(op, p.name, 7000 + r)
         _check_pool(p)
     # And a restart finds only whole records.
-    tier, name = p._tier.path, p.name
+    tier, name = p.disk_path, p.name
     p.close()
     Pool.unlink(name)
     q = Pool.create(name, "512K", block_size="4K", disk_path=tier)
@@ -258,7 +258,7 @@ def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, t
 
 
 def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, pool_name, monkeypatch):
-    from cortex_cache import persist
+    from cortex_cache import persist, snapshot
 
     p = make_pool("8M")
     for k in range(48):
@@ -273,7 +273,7 @@ def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, 
             Pool.unlink(target)
         _check_pool(p)
     # Killed restores leave their staging segments; the next restore sweeps those nobody maps.
-    monkeypatch.setattr(persist, "_STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(snapshot, "STAGING_STALE_AFTER", 0.0)
     q = Pool.restore(snap, name=target)
     q.close()
     Pool.unlink(target)

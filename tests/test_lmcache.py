@@ -124,8 +124,8 @@ def test_foreign_and_corrupt_values_are_misses_never_loaded(make_pool):
         p.put("lmcache/foreign", b"x" * (HEADER_SIZE + 100))  # not ours: no header
         p.put("lmcache/moved", p.get("lmcache/good"))  # ours, but another key's
         # Corrupt "bad" in place, as a stray write into shared memory would.
-        off = p._data_off + p.info("lmcache/bad")["first_block"] * p.geometry.block_size
-        p._mv[off + HEADER_SIZE + 5] ^= 0xFF
+        off = p.geometry.data_off + p.info("lmcache/bad")["first_block"] * p.geometry.block_size
+        p.core.mv[off + HEADER_SIZE + 5] ^= 0xFF
         bufs = [bytearray(b"?" * 100) for _ in range(5)]
         res = wait(conn, conn.submit_batch_get(["good", "bad", "foreign", "moved", "short"], bufs))
         assert res[3] == [True, False, False, False, False]

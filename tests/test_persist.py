@@ -385,7 +385,7 @@ def test_write_behind_windows_produce_the_same_snapshot(make_pool, tmp_path, mon
     for i in range(30):
         p.put(f"k{i}", make_value(i, 0, 290_000))
     plain = snap.persist(p, tmp_path / "plain.ccsnap").path
-    monkeypatch.setattr(snap._WriteBehind, "WINDOW", 256 * 1024)
+    monkeypatch.setattr(snap.WriteBehind, "WINDOW", 256 * 1024)
     windowed = snap.persist(p, tmp_path / "windowed.ccsnap").path
     a, b = plain.read_bytes(), windowed.read_bytes()
     # The same records and trailer counts; only the creation time (and so the

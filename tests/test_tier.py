@@ -212,18 +212,18 @@ def test_the_disk_index_is_repaired_after_a_kill_inside_the_lock(make_pool, tier
         from cortex_cache import Pool
         from cortex_cache.layout import H_DIRTY, H_DFREE_SLOT, H_DISK_ENTRIES
         p = Pool.open({p.name!r})
-        p._lock.acquire()
-        p._hu32[H_DIRTY] = 1
-        t = p._tier
+        p.core.lock.acquire()
+        p.core.fields.dirty[0] = 1
+        t = p.tiers.disk
         t.buckets[:] = -1          # half-done changes: chains gone, counters wrong
-        p._hi64[H_DFREE_SLOT] = 3
-        p._hu64[H_DISK_ENTRIES] = 999
+        p.core.signed_counters[H_DFREE_SLOT] = 3
+        p.core.counters[H_DISK_ENTRIES] = 999
         print("locked", flush=True)
         sys.stdin.read()
     """)
     assert child.stdout.readline().strip() == b"locked"
     _kill(child)
-    p._lock_timeout = 5.0
+    p.core.lock_timeout = 5.0
     assert check_value(p.get("k0")) == (0, 0)  # found on disk again after the repair
     assert p.stats()["repairs"] == 1
     assert all(check_value(p.get(f"k{i}")) == (i, 0) for i in range(30))
@@ -260,7 +260,7 @@ def test_sigkill_mid_spill_leaves_the_tier_consistent(make_pool, tier_dir, pool_
     _fill(p, 20)
     proc = run_py(SPILLER, p.name, str(kill_at), check=False)
     assert proc.returncode == -signal.SIGKILL
-    p._lock_timeout = 5.0
+    p.core.lock_timeout = 5.0
     assert p.verify(repair=True)["entries"] > 0
     assert p.verify()["ok"]
     seen = 0
@@ -271,7 +271,7 @@ def test_sigkill_mid_spill_leaves_the_tier_consistent(make_pool, tier_dir, pool_
             seen += 1
     assert seen >= 20
     # And a restart finds only whole records (the torn one fails its checksum).
-    tier = p._tier.path
+    tier = p.disk_path
     p.close()
     Pool.unlink(pool_name)
     q = Pool.create(pool_name, MEM, disk_path=tier)
@@ -323,13 +323,13 @@ def _go(proc) -> None:
 
 
 def test_a_spill_is_written_outside_the_lock_and_readers_wait_for_it(make_pool, tier_dir, monkeypatch):
-    import cortex_cache.pool as pool_mod
+    import cortex_cache.tiers as tiers_mod
 
     p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
     _fill(p, 16)  # memory is full; the next put evicts the least recently used entry
     proc, victim = _held_spiller(p, "before")
     try:
-        p._lock_timeout = 1.0  # the spiller is inside its disk write: the lock must be free
+        p.core.lock_timeout = 1.0  # the spiller is inside its disk write: the lock must be free
         other = next(f"k{i}" for i in range(16) if f"k{i}" != victim)
         assert check_value(p.get(other))[0] == int(other[1:])
         assert victim in p and p.verify()["ok"]  # a spill in flight is a consistent state
@@ -340,8 +340,8 @@ def test_a_spill_is_written_outside_the_lock_and_readers_wait_for_it(make_pool, 
                 _go(proc)
             paused.append(seconds)
 
-        monkeypatch.setattr(pool_mod, "_spill_pause", pause)
-        monkeypatch.setattr(pool_mod, "SPILL_WAIT", 120.0)
+        monkeypatch.setattr(tiers_mod, "spill_pause", pause)
+        monkeypatch.setattr(tiers_mod, "SPILL_WAIT", 120.0)
         assert check_value(p.get(victim)) == (int(victim[1:]), 0)  # waited, then promoted from disk
         assert paused, "the get never met the spill in flight"
         assert proc.stdout.readline() == b"done\n" and proc.wait(timeout=60) == 0
@@ -385,7 +385,7 @@ def test_a_key_removed_while_its_spill_is_written_stays_removed_after_a_restart(
 
 def test_a_spiller_killed_before_confirming_leaves_a_miss_never_a_resurrection(make_pool, tier_dir, pool_name,
                                                                              monkeypatch):
-    import cortex_cache.pool as pool_mod
+    import cortex_cache.tiers as tiers_mod
 
     p = make_pool(MEM, name=pool_name, disk_path=tier_dir, disk_size="16M")
     _fill(p, 20)  # 4 spills confirmed
@@ -397,7 +397,7 @@ def test_a_spiller_killed_before_confirming_leaves_a_miss_never_a_resurrection(m
     def pause(seconds: float) -> None:
         raise AssertionError("waited for a spill whose writer is dead")
 
-    monkeypatch.setattr(pool_mod, "_spill_pause", pause)
+    monkeypatch.setattr(tiers_mod, "spill_pause", pause)
     assert p.get(victim) is None  # a miss at once, no error; the orphan is dropped on the way
     assert p.stats()["disk"]["entries"] == 4 and p.verify()["ok"]
     p.put(victim, make_value(int(victim[1:]), 1, VAL))
@@ -417,9 +417,9 @@ def test_a_spiller_killed_before_confirming_leaves_a_miss_never_a_resurrection(m
 
 
 def test_a_big_eviction_writes_in_place_beyond_what_it_may_copy_aside(make_pool, tier_dir, monkeypatch):
-    import cortex_cache.pool as pool_mod
+    import cortex_cache.tiers as tiers_mod
 
-    monkeypatch.setattr(pool_mod, "SPILL_ASIDE", 3 * VAL)  # 3 copies aside, the rest written in place
+    monkeypatch.setattr(tiers_mod, "SPILL_ASIDE", 3 * VAL)  # 3 copies aside, the rest written in place
     p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
     _fill(p, 16)
     assert p.evict(all=True) == (16, 16 * VAL)

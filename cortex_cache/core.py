@@ -1,0 +1,895 @@
+"""The core: one pool segment mapped, and the invariants that keep it whole (docs/design.md, "Layers").
+
+`Core` owns the mapping and everything in it that the memory tier needs: the
+lock and dirty-mark protocol, the slot table, hash chains, block map and key
+arena, pin records, and the entry life cycle (reserve -> copy -> seal, or
+abort; find/touch; remove; evict-one; reaping of dead processes' leftovers).
+It knows nothing of tiers, snapshots, the CLI or torch: what they need happens
+through its interface below and two hooks,
+
+- `on_evict(slot)`: called with the lock held for an entry about to leave
+  memory by eviction (not by expiry or delete), while its bytes are still there;
+- `after_unlock`: callables run once the lock is let go, in order (work begun
+  under the lock and finished outside it: a disk spill).
+
+Locking: `locked(fn, *args)` runs `fn` with the pool lock held and the dirty
+mark set (docs/design.md, "Invariants" 3).  Every method documented "lock
+held" may only be called inside such a section; a batch of operations can run
+in one section.  The raw tables (`columns`, `header`, `block_map`, `key_map`,
+`buckets`, `pin_records`) are for repair and vectorised scans, also lock held.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from . import procs, segment
+from .allocator import find_run, largest_run, run_around
+from .chains import unchain
+from .errors import (
+    BufferTooSmall,
+    CortexCacheError,
+    PoolBusy,
+    PoolClosed,
+    PoolFull,
+    SegmentCorrupt,
+    UsageError,
+    ValueTooLarge,
+)
+from .eviction import VictimCache, policy_by_id
+from .layout import (
+    CANDIDATES, FLAG_MULTI_THREADED, FLAG_RESERVED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
+    P32, P64, P_PID, P_SLOT, P_START, PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY,
+    VICTIM_COLUMNS, WRITING, ZOMBIE,
+    H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
+    H_KEY_HINT, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ,
+    H_USED_BLOCKS, H_USED_KCELLS,
+    Geometry, blocks_for, key_cells,
+)
+from .lock import PoolLock
+from .units import format_size
+
+# Values up to this size are put (and restored) in one lock hold: two extra lock
+# round trips (reserve, seal) would cost more than copying outside it.
+COPY_IN_LOCK = 256 * 1024
+# Reads copy inside the lock only up to 32 KiB: above that, readers in other
+# processes gain more from overlapping their copies than the two extra lock
+# round trips cost one of them (64 KiB, two reader processes: 0.8x -> 1.8x
+# of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
+GET_COPY_IN_LOCK = 32 * 1024
+_ONES = b"\x01" * 256  # map filler for runs of up to 256 cells
+
+
+class Pinned(NamedTuple):
+    """A pinned entry whose value is copied outside the lock: unpin with `Core.unpin(pin, slot)`."""
+
+    pin: int
+    slot: int
+    offset: int  # of the value in the segment
+    length: int
+
+
+class _Fields:
+    """Attribute access to the fields of a one-record structured array (views, not copies)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        for name in arr.dtype.names:
+            setattr(self, name, arr[name])
+
+
+class Core:
+    """One pool segment, mapped, with its invariants (see the module docstring)."""
+
+    # Half-built handles close cleanly (a failed attach leaves these).
+    closed = False
+    _typed_views: list = []
+
+    def __init__(
+        self,
+        seg: segment.Segment,
+        *,
+        multi_threaded: bool | None,
+        clock: Callable[[], float] | None,
+        lock_timeout: float | None,
+        repairer: Callable[["Core", bool], list[str]],
+    ) -> None:
+        """Attach to a validated segment.  `repairer(core, fix)` checks (and with `fix` repairs) the memory
+        tier's metadata, lock held (repair.analyse); `repair_hooks` add checks of regions above it."""
+        self.seg = seg
+        self.name = seg.name
+        self._repairer = repairer
+        self.repair_hooks: list[Callable[[bool], list[str]]] = []
+        self.on_evict: Callable[[int], None] | None = None
+        self.after_unlock: list[Callable[[], None]] = []
+        self.forked = False  # set in a forked child: its OFD lock would be its parent's
+        mm = seg.mm
+        self.mv = mv = memoryview(mm)
+        hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
+        self.header = hdr
+        self.fields = _Fields(hdr)
+        g = Geometry.from_header(hdr)
+        self.geometry = g
+        self._bs, self._n_blocks, self._data_off = g.block_size, g.n_blocks, g.data_off
+        self._mask = g.n_buckets - 1
+        self.buckets = np.frombuffer(mm, np.int32, g.n_buckets, g.buckets_off)
+        self.block_map = np.frombuffer(mm, np.uint8, g.n_blocks, g.blockmap_off)
+        self.key_map = np.frombuffer(mm, np.uint8, g.n_kcells, g.keymap_off)
+        self.pin_records = np.frombuffer(mm, PIN_DTYPE, g.n_pins, g.pins_off)
+        offs = g.slot_columns()
+        self.columns = {name: np.frombuffer(mm, fmt, g.n_slots, offs[name]) for name, fmt in SLOT_COLUMNS}
+        self._pin_hint = 0
+        self._n_slots, self._n_pins, self._n_kcells, self._keys_off = g.n_slots, g.n_pins, g.n_kcells, g.keys_off
+        # Typed memoryviews over the same bytes for the hot paths, where a
+        # memoryview item costs ~0.04 us against numpy's ~0.2 us.
+        views = {}
+        for name, fmt in SLOT_COLUMNS:
+            size = np.dtype(fmt).itemsize
+            views[name] = mv[offs[name] : offs[name] + g.n_slots * size].cast(MV_FORMAT[fmt])
+        self._c_state, self._c_pins, self._c_klen = views["state"], views["pins"], views["key_len"]
+        self._c_flags, self._c_opid, self._c_next = views["flags"], views["owner_pid"], views["next"]
+        self._c_khash, self._c_vlen, self._c_first = views["key_hash"], views["value_len"], views["first_block"]
+        self._c_nblk, self._c_cks, self._c_created = views["n_blocks"], views["checksum"], views["created"]
+        self._c_lastacc, self._c_expiry, self._c_iseq = views["last_access"], views["expiry"], views["insert_seq"]
+        self._c_aseq, self._c_acount, self._c_lfuep = views["access_seq"], views["access_count"], views["lfu_epoch"]
+        self._c_prio, self._c_ostart, self._c_kcell = views["priority"], views["owner_start"], views["key_cell"]
+        hdr_mv = mv[:HEADER_SIZE]
+        # The header's words: `counters[H_*]` (layout.py names them); public for the tiers' counters.
+        self.counters, self.signed_counters, self._hu32, self._hf64 = (hdr_mv.cast(f) for f in "QqId")
+        self._hu64, self._hi64 = self.counters, self.signed_counters
+        pins_mv = mv[g.pins_off : g.pins_off + g.n_pins * PIN_SIZE]
+        self._pu32, self._pi32, self._pu64 = pins_mv.cast("I"), pins_mv.cast("i"), pins_mv.cast("Q")
+        self._bkt = mv[g.buckets_off : g.buckets_off + g.n_buckets * 4].cast("i")
+        self._bmap = mv[g.blockmap_off : g.blockmap_off + g.n_blocks]
+        self._kmap = mv[g.keymap_off : g.keymap_off + g.n_kcells]
+        self._typed_views = [*views.values(), hdr_mv, pins_mv, self._hu64, self._hi64, self._hu32, self._hf64,
+                             self._pu32, self._pi32, self._pu64, self._bkt, self._bmap, self._kmap]
+        flags = int(self.fields.flags[0])
+        if multi_threaded is None:
+            multi_threaded = bool(flags & FLAG_MULTI_THREADED)
+        self.multi_threaded = multi_threaded
+        self.lock = PoolLock(seg.fd, multi_threaded)
+        self.lock_timeout = lock_timeout
+        self.clock: Callable[[], float] = clock or time.time
+        pol = policy_by_id(int(self.fields.policy[0]))
+        assert pol is not None  # checked when the segment was opened (header.py)
+        self.policy = pol.name
+        vo = g.victim_columns()
+        victims = {name: np.frombuffer(mm, fmt, CANDIDATES, vo[name]) for name, fmt in VICTIM_COLUMNS}
+        self.victims = VictimCache(
+            pol, hdr, self.columns, victims, self.clock, (self._hu32, self._hu64, self._hf64), views
+        )
+
+    def close(self) -> None:
+        """Unmap.  Safe to call twice, and on a half-built handle."""
+        if self.closed:
+            return
+        self.closed = True
+        self.victims = None  # type: ignore[assignment]
+        self.columns = None  # type: ignore[assignment]
+        self.fields = None  # type: ignore[assignment]
+        for attr in [a for a, v in vars(self).items() if isinstance(v, np.ndarray)]:
+            setattr(self, attr, None)
+        for v in reversed(self._typed_views):
+            v.release()
+        self._typed_views = []
+        self.mv.release()
+        try:
+            self.seg.close()
+        except BufferError:
+            # A buffer exported from the mapping is still alive somewhere
+            # (a numpy array made from a view): the mapping goes when it does.
+            os.close(self.seg.fd)
+            self.seg.fd = -1
+
+    def data_region(self) -> tuple[int, int]:
+        """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
+        a = np.frombuffer(self.seg.mm, np.uint8, 1, self._data_off)
+        addr = a.ctypes.data
+        del a
+        return addr, self.geometry.data_size
+
+    def value_array(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable numpy array over `nbytes` of the segment at `offset` (a pinned or reserved value)."""
+        return np.frombuffer(self.seg.mm, np.uint8, nbytes, offset)
+
+    # ------------------------------------------------------------------ locking
+
+    def locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` holding the pool lock, with the dirty mark set; then run `after_unlock`."""
+        if self.closed:
+            raise PoolClosed(f"pool {self.name!r} is closed")
+        if self.forked:
+            raise UsageError(f"pool {self.name!r} was opened before fork(): open it again in this process")
+        lock = self.lock
+        lock.acquire(self.lock_timeout)
+        hu32 = self._hu32
+        try:
+            if hu32[H_DIRTY]:
+                self.repair()
+            hu32[H_DIRTY] = 1
+            result = fn(*args)
+        except SegmentCorrupt:
+            self._release(lock, clean=False)  # damage was seen: the dirty mark stays, so the next holder repairs
+            raise
+        except CortexCacheError:
+            self._release(lock, clean=True)  # expected errors leave the metadata consistent
+            raise
+        except (IndexError, ValueError, OverflowError, ZeroDivisionError) as e:
+            # Only damaged metadata gets here (an index out of range, a counter
+            # at its limit): a clean error now, and a repair by the next holder.
+            self._release(lock, clean=False)
+            raise SegmentCorrupt(
+                f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
+                "it is repaired on its next use, or with `cortex cache verify --repair`"
+            ) from e
+        except BaseException:
+            # Anything else may have stopped a change half-way: leave the
+            # dirty mark so the next holder repairs.
+            self._release(lock, clean=False)
+            raise
+        self._release(lock, clean=True)
+        return result
+
+    def _release(self, lock: Any, clean: bool) -> None:
+        if clean:
+            self._hu32[H_DIRTY] = 0
+        lock.release()
+        if self.after_unlock:
+            work, self.after_unlock = self.after_unlock, []
+            for fn in work:
+                fn()
+
+    def inspect(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` holding the pool lock as it is: no repair of a dirty mark first, none set
+        (verify looks at a pool a dead process left, and repairs it only if asked)."""
+        if self.closed:
+            raise PoolClosed(f"pool {self.name!r} is closed")
+        self.lock.acquire(self.lock_timeout)
+        try:
+            return fn(*args)
+        finally:
+            self.lock.release()
+
+    def _analyse(self, fix: bool) -> list[str]:
+        problems = self._repairer(self, fix)
+        for hook in self.repair_hooks:
+            problems += hook(fix)
+        return problems
+
+    def repair(self) -> list[str]:
+        """Rebuild every derived structure from the slot records (lock held); what was wrong."""
+        self._hu32[H_DIRTY] = 1
+        fixed = self._analyse(True)
+        self._hu64[H_REPAIRS] += 1
+        self._hu32[H_DIRTY] = 0
+        return fixed
+
+    def check(self) -> list[str]:
+        """What is inconsistent in the metadata, changing nothing (lock held)."""
+        return self._analyse(False)
+
+    # ------------------------------------------------------------------ writing entries
+
+    def blocks_or_raise(self, vlen: int, what: str = "value") -> int:
+        """Blocks a value of `vlen` bytes occupies (layout.blocks_for); ValueTooLarge beyond the pool."""
+        nblk = blocks_for(vlen, self._bs)
+        if nblk > self._n_blocks:
+            raise ValueTooLarge(
+                f"{what} of {format_size(vlen)} does not fit in pool {self.name!r} "
+                f"({format_size(self.geometry.data_size)})"
+            )
+        return nblk
+
+    def fits(self, vlen: int) -> bool:
+        return blocks_for(vlen, self._bs) <= self._n_blocks
+
+    def reserve(self, kb: bytes, kh: int, flags: int, vlen: int, nblk: int) -> tuple[int, int]:
+        """Take a slot, key cells and `nblk` blocks for a new entry of key `kb` (state WRITING, invisible);
+        evicts for room.  Returns (slot, data offset of the value).  Lock held."""
+        i = self._alloc_slot()
+        klen = len(kb)
+        try:
+            kcell = self._alloc_kcells(key_cells(klen))
+            try:
+                first = self._alloc_blocks(nblk)
+            except BaseException:
+                self._free_kcells(kcell, klen)
+                raise
+        except BaseException:
+            self._free_slot(i)
+            raise
+        koff = self._keys_off + kcell * KEY_CELL
+        self.mv[koff : koff + klen] = kb
+        pid, start = procs.me()
+        self._c_kcell[i] = kcell
+        self._c_klen[i] = klen
+        self._c_flags[i] = flags
+        self._c_pins[i] = 0
+        self._c_opid[i] = pid
+        self._c_khash[i] = kh
+        self._c_vlen[i] = vlen
+        self._c_first[i] = first
+        self._c_nblk[i] = nblk
+        self._c_ostart[i] = start
+        self._c_state[i] = WRITING
+        return i, self._data_off + first * self._bs
+
+    def put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
+                  ttl: float | None, priority: int) -> int:
+        """Store a value in one lock hold (lock held); its slot."""
+        # Replacing a key: free the old value first, so a full pool reuses its
+        # blocks instead of evicting an unrelated entry.  (Readers holding a
+        # pin keep the old bytes; if the new value then cannot be placed,
+        # PoolFull leaves the key absent.)
+        old = self.find(kb, kh)
+        if old >= 0:
+            self.remove(old)
+        i, off = self.reserve(kb, kh, flags, vb.nbytes, nblk)
+        self.mv[off : off + vb.nbytes] = vb
+        self.seal(i, kb, kh, checksum, ttl, priority, False)
+        return i
+
+    def seal(self, i: int, kb: bytes, kh: int, checksum: int, ttl: float | None, priority: int,
+             replace: bool = True, expiry: float | None = None) -> None:
+        """Make WRITING slot `i` the visible entry for its key, replacing any old one (lock held).
+
+        `replace=False`: the caller already removed it in this same lock hold.
+        `expiry` overrides `ttl` with an absolute time.
+        """
+        hu64 = self._hu64
+        now = self.clock()
+        old = self.find(kb, kh) if replace else -1
+        if old >= 0:
+            self.remove(old)
+        if expiry is not None:
+            ttl = None
+        seq = hu64[H_SEQ] + 1
+        hu64[H_SEQ] = seq
+        self._c_cks[i] = checksum
+        self._c_created[i] = now
+        self._c_lastacc[i] = now
+        self._c_expiry[i] = now + ttl if ttl else (expiry or 0.0)
+        self._c_iseq[i] = seq
+        self._c_aseq[i] = seq
+        self._c_acount[i] = 1
+        self._c_lfuep[i] = self._tick()
+        self._c_prio[i] = priority
+        self._c_ostart[i] = 0
+        self._c_opid[i] = 0
+        b = kh & self._mask
+        bkt = self._bkt
+        self._c_next[i] = bkt[b]
+        bkt[b] = i
+        self._c_state[i] = SEALED
+        hu64[H_N_ENTRIES] += 1
+        hu64[H_PUTS] += 1
+        v = self.victims
+        if not v.policy.monotone:
+            v.on_score_change(i)
+        if ttl:
+            v.on_expiry_set(now + ttl)
+        elif expiry:
+            v.on_expiry_set(expiry)
+
+    def fill(self, i: int, copy: Callable[[], int], seal: Callable[..., Any], *args: Any) -> None:
+        """The end of every put whose value is copied outside the lock, for reserved slot `i`: run `copy()`
+        (no lock; it returns the value's checksum), then `seal(i, checksum, *args)` under the lock.  A copy
+        that fails gives the reservation back."""
+        try:
+            checksum = copy()
+        except BaseException:
+            self.locked(self.abort, i)
+            raise
+        self.locked(seal, i, checksum, *args)
+
+    def is_writing(self, i: int) -> bool:
+        """Is slot `i` still a reservation (not taken back by a repair)?  Lock held."""
+        return self._c_state[i] == WRITING
+
+    def abort(self, i: int) -> None:
+        """Give a reservation back (lock held); nothing if a repair already did."""
+        if self._c_state[i] == WRITING:
+            self._free_entry(i)
+
+    def restore_meta(self, i: int, created: float, last_access: float, expiry: float, insert_seq: int,
+                     access_seq: int, access_count: int) -> None:
+        """Give a just-sealed entry the metadata a snapshot recorded (lock held); not counted as a put."""
+        self._hu64[H_PUTS] -= 1
+        self._c_created[i] = created
+        self._c_lastacc[i] = last_access
+        self._c_expiry[i] = expiry
+        self._c_iseq[i] = insert_seq
+        self._c_aseq[i] = access_seq
+        self._c_acount[i] = max(1, access_count)
+        if access_seq > self._hu64[H_SEQ]:
+            self._hu64[H_SEQ] = access_seq
+        self.victims.invalidate()  # the scores just changed behind its back
+        if expiry:
+            self.victims.on_expiry_set(expiry)
+
+    def _tick(self) -> int:
+        """Count one put or hit; return the LFU epoch after it."""
+        hu64 = self._hu64
+        ops = hu64[H_OPS] + 1
+        hu64[H_OPS] = ops
+        if ops % hu64[H_LFU_PERIOD] == 0:
+            hu64[H_LFU_EPOCH] += 1
+        return hu64[H_LFU_EPOCH]
+
+    # ------------------------------------------------------------------ allocation
+
+    def _alloc_slot(self) -> int:
+        hi64 = self._hi64
+        i = hi64[H_FREE_SLOT]
+        while i < 0:
+            if self.evict_one() is None:
+                raise PoolFull(
+                    f"pool {self.name!r} has no free entry slot ({self.geometry.n_slots} max entries) "
+                    "and nothing can be evicted"
+                )
+            i = hi64[H_FREE_SLOT]
+        hi64[H_FREE_SLOT] = self._c_next[i]
+        self._c_next[i] = -1
+        return i
+
+    def _free_slot(self, i: int) -> None:
+        self._c_state[i] = FREE
+        self._c_pins[i] = 0
+        # Forget who it was: a damaged state word must not bring a deleted entry back.
+        self._c_khash[i] = 0
+        self._c_cks[i] = 0
+        hi64 = self._hi64
+        self._c_next[i] = hi64[H_FREE_SLOT]
+        hi64[H_FREE_SLOT] = i
+
+    def _alloc_blocks(self, k: int) -> int:
+        hu64 = self._hu64
+        hint = hu64[H_ALLOC_HINT]
+        bmap = self._bmap
+        # Fast path: the run at the cursor is free (empty pool, or the blocks
+        # an eviction or delete just freed).  Else a vectorised scan.
+        if hint + k <= self._n_blocks and bmap[hint : hint + k] == bytes(k):
+            first = hint
+        else:
+            # A full pool (the steady state of a cache) cannot have a run:
+            # skip the scan and go straight to eviction.
+            first = find_run(self.block_map, k, hint) if hu64[H_USED_BLOCKS] + k <= self._n_blocks else -1
+            while first < 0:
+                freed = self.evict_one()
+                if freed is None:
+                    raise PoolFull(
+                        f"pool {self.name!r} is full: no run of {k} free blocks, "
+                        "and every entry is pinned, being written, or already evicted"
+                    )
+                vfirst, vn = freed
+                # The victim's own run is enough when it is as long (the common
+                # case of equal-sized KV chunks); else look at its neighbours.
+                if vn >= k:
+                    first = vfirst
+                elif vn > 0:
+                    first = run_around(self.block_map, vfirst, vn, k)
+                else:
+                    first = find_run(self.block_map, k, 0)
+        bmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
+        hu64[H_USED_BLOCKS] += k
+        nxt = first + k
+        hu64[H_ALLOC_HINT] = nxt if nxt < self._n_blocks else 0
+        return first
+
+    def _alloc_kcells(self, k: int) -> int:
+        """First cell of a run of `k` free cells of the key arena, evicting for room (docs/design.md, "Keys")."""
+        hu64 = self._hu64
+        hint = hu64[H_KEY_HINT]
+        kmap = self._kmap
+        if hint + k <= self._n_kcells and kmap[hint : hint + k] == bytes(k):
+            first = hint
+        else:
+            first = find_run(self.key_map, k, hint)
+            while first < 0:
+                if self.evict_one() is None:
+                    raise PoolFull(
+                        f"pool {self.name!r} is full: no room for a key of {k * KEY_CELL} bytes, "
+                        "and every entry is pinned, being written, or already evicted"
+                    )
+                first = find_run(self.key_map, k, 0)
+        kmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
+        hu64[H_USED_KCELLS] += k
+        nxt = first + k
+        hu64[H_KEY_HINT] = nxt if nxt < self._n_kcells else 0
+        return first
+
+    def _free_kcells(self, first: int, klen: int) -> None:
+        k = key_cells(klen)
+        self._kmap[first : first + k] = bytes(k)
+        self._hu64[H_USED_KCELLS] -= k
+        self._hu64[H_KEY_HINT] = first
+
+    def _free_entry(self, i: int) -> None:
+        """Give slot `i`'s blocks, key cells and the slot itself back."""
+        first, n = self._c_first[i], self._c_nblk[i]
+        self._bmap[first : first + n] = bytes(n)
+        self._hu64[H_USED_BLOCKS] -= n
+        # Reuse freed blocks first: they are likely still in the CPU cache.
+        self._hu64[H_ALLOC_HINT] = first
+        self._free_kcells(self._c_kcell[i], self._c_klen[i])
+        self._free_slot(i)
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict_one(self) -> tuple[int, int] | None:
+        """Evict one victim by policy (expired entries first), or reclaim what dead processes left (lock held).
+
+        Returns the run of blocks freed, (first, count) -- count 0 when dead
+        processes' leftovers were reclaimed, wherever they were -- or None when
+        nothing could be freed.  `on_evict` sees a victim that has not expired.
+        """
+        i, expired = self.victims.next_victim()
+        if i < 0:
+            return (0, 0) if self.reap_dead() else None
+        first, n = self._c_first[i], self._c_nblk[i]
+        self._count_eviction(i, expired)
+        if not expired and self.on_evict is not None:
+            self.on_evict(i)
+        self.remove(i)
+        return first, n
+
+    def _count_eviction(self, i: int, expired: bool) -> None:
+        hu64 = self._hu64
+        if expired:
+            hu64[H_EXPIRATIONS] += 1
+        else:
+            hu64[H_EVICTIONS] += 1
+            hu64[H_BYTES_EVICTED] += self._c_vlen[i]
+
+    def evict_slots(self, slots: Any, spill: bool, count_expired: bool = True) -> tuple[int, int]:
+        """Evict the sealed entries `slots` (lock held); `spill`: offer unexpired ones to `on_evict`;
+        `count_expired`: count an expired one as an expiration (else as an eviction).
+        Returns (entries, value bytes)."""
+        count = freed = 0
+        for i in slots:
+            if self._c_state[i] != SEALED:
+                continue
+            count += 1
+            freed += self._c_vlen[i]
+            gone = self.expired(i)
+            self._count_eviction(i, gone and count_expired)
+            if spill and not gone and self.on_evict is not None:
+                self.on_evict(i)
+            self.remove(i)
+        return count, freed
+
+    def evict_keys(self, encoded: list[tuple[bytes, int]], spill: bool) -> tuple[int, int]:
+        """Evict the entries of these (key, hash) pairs that are in memory (lock held)."""
+        return self.evict_slots([i for i in (self.find(kb, kh) for kb, kh in encoded) if i >= 0], spill, False)
+
+    def evict_matching(self, expired_only: bool, prefix: bytes | None, spill: bool) -> tuple[int, int]:
+        """Evict every sealed entry, or the expired ones, or those whose key starts with `prefix` (lock held)."""
+        idx = np.flatnonzero(self.columns["state"] == SEALED)
+        if expired_only:
+            e = self.columns["expiry"][idx]
+            idx = idx[(e > 0) & (e <= self.clock())]
+        slots = map(int, idx)
+        if prefix is not None:
+            slots = (i for i in slots if self.key_bytes(i).startswith(prefix))
+        return self.evict_slots(list(slots), spill)
+
+    def evict_amount(self, percent: float | None, target: int | None, spill: bool) -> tuple[int, int]:
+        """Evict by policy until `target` value bytes (or `percent` of them) are freed (lock held)."""
+        if percent is not None:
+            live = self.columns["state"] == SEALED
+            target = int(np.ceil(int(self.columns["value_len"][live].sum()) * percent / 100))
+        assert target is not None
+        count = freed = 0
+        while freed < target:
+            i, expired = self.victims.next_victim()
+            if i < 0:
+                break
+            count += 1
+            freed += self._c_vlen[i]
+            self._count_eviction(i, expired)
+            if spill and not expired and self.on_evict is not None:
+                self.on_evict(i)
+            self.remove(i)
+        return count, freed
+
+    # ------------------------------------------------------------------ lookup and removal
+
+    def find(self, kb: bytes, kh: int) -> int:
+        """Slot of the sealed entry for key `kb` (hash `kh`), or -1 (lock held)."""
+        i = self._bkt[kh & self._mask]
+        klen = len(kb)
+        steps = 0
+        while i >= 0:
+            if self._c_khash[i] == kh and self._c_klen[i] == klen:
+                off = self._keys_off + self._c_kcell[i] * KEY_CELL
+                if self.mv[off : off + klen] == kb:
+                    return i
+            i = self._c_next[i]
+            steps += 1
+            if steps > self._n_slots:
+                raise SegmentCorrupt(f"pool {self.name!r}: hash chain loop; run `cortex cache verify --repair`")
+        return -1
+
+    def remove(self, i: int) -> None:
+        """Take sealed entry `i` out of the index; free it now, or at its last unpin (lock held)."""
+        unchain(self._bkt, self._c_next, self._c_khash[i] & self._mask, i)
+        self._hu64[H_N_ENTRIES] -= 1
+        if self._c_pins[i]:
+            self._c_state[i] = ZOMBIE
+        else:
+            self._free_entry(i)
+
+    def expired(self, i: int) -> bool:
+        e = self._c_expiry[i]
+        return e > 0 and e <= self.clock()
+
+    def touch(self, i: int) -> None:
+        """Count a hit on entry `i` (lock held)."""
+        hu64 = self._hu64
+        seq = hu64[H_SEQ] + 1
+        hu64[H_SEQ] = seq
+        self._c_aseq[i] = seq
+        self._c_lastacc[i] = self.clock()
+        epoch = self._tick()
+        age = epoch - self._c_lfuep[i]
+        self._c_acount[i] = (self._c_acount[i] >> (age if age < 63 else 63)) + 1
+        self._c_lfuep[i] = epoch
+        hu64[H_HITS] += 1
+        v = self.victims
+        if not v.policy.monotone:
+            v.on_score_change(i)
+
+    def lookup_live(self, kb: bytes, kh: int) -> int:
+        """Find a live entry, counting the miss (and expiring it) when there is none (lock held)."""
+        i = self.find(kb, kh)
+        if i >= 0 and self.expired(i):
+            self._hu64[H_EXPIRATIONS] += 1
+            self.remove(i)
+            i = -1
+        if i < 0:
+            self._hu64[H_MISSES] += 1
+        return i
+
+    def find_live(self, kb: bytes, kh: int) -> int:
+        """Slot of the live (unexpired) entry of `kb`, or -1; counts nothing (lock held)."""
+        i = self.find(kb, kh)
+        return -1 if i >= 0 and self.expired(i) else i
+
+    def read(self, kb: bytes, kh: int, out: memoryview | None) -> bytes | int | Pinned | None:
+        """Look `kb` up and count the hit or miss (lock held).
+
+        A value up to GET_COPY_IN_LOCK bytes is copied now: into `out` (its
+        length returned), or returned as bytes; a larger one is pinned for the
+        caller to copy outside the lock (a Pinned).  None on a miss.
+        """
+        i = self.lookup_live(kb, kh)
+        if i < 0:
+            return None
+        vlen = self._c_vlen[i]
+        if out is not None and out.nbytes < vlen:
+            raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
+        self.touch(i)
+        off = self._data_off + self._c_first[i] * self._bs
+        if vlen <= GET_COPY_IN_LOCK:
+            if out is None:
+                return self.mv[off : off + vlen].tobytes()
+            out[:vlen] = self.mv[off : off + vlen]
+            return vlen
+        return Pinned(self.pin(i), i, off, vlen)
+
+    def pin_live(self, kb: bytes, kh: int, count_miss: bool = True) -> Pinned | None:
+        """Pin the live entry of `kb` and count the hit (and, with `count_miss`, a miss); lock held."""
+        i = self.lookup_live(kb, kh) if count_miss else self.find_live(kb, kh)
+        if i < 0:
+            return None
+        self.touch(i)
+        return Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i])
+
+    def delete(self, kb: bytes, kh: int, counted: bool) -> bool:
+        """Remove `kb`'s entry if it is in memory; count a delete if it was or `counted` (lock held)."""
+        i = self.find(kb, kh)
+        if i >= 0:
+            self.remove(i)
+        if i < 0 and not counted:
+            return False
+        self._hu64[H_DELETES] += 1
+        return True
+
+    # ------------------------------------------------------------------ entries
+
+    def value_offset(self, i: int) -> int:
+        """Offset of slot `i`'s value in the segment."""
+        return self._data_off + self._c_first[i] * self._bs
+
+    def key_bytes(self, i: int) -> bytes:
+        """The key of slot `i`, from the key arena."""
+        off = self._keys_off + self._c_kcell[i] * KEY_CELL
+        return self.mv[off : off + self._c_klen[i]].tobytes()
+
+    def key_of(self, i: int) -> str | bytes:
+        """The key of slot `i` as it was given (str or bytes)."""
+        kb = self.key_bytes(i)
+        if self._c_flags[i] & SLOT_FLAG_STR_KEY:
+            return kb.decode("utf-8", "surrogateescape")
+        return kb
+
+    def checksum(self, i: int) -> int:
+        return self._c_cks[i]
+
+    def insert_seq(self, i: int) -> int:
+        return self._c_iseq[i]
+
+    def is_sealed(self, i: int) -> bool:
+        return self._c_state[i] == SEALED
+
+    def live_mask(self) -> np.ndarray:
+        """Which slots hold live (sealed, unexpired) entries (lock held)."""
+        e = self.columns["expiry"]
+        return (self.columns["state"] == SEALED) & ((e == 0) | (e > self.clock()))
+
+    def live_in_insert_order(self) -> np.ndarray:
+        live = np.flatnonzero(self.live_mask())
+        return live[np.argsort(self.columns["insert_seq"][live], kind="stable")]
+
+    def info(self, i: int) -> dict[str, Any]:
+        """Metadata of live entry `i` (lock held)."""
+        now = self.clock()
+        e = float(self._c_expiry[i])
+        return {
+            "key": self.key_of(i),
+            "tier": "memory",
+            "size": self._c_vlen[i],
+            "blocks": self._c_nblk[i],
+            "first_block": self._c_first[i],
+            "created": self._c_created[i],
+            "last_access": self._c_lastacc[i],
+            "access_count": self._c_acount[i],
+            "priority": self._c_prio[i],
+            "expires": e if e > 0 else None,
+            "ttl_remaining": max(0.0, e - now) if e > 0 else None,
+            "checksum": f"{self._c_cks[i]:016x}",
+            "pins": self._c_pins[i],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The memory tier's usage and counters (lock held); `Pool.stats` adds the tiers'."""
+        h = self.header[0]
+        g = self.geometry
+        c = self.columns
+        sealed = c["state"] == SEALED
+        used = int(h["used_blocks"]) * g.block_size
+        value_bytes = int(c["value_len"][sealed].sum())
+        st = self.seg.stat()
+        last = float(h["last_snapshot"])
+        out = {
+            "name": self.name,
+            "format_version": int(h["version"]),
+            "policy": self.policy,
+            "multi_threaded": bool(int(h["flags"]) & FLAG_MULTI_THREADED),
+            "reserved": bool(int(h["flags"]) & FLAG_RESERVED),
+            "size_bytes": g.data_size,
+            "segment_bytes": g.segment_size,
+            "block_size": g.block_size,
+            "blocks_total": g.n_blocks,
+            "blocks_used": int(h["used_blocks"]),
+            "used_bytes": used,
+            "value_bytes": value_bytes,
+            # How well the blocks are used: value bytes per allocated byte (1.0 when every value
+            # fills its blocks; low when the block size is too large for the values), and the
+            # longest run of free blocks (the largest value that fits without an eviction).
+            "fill_ratio": value_bytes / used if used else 1.0,
+            "largest_free_bytes": largest_run(self.block_map) * g.block_size,
+            "key_arena_bytes": g.n_kcells * KEY_CELL,
+            "key_arena_used_bytes": int(h["used_kcells"]) * KEY_CELL,
+            "entries": int(h["n_entries"]),
+            "max_entries": g.n_slots,
+        }
+        out.update(hit_stats(h["hits"], h["misses"]))
+        out.update({
+            "puts": int(h["puts"]),
+            "deletes": int(h["deletes"]),
+            "evictions": int(h["evictions"]),
+            "expirations": int(h["expirations"]),
+            "bytes_evicted": int(h["bytes_evicted"]),
+            "repairs": int(h["repairs"]),
+            "pinned_entries": int(np.count_nonzero(c["pins"])),
+            "writing_entries": int(np.count_nonzero(c["state"] == WRITING)),
+            "created": float(h["created"]),
+            "last_snapshot": last if last > 0 else None,
+            "mode": f"{st.st_mode & 0o777:04o}",
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+        })
+        return out
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, i: int) -> int:
+        """Pin entry `i` for this process (lock held): its blocks stay until `unpin`.  The pin record."""
+        pu32 = self._pu32
+        j = self._pin_hint
+        if pu32[j * P32 + P_PID] != 0:
+            ppid = self.pin_records["pid"]
+            free = np.flatnonzero(ppid == 0)
+            if free.size == 0 and self.reap_dead():
+                free = np.flatnonzero(ppid == 0)
+            if free.size == 0:
+                raise PoolBusy(
+                    f"pool {self.name!r}: all {self._n_pins} pin records are in use "
+                    "(too many concurrent large reads or open views)"
+                )
+            j = int(free[0])
+        pid, start = procs.me()
+        self._pi32[j * P32 + P_SLOT] = i
+        self._pu64[j * P64 + P_START] = start
+        pu32[j * P32 + P_PID] = pid
+        self._c_pins[i] += 1
+        self._pin_hint = (j + 1) % self._n_pins
+        return j
+
+    def unpin(self, j: int, i: int) -> None:
+        """Release pin record `j` on entry `i` (lock held); a deleted entry's blocks go at its last unpin."""
+        pu32, pi32 = self._pu32, self._pi32
+        if pu32[j * P32 + P_PID] != procs.me()[0] or pi32[j * P32 + P_SLOT] != i:
+            return  # already reclaimed by a repair (should not happen while we live)
+        pu32[j * P32 + P_PID] = 0
+        pi32[j * P32 + P_SLOT] = -1
+        pins = self._c_pins[i]
+        if pins > 0:
+            pins -= 1
+            self._c_pins[i] = pins
+        if pins == 0:
+            if self._c_state[i] == ZOMBIE:
+                self._free_entry(i)
+            elif self._c_state[i] == SEALED:
+                self.victims.on_unpin(i)
+
+    def pin_batch(self, slots: list[int]) -> list[Pinned]:
+        """Pin the sealed entries among `slots` (lock held)."""
+        return [Pinned(self.pin(i), i, self.value_offset(i), self._c_vlen[i])
+                for i in slots if self._c_state[i] == SEALED]
+
+    def unpin_batch(self, pinned: list) -> None:
+        """Unpin what `pin_batch` pinned, or any list of records with `pin` and `slot` (lock held)."""
+        for p in pinned:
+            self.unpin(p.pin, p.slot)
+
+    # ------------------------------------------------------------------ dead processes
+
+    def reap_dead(self) -> bool:
+        """Reclaim reservations of dead writers and pins of dead readers (lock held); True if anything was freed."""
+        freed = False
+        alive = procs.alive_checker()
+        ppid, pslot, pstart = self.pin_records["pid"], self.pin_records["slot"], self.pin_records["start"]
+        pins, state = self.columns["pins"], self.columns["state"]
+        for j in map(int, np.flatnonzero(ppid != 0)):
+            if not alive(int(ppid[j]), int(pstart[j])):
+                i = int(pslot[j])
+                ppid[j] = 0
+                pslot[j] = -1
+                if 0 <= i < self._n_slots and pins[i] > 0:
+                    pins[i] -= 1
+                    if pins[i] == 0 and state[i] == ZOMBIE:
+                        self._free_entry(i)
+                        freed = True
+        opid, ostart = self.columns["owner_pid"], self.columns["owner_start"]
+        for i in map(int, np.flatnonzero(state == WRITING)):
+            if not alive(int(opid[i]), int(ostart[i])):
+                self._free_entry(i)
+                freed = True
+        if freed:
+            self.victims.invalidate()
+        return freed
+
+
+def hit_stats(hits: int, misses: int) -> dict[str, Any]:
+    """`hits`, `misses` and `hit_ratio` of a tier (one rule for every tier's stats)."""
+    hits, misses = int(hits), int(misses)
+    return {"hits": hits, "misses": misses, "hit_ratio": hits / (hits + misses) if hits + misses else 0.0}
+
+
+__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "hit_stats"]

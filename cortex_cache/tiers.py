@@ -1,0 +1,445 @@
+"""Tier orchestration: what memory does with the disk and remote tiers below it (docs/design.md, "Layers").
+
+One place for every way the tiers meet: spill on evict (the core's
+`on_evict` hook begins a spill under the lock; `after_unlock` writes it),
+promote on a miss (disk, then remote), write-through puts, and the remote
+tier's write queue.  The memory tier is the core (core.py); the disk tier's
+index and files are disktier.py and disklog.py; the remote tier is remote.py.
+`Tiers` calls their interfaces only.  Without a disk or remote tier the hot
+paths skip all of this (`Tiers.disk is None`, `Tiers.remote is None`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+from xxhash import xxh3_64_intdigest
+
+from .core import COPY_IN_LOCK, Core, Pinned
+from .disklog import CORRUPT, DiskLog, Found
+from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
+from .errors import BufferTooSmall, CortexCacheError, PoolFull, UsageError, ValueTooLarge
+from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
+
+# Large values are copied and checksummed in chunks that stay in cache.
+HASH_CHUNK = 256 * 1024
+# How long a reader waits for a key whose spill to disk another process is writing (normally
+# microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
+SPILL_WAIT = 2.0
+# At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
+SPILL_ASIDE = 64 << 20
+spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
+
+# A write-through put's record on disk, indexed when its memory entry is sealed:
+# (location, second key hash, value length, expiry, priority, flags).
+Written = tuple
+
+
+def copy_hashing(mv: memoryview, off: int, vb: memoryview) -> int:
+    """Copy `vb` into the segment at `off` in cache-sized chunks, hashing as it goes; its xxh3_64."""
+    hasher = xxhash.xxh3_64()
+    n = vb.nbytes
+    for c in range(0, n, HASH_CHUNK):
+        chunk = vb[c : c + HASH_CHUNK]
+        mv[off + c : off + c + len(chunk)] = chunk
+        hasher.update(chunk)
+    return hasher.intdigest()
+
+
+class Tiers:
+    """Memory (a Core) with an optional disk tier and an optional remote tier below it."""
+
+    def __init__(self, core: Core, disk: DiskTier | None, remote: Any) -> None:
+        self.core = core
+        self.disk = disk
+        self.remote = remote  # remote.RemoteTier or None
+        self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
+        self._spill_bytes = 0  # bytes copied aside in `_spills`
+        if disk is not None:
+            core.on_evict = self._spill
+            core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
+
+    def close(self) -> None:
+        """Close the tiers (the remote's queue drains first, a few seconds at most); safe twice."""
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
+        disk, self.disk = self.disk, None
+        if disk is not None:
+            disk.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, ttl: float | None, priority: int,
+            checksum: int | None = None) -> None:
+        """Store in memory (and, write-through, on disk); `checksum`: the value's xxh3_64 if already known."""
+        core = self.core
+        d = self.disk
+        written = None
+        if d is not None and d.write_through:
+            written = self.write_record(kb, flags, vb, core.clock() + ttl if ttl else 0.0, priority)
+            if checksum is None:
+                checksum = xxh3_64_intdigest(vb)
+        try:
+            if vb.nbytes <= COPY_IN_LOCK:
+                if checksum is None:
+                    checksum = xxh3_64_intdigest(vb)
+                if d is None:
+                    core.locked(core.put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority)
+                else:
+                    core.locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority, written)
+                return
+            i, off = core.locked(core.reserve, kb, kh, flags, vb.nbytes, nblk)
+            if checksum is None:
+                core.fill(i, lambda: copy_hashing(core.mv, off, vb), self.seal, kb, kh, ttl, priority, written)
+            else:
+                def copy() -> int:
+                    core.mv[off : off + vb.nbytes] = vb
+                    return checksum  # type: ignore[return-value]
+                core.fill(i, copy, self.seal, kb, kh, ttl, priority, written)
+        except CortexCacheError:
+            if written is not None:  # the put failed: its record must not come back after a restart
+                d.log.kill(written[0])  # type: ignore[union-attr]
+            raise
+
+    def _put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
+                   ttl: float | None, priority: int, written: Written | None) -> None:
+        self.core.put_small(kb, kh, flags, vb, nblk, checksum, ttl, priority)
+        self._sealed_on_disk(kb, kh, written)
+
+    def seal(self, i: int, checksum: int, kb: bytes, kh: int, ttl: float | None, priority: int,
+             written: Written | None = None) -> None:
+        """Seal reserved slot `i` as `kb`'s value (lock held), and tell the disk tier (`written`: the record a
+        write-through put wrote)."""
+        if not self.core.is_writing(i):
+            return  # a repair took the reservation back
+        self.core.seal(i, kb, kh, checksum, ttl, priority)
+        if self.disk is not None:
+            self._sealed_on_disk(kb, kh, written)
+
+    def _sealed_on_disk(self, kb: bytes, kh: int, written: Written | None) -> None:
+        """A new memory value of `kb` (lock held): index its write-through record, or drop a stale disk copy."""
+        d = self.disk
+        assert d is not None
+        if written is None:
+            d.forget(kb, kh)
+        else:
+            loc, kh2, vlen, expiry, priority, flags = written
+            d.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
+
+    def write_record(self, kb: bytes, flags: int, value: memoryview, expiry: float, priority: int) -> Written | None:
+        """Write-through: put a record on disk (outside the lock); what `seal` indexes, or None."""
+        d = self.disk
+        assert d is not None
+        core = self.core
+        where = core.locked(d.reserve, DiskLog.record_length(len(kb), value.nbytes))
+        if where is None:
+            return None
+        try:
+            loc = d.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
+        except OSError:
+            core.locked(d.count, H_DISK_ERRORS)
+            return None
+        return (loc, key_hash2(kb), value.nbytes, expiry, priority, flags)
+
+    def commit(self, i: int, kb: bytes, kh: int, flags: int, mv: memoryview, checksum: int, ttl: float | None,
+               priority: int) -> None:
+        """Seal a value written in place (Pool.reserve_write), write-through first; queue it for the remote."""
+        d = self.disk
+        written = None
+        core = self.core
+        try:
+            if d is not None and d.write_through:
+                written = self.write_record(kb, flags, mv, core.clock() + ttl if ttl else 0.0, priority)
+            core.locked(self.seal, i, checksum, kb, kh, ttl, priority, written)
+        except BaseException:
+            core.locked(core.abort, i)
+            raise
+        if self.remote is not None:
+            self.remote.put(kb, mv.tobytes(), flags, ttl)
+
+    def _spill(self, i: int) -> None:
+        """`on_evict`: begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are
+        copied aside and its disk entry made PENDING here; `_write_spills` writes it once the lock is free."""
+        core = self.core
+        d = self.disk
+        assert d is not None
+        off, vlen = core.value_offset(i), core.columns["value_len"][i]
+        vlen = int(vlen)
+        c = core.columns
+        args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
+                core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
+        if self._spill_bytes + vlen > SPILL_ASIDE:
+            # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
+            # holding copies of it all.
+            d.spill_now(*args)
+            return
+        sp = d.begin_spill(*args)
+        if sp is not None:
+            if not self._spills:
+                core.after_unlock.append(self._write_spills)
+            self._spills.append(sp)
+            self._spill_bytes += vlen
+
+    def _write_spills(self) -> None:
+        """Write the records of spills begun under the lock, without it; then finish them under it.
+
+        The victims' bytes were copied aside, so the lock is free while the disk works: other
+        processes go on, and a reader of a key being spilled waits for it (`settled`)."""
+        spills, self._spills, self._spill_bytes = self._spills, [], 0
+        d = self.disk
+        if d is None or not spills:
+            return
+        written = [d.write_spill(sp) for sp in spills]
+
+        def finish() -> None:
+            for sp, ok in zip(spills, written):
+                d.finish_spill(sp, ok)
+
+        try:
+            self.core.locked(finish)
+        except Exception:  # noqa: BLE001
+            # The caller's own operation is done; this is the tier's business.  Entries left
+            # PENDING read as misses once this process is gone, or go when their key is written.
+            pass
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, kb: bytes, kh: int, out: memoryview | None) -> bytes | int | Pinned | DiskHit | None:
+        """`Core.read`, and on a memory miss the disk tier's entry (a DiskHit to read outside the lock)."""
+        r = self.core.read(kb, kh, out)
+        if r is None and self.disk is not None:
+            return self.disk.lookup(kb, kh)
+        return r
+
+    def pin_live(self, kb: bytes, kh: int) -> Pinned | DiskHit | None:
+        """`Core.pin_live`, and on a memory miss the disk tier's entry."""
+        r = self.core.pin_live(kb, kh)
+        if r is None and self.disk is not None:
+            return self.disk.lookup(kb, kh)
+        return r
+
+    def settled(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`core.locked(fn, *args)` for a lookup, asked again while the answer is SPILLING (a record
+        being written by another process or thread); a miss after SPILL_WAIT seconds (its writer
+        may have died)."""
+        r = self.core.locked(fn, *args)
+        if r is not SPILLING:
+            return r
+        deadline = time.monotonic() + SPILL_WAIT
+        delay = 20e-6
+        while r is SPILLING:
+            if time.monotonic() > deadline:
+                return None
+            spill_pause(delay)
+            delay = min(delay * 2, 1e-3)
+            r = self.core.locked(fn, *args)
+        return r
+
+    def from_below(self, kb: bytes, kh: int, hit: DiskHit | None, room: int | None = None) -> bytes | None:
+        """A memory miss: read it from the disk tier (`hit`), else from the remote; promote it; its bytes.
+        `room`: the caller's buffer size (BufferTooSmall for a larger value)."""
+        if hit is not None:
+            if room is not None and room < hit.value_len:
+                raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {hit.value_len} bytes")
+            value = self.from_disk(kb, kh, hit)
+            if value is not None:
+                return value
+        if self.remote is not None:
+            return self.from_remote(kb, kh, room)
+        return None
+
+    def from_remote(self, kb: bytes, kh: int, room: int | None = None) -> bytes | None:
+        """Look a miss of memory and disk up on the server; promote what comes back; its bytes."""
+        got = self.remote.get(kb)
+        if got is None:
+            return None
+        value, flags, checksum = got
+        if room is not None and value.nbytes > room:
+            raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {value.nbytes} bytes")
+        promoted = 0
+        core = self.core
+        if core.fits(value.nbytes):
+            try:
+                # The record's checksum is the pool's (xxh3_64 of the value), already verified.
+                self.put(kb, kh, flags & SLOT_FLAG_STR_KEY, value, core.blocks_or_raise(value.nbytes), None, 0,
+                         checksum)
+                promoted = 1
+            except (PoolFull, ValueTooLarge):
+                pass  # served from the server this once; memory is full of pinned entries
+        self.remote.count_hit(value.nbytes, promoted)
+        return value.tobytes()
+
+    def from_disk(self, kb: bytes, kh: int, hit: DiskHit) -> bytes | None:
+        """Read a memory miss from the disk tier (outside the lock), promote it, return its value."""
+        d = self.disk
+        assert d is not None
+        core = self.core
+        for _ in range(4):  # the index can move on while we read; then look again
+            log = d.log
+            if log is None:
+                core.locked(d.count, H_DISK_ERRORS)
+                return None
+            try:
+                found = log.read(hit.loc, kb)
+            except OSError:
+                core.locked(d.count, H_DISK_ERRORS)
+                return None
+            if found.__class__ is Found and len(found.value) == hit.value_len:  # type: ignore[union-attr]
+                self._promote(kb, kh, hit, found)  # type: ignore[arg-type]
+                return found.value  # type: ignore[union-attr]
+            bad = found == CORRUPT or found.__class__ is Found
+            hit = core.locked(d.after_failed_read, kb, kh, hit, bad)
+            if hit is None:
+                return None
+        return None
+
+    def _promote(self, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+        """Copy a value read from disk back into memory (if it is still the current one)."""
+        core = self.core
+        vlen = len(found.value)
+        if vlen <= COPY_IN_LOCK or not core.fits(vlen):
+            core.locked(self._promote_locked, kb, kh, hit, found, True)
+            return
+        r = core.locked(self._promote_locked, kb, kh, hit, found, False)
+        if r is None:
+            return
+        i, off = r
+
+        def copy() -> int:
+            core.mv[off : off + vlen] = found.value
+            return found.checksum
+
+        core.fill(i, copy, self._promote_seal, kb, kh, hit, found)
+
+    def _promote_locked(self, kb: bytes, kh: int, hit: DiskHit, found: Found, copy_now: bool) -> tuple[int, int] | None:
+        core = self.core
+        d = self.disk
+        assert d is not None
+        d.count(H_DISK_HITS)
+        d.count(H_DISK_BYTES_READ, hit.loc.length)
+        vlen = len(found.value)
+        if not d.still(hit) or core.find(kb, kh) >= 0 or not core.fits(vlen):
+            return None  # deleted, replaced or already promoted while we read
+        if found.expiry and found.expiry <= core.clock():
+            return None
+        try:
+            i, off = core.reserve(kb, kh, hit.flags, vlen, core.blocks_or_raise(vlen))
+        except PoolFull:
+            return None  # everything in memory is pinned: serve from disk, promote later
+        if not copy_now:
+            return i, off
+        core.mv[off : off + vlen] = found.value
+        self._seal_promoted(i, kb, kh, hit, found)
+        return None
+
+    def _promote_seal(self, i: int, checksum: int, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+        if not self.core.is_writing(i):
+            return  # a repair took the reservation back
+        if not self.disk.still(hit) or self.core.find(kb, kh) >= 0:  # type: ignore[union-attr]
+            self.core.abort(i)
+            return
+        self._seal_promoted(i, kb, kh, hit, found)
+
+    def _seal_promoted(self, i: int, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+        d = self.disk
+        assert d is not None
+        self.core.seal(i, kb, kh, found.checksum, None, found.priority, False, found.expiry)
+        d.count(H_DISK_PROMOTIONS)
+        if not d.write_through and d.still(hit):
+            d.kill_slot(hit.slot)  # exclusive tiers: the entry lives in memory now
+
+    # ------------------------------------------------------------------ delete, membership, metadata
+
+    def delete(self, kb: bytes, kh: int) -> bool:
+        """Remove `kb` from memory and disk (lock held); True if it was in either."""
+        on_disk = self.disk is not None and self.disk.forget(kb, kh)
+        return self.core.delete(kb, kh, on_disk)
+
+    def contains(self, kb: bytes, kh: int) -> bool:
+        """Is `kb` live in memory or on disk?  (Lock held.)"""
+        if self.core.find_live(kb, kh) >= 0:
+            return True
+        return self.disk is not None and self.disk.contains(kb, kh)
+
+    def info(self, kb: bytes, kh: int) -> dict[str, Any] | None:
+        """Metadata of `kb`'s entry in memory, else on disk, else None (lock held)."""
+        core = self.core
+        i = core.find_live(kb, kh)
+        if i >= 0:
+            return core.info(i)
+        d = self.disk
+        if d is not None and d.contains(kb, kh):
+            return d.info(d.find(kh, key_hash2(kb), len(kb)))
+        return None
+
+    def disk_keys(self, pb: bytes = b"", with_slots: bool = False) -> list[Any]:
+        """Keys on disk (read from the records, outside the lock) starting with `pb`, oldest written first."""
+        d = self.disk
+        if d is None or d.log is None:
+            return []
+        out: list[Any] = []
+        for ds, seq, loc, klen, flags in self.core.locked(d.records):
+            try:
+                kb = d.log.read_key(loc, klen)
+            except OSError:
+                continue
+            if kb is None or not kb.startswith(pb):
+                continue  # overwritten since, or not a match
+            k = kb.decode("utf-8", "surrogateescape") if flags & SLOT_FLAG_STR_KEY else kb
+            out.append((ds, seq, kb, k) if with_slots else k)
+        return out
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict_disk(self, keys: list[bytes] | None, prefix: bytes | None, all: bool, expired: bool,
+                   percent: float | None, target: int | None) -> tuple[int, int]:
+        """Remove entries from the disk tier by one selector (their records are killed); (entries, bytes)."""
+        d = self.disk
+        if d is None:
+            return 0, 0
+        core = self.core
+        if keys is not None:
+            def by_key() -> list[int]:
+                slots = (d.find(xxh3_64_intdigest(kb), key_hash2(kb), len(kb)) for kb in keys)
+                return [s for s in slots if s >= 0]
+
+            return core.locked(lambda: d.forget_slots(by_key()))
+        if prefix is not None:
+            chosen = [(s, seq) for s, seq, _, _ in self.disk_keys(prefix, with_slots=True)]
+            return core.locked(lambda: d.forget_slots([s for s, seq in chosen if d.is_live(s, seq)]))
+
+        def select() -> list[int]:
+            c = d.cols
+            if all:  # spills being written too, or they would land after the tier was emptied
+                return list(map(int, d.indexed_slots()))
+            idx = d.live_slots()
+            if expired:
+                e = c["expiry"][idx]
+                return list(map(int, idx[(e > 0) & (e <= core.clock())]))
+            idx = idx[np.argsort(c["seq"][idx], kind="stable")]  # oldest written first
+            goal = target if target is not None else int(np.ceil(int(c["value_len"][idx].sum()) * percent / 100))
+            sizes = np.cumsum(c["value_len"][idx].astype(np.int64))
+            n = int(np.searchsorted(sizes, goal, side="left")) + 1 if goal > 0 else 0
+            return list(map(int, idx[:n]))
+
+        return core.locked(lambda: d.forget_slots(select()))
+
+    def evict_remote(self, keys: list[bytes] | None, prefix: bytes | None) -> tuple[int, int]:
+        if self.remote is None:
+            raise UsageError(f"pool {self.core.name!r} has no remote tier")
+        if keys is not None:
+            return self.remote.evict(keys=keys)
+        return self.remote.evict(prefix=prefix or b"")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "disk": self.disk.stats() if self.disk is not None else None,
+            "remote": self.remote.stats() if self.remote is not None else None,
+        }
+
+
+__all__ = ["Tiers", "COPY_IN_LOCK", "HASH_CHUNK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
