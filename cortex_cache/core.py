@@ -62,6 +62,7 @@ COPY_IN_LOCK = 256 * 1024
 # of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
 GET_COPY_IN_LOCK = 32 * 1024
 _ONES = b"\x01" * 256  # map filler for runs of up to 256 cells
+_ZEROS = memoryview(bytes(256))  # ... and its opposite (a view: slicing it copies nothing)
 
 
 class Pinned(NamedTuple):
@@ -327,6 +328,16 @@ class Core:
         # PoolFull leaves the key absent.)
         old = self.find(kb, kh)
         if old >= 0:
+            if self._c_nblk[old] == nblk and not self._c_pins[old]:
+                # The same key into the same room, and nobody reading it: write over it.  The
+                # lock is held throughout, so no reader sees it half-written, and the new
+                # sequence numbers make it a new entry for the victim list.
+                off = self._data_off + self._c_first[old] * self._bs
+                self.mv[off : off + vb.nbytes] = vb
+                self._c_vlen[old] = vb.nbytes
+                self._c_flags[old] = flags
+                self._scored(old, self._stamp(old, checksum, ttl, priority, None))
+                return old
             self.remove(old)
         i, off = self.reserve(kb, kh, flags, vb.nbytes, nblk)
         self.mv[off : off + vb.nbytes] = vb
@@ -340,19 +351,29 @@ class Core:
         `replace=False`: the caller already removed it in this same lock hold.
         `expiry` overrides `ttl` with an absolute time.
         """
-        hu64 = self._hu64
-        now = self.clock()
         old = self.find(kb, kh) if replace else -1
         if old >= 0:
             self.remove(old)
-        if expiry is not None:
-            ttl = None
+        e = self._stamp(i, checksum, ttl, priority, expiry)
+        b = kh & self._mask
+        bkt = self._bkt
+        self._c_next[i] = bkt[b]
+        bkt[b] = i
+        self._c_state[i] = SEALED
+        self._hu64[H_N_ENTRIES] += 1
+        self._scored(i, e)
+
+    def _stamp(self, i: int, checksum: int, ttl: float | None, priority: int, expiry: float | None) -> float:
+        """Give slot `i` the metadata of a new put (counted); its absolute expiry, 0 for none."""
+        hu64 = self._hu64
+        now = self.clock()
+        e = now + ttl if ttl and expiry is None else (expiry or 0.0)
         seq = hu64[H_SEQ] + 1
         hu64[H_SEQ] = seq
         self._c_cks[i] = checksum
         self._c_created[i] = now
         self._c_lastacc[i] = now
-        self._c_expiry[i] = now + ttl if ttl else (expiry or 0.0)
+        self._c_expiry[i] = e
         self._c_iseq[i] = seq
         self._c_aseq[i] = seq
         self._c_acount[i] = 1
@@ -360,19 +381,15 @@ class Core:
         self._c_prio[i] = priority
         self._c_ostart[i] = 0
         self._c_opid[i] = 0
-        b = kh & self._mask
-        bkt = self._bkt
-        self._c_next[i] = bkt[b]
-        bkt[b] = i
-        self._c_state[i] = SEALED
-        hu64[H_N_ENTRIES] += 1
         hu64[H_PUTS] += 1
+        return e
+
+    def _scored(self, i: int, expiry: float) -> None:
+        """Tell the victim list about entry `i`'s new score and expiry."""
         v = self.victims
         if not v.policy.monotone:
             v.on_score_change(i)
-        if ttl:
-            v.on_expiry_set(now + ttl)
-        elif expiry:
+        if expiry:
             v.on_expiry_set(expiry)
 
     def fill(self, i: int, copy: Callable[[], int], seal: Callable[..., Any], *args: Any) -> None:
@@ -452,7 +469,7 @@ class Core:
         bmap = self._bmap
         # Fast path: the run at the cursor is free (empty pool, or the blocks
         # an eviction or delete just freed).  Else a vectorised scan.
-        if hint + k <= self._n_blocks and bmap[hint : hint + k] == bytes(k):
+        if hint + k <= self._n_blocks and bmap[hint : hint + k] == (_ZEROS[:k] if k <= 256 else bytes(k)):
             first = hint
         else:
             # A full pool (the steady state of a cache) cannot have a run:
@@ -485,7 +502,7 @@ class Core:
         hu64 = self._hu64
         hint = hu64[H_KEY_HINT]
         kmap = self._kmap
-        if hint + k <= self._n_kcells and kmap[hint : hint + k] == bytes(k):
+        if hint + k <= self._n_kcells and kmap[hint : hint + k] == (_ZEROS[:k] if k <= 256 else bytes(k)):
             first = hint
         else:
             first = find_run(self.key_map, k, hint)
@@ -504,17 +521,19 @@ class Core:
 
     def _free_kcells(self, first: int, klen: int) -> None:
         k = key_cells(klen)
-        self._kmap[first : first + k] = bytes(k)
-        self._hu64[H_USED_KCELLS] -= k
-        self._hu64[H_KEY_HINT] = first
+        self._kmap[first : first + k] = _ZEROS[:k]  # keys are at most 4 KiB: 128 cells
+        hu64 = self._hu64
+        hu64[H_USED_KCELLS] -= k
+        hu64[H_KEY_HINT] = first
 
     def _free_entry(self, i: int) -> None:
         """Give slot `i`'s blocks, key cells and the slot itself back."""
         first, n = self._c_first[i], self._c_nblk[i]
-        self._bmap[first : first + n] = bytes(n)
-        self._hu64[H_USED_BLOCKS] -= n
+        self._bmap[first : first + n] = _ZEROS[:n] if n <= 256 else bytes(n)
+        hu64 = self._hu64
+        hu64[H_USED_BLOCKS] -= n
         # Reuse freed blocks first: they are likely still in the CPU cache.
-        self._hu64[H_ALLOC_HINT] = first
+        hu64[H_ALLOC_HINT] = first
         self._free_kcells(self._c_kcell[i], self._c_klen[i])
         self._free_slot(i)
 
