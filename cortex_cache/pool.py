@@ -408,7 +408,7 @@ class Pool:
                 raise UsageError(f"invalid disk max entries {disk_max_entries}")
             dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
             dsize = parse_size(disk_size) if disk_size is not None else None
-            log, made_tier = _open_or_make_tier(dpath, dsize, 4 * geo.data_size, disk_o_direct, name)
+            log, made_tier = _open_or_make_tier(dpath, dsize, 4 * geo.data_size, disk_o_direct, name, mode)
             dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
             dflags |= DISK_O_DIRECT if disk_o_direct else 0
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
@@ -1803,16 +1803,19 @@ class Pool:
         name: str | None = None,
         replace: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        mode: int | None = None,
     ) -> "Pool":
         """Rebuild a pool from a snapshot (verified whole first) and return it open.
 
         Creates the pool from the snapshot's configuration when it does not
-        exist; an existing pool only with `replace`.  Raises SnapshotCorrupt
-        (65), SnapshotNotFound (66), PoolExists (73).
+        exist; an existing pool only with `replace`, swapped in atomically
+        (persist.restore).  `mode` defaults to 0600 (with `replace`, the old
+        pool's).  Raises SnapshotCorrupt (65), SnapshotNotFound (66),
+        PoolExists and NoSpace (73), PermissionDenied (77).
         """
         from . import persist as _persist
 
-        return _persist.restore(path, name=name, replace=replace, progress=progress)[0]
+        return _persist.restore(path, name=name, replace=replace, progress=progress, mode=mode)[0]
 
     def _note_snapshot(self, when: float) -> None:
         self._hdr["last_snapshot"] = when
@@ -1964,10 +1967,10 @@ def default_disk_path(name: str) -> str:
     return str(snapshot_dir().parent / "disk" / name)
 
 
-def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str):
+def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str, mode: int = 0o600):
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made)."""
     if not DiskLog.exists(path):
-        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct), True
+        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct, mode=mode), True
     log = DiskLog.open(path, o_direct=o_direct)
     try:
         if size is not None and DiskLog.capacity_for(size) != log.capacity:

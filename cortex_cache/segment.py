@@ -205,6 +205,21 @@ def publish(staging: str, name: str) -> None:
         raise PermissionDenied(f"permission denied creating pool {name!r}") from None
 
 
+def replace(staging: str, name: str) -> None:
+    """Give segment `staging` the name `name` in place of the segment there now, atomically.
+
+    A rename within /dev/shm: a process opening `name` finds the old segment
+    or the new one, never neither and never a mix.  Processes that have the
+    old one mapped keep it (as after `unlink`) until they close it.
+    """
+    try:
+        os.rename(shm_path(staging), shm_path(name))
+    except PermissionError:
+        raise PermissionDenied(f"permission denied replacing pool {name!r}") from None
+    except OSError as e:
+        raise StorageIOError(f"cannot replace pool {name!r}: {e.strerror or e}") from None
+
+
 def exists(name: str) -> bool:
     return os.path.exists(shm_path(name))
 
@@ -245,4 +260,4 @@ def list_names() -> list[str]:
     return sorted(out)
 
 
-__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "exists", "list_names", "attached_pids"]
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "list_names", "attached_pids"]
