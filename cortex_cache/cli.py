@@ -784,15 +784,21 @@ def persist(
 def restore(
     name: str = NAME_ARG,
     input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
-    replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
+    replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically."),
+    mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Rebuild a pool from a snapshot, verified whole before anything changes.
 
-    A missing pool is created with the snapshot's size, policy and mode; an
-    existing one is only overwritten with --replace.  Expired entries are
-    not restored.  A damaged, truncated or foreign file exits 65.
+    The pool is built under a temporary name and appears only when complete:
+    a missing pool is created with the snapshot's size and policy; an
+    existing one is only replaced with --replace, by an atomic swap (other
+    processes see the old pool or the new one, never a mix; processes
+    attached to the old one keep it until they reopen).  A snapshot whose
+    entries do not all fit exits 73 and changes nothing.  Expired entries
+    are not restored.  A damaged, truncated or foreign file exits 65; a
+    FIFO or device exits 2.
 
     Example: cortex cache restore llama --input /backup/llama.ccsnap --replace
     """
@@ -802,7 +808,9 @@ def restore(
         # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
     pool, report = _run_with_progress(
-        f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb)
+        f"restore {name}",
+        lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb,
+                                mode=_parse_mode(mode) if mode is not None else None),
     )
     pool.close()
     secs = report["seconds"]

@@ -186,6 +186,9 @@ class DiskLog:
         fmode = mode & 0o660
         try:
             meta_fd = safefs.open_file(d / META_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, fmode, "disk tier file")
+        except CortexCacheError:
+            safefs.remove_dirs(new_dirs)
+            raise
         except FileExistsError:
             raise UsageError(f"{str(d)!r} already holds a disk tier; open it instead") from None
         except OSError as e:
@@ -197,6 +200,8 @@ class DiskLog:
                 path = d / f"tier-{i:02d}.log"
                 try:
                     fd = safefs.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, fmode, "disk tier file")
+                except CortexCacheError:
+                    raise
                 except FileExistsError:
                     raise UsageError(
                         f"{str(d)!r} holds a stray {path.name} but no tier: remove it, or choose another --disk-path"
@@ -230,6 +235,8 @@ class DiskLog:
         d = Path(directory)
         try:
             meta_fd = safefs.open_file(d / META_NAME, os.O_RDWR, 0, "disk tier file")
+        except CortexCacheError:
+            raise
         except FileNotFoundError:
             raise StorageIOError(f"no disk tier in {str(d)!r}") from None
         except OSError as e:
@@ -298,6 +305,8 @@ class DiskLog:
     def _open_file(path: Path, flags: int) -> int:
         try:
             return safefs.open_file(path, flags, 0, "disk tier file")
+        except CortexCacheError:
+            raise
         except FileNotFoundError:
             raise SegmentCorrupt(f"disk tier file {str(path)!r} is missing") from None
         except OSError as e:

@@ -197,11 +197,10 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
         directory = target.parent if str(target.parent) else Path(".")
         if target.is_dir():
             raise UsageError(f"{str(target)!r} is a directory; give a file name")
-    if path is None:  # our own directory: make it (private); a given one must exist
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            raise _os_error(e, f"creating {str(directory)!r}") from None
+    if path is None:  # our own directory: make it (private), and refuse one others could plant files in
+        from . import safefs
+
+        safefs.make_dir(directory, pool._seg.stat().st_mode & 0o777, "snapshot directory")
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, pool.name, target.name)
@@ -462,6 +461,8 @@ class Snapshot:
                 fd = safefs.open_file(self.path, flags, 0, "snapshot")
             else:
                 fd = os.open(self.path, flags | os.O_CLOEXEC)
+        except CortexCacheError:
+            raise
         except FileNotFoundError:
             raise SnapshotNotFound(f"no snapshot {str(self.path)!r}") from None
         except IsADirectoryError:
