@@ -254,3 +254,43 @@ def test_an_empty_disk_path_is_a_usage_error(tmp_path, pool_name):
     assert os.listdir(tmp_path) == [] and not Pool.exists(pool_name)
     with pytest.raises(UsageError):
         Pool.create(pool_name, "1M", disk_path="")
+
+
+# ---------------------------------------------------------------- 2. credentials in URLs
+
+SECRET_URLS = [
+    "redis://:pw-userinfo-1@127.0.0.1:1/0",
+    "redis://alice:pw-userinfo-2@127.0.0.1:1/0",
+    "redis://127.0.0.1:1/0?password=pw-query-3",
+    "redis://127.0.0.1:1/0?username=user-query-4&password=pw-query-4",
+    "unix:///run/r.sock?db=0&password=pw-unix-5",
+    "rediss://127.0.0.1:1/0?PassWord=pw%2Dquery%2D6",
+]
+
+
+@pytest.mark.parametrize("url", SECRET_URLS)
+def test_every_credential_form_is_redacted_wherever_a_url_is_shown(url, pool_name):
+    from cortex_cache.remote import redact, scrub, secrets_of
+
+    secret = [s for s in secrets_of(url) if s.startswith(("pw", "user"))][0]
+    assert secret not in redact(url) and "***" in redact(url)
+    assert secret not in scrub(f"Error connecting to {url}: auth {secret} refused", url)
+    r = cli("cache", "create", pool_name, "--size", "1M", "--remote", url)
+    try:
+        assert r.returncode == 0, r.stderr
+        outs = [r.stdout + r.stderr]
+        for args in (["status", pool_name], ["status", "--format", "json"]):
+            q = cli("cache", *args)
+            outs.append(q.stdout + q.stderr)
+        for out in outs:
+            for s in secrets_of(url):
+                if s.startswith(("pw", "user")):
+                    assert s.encode() not in out, (s, out[-400:])
+    finally:
+        Pool.unlink(pool_name)
+
+
+def test_a_malformed_ipv6_url_is_a_usage_error(pool_name):
+    r = cli("cache", "create", pool_name, "--size", "1M", "--remote", "redis://:pw-6@[::1:6379/0")
+    err = one_line(r, 2)
+    assert "IPv6" in err and "pw-6" not in err and not Pool.exists(pool_name)
