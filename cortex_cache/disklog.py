@@ -53,7 +53,7 @@ import xxhash
 from . import safefs
 from .errors import CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
 from .layout import MAX_KEY_BYTES
-from .lock import RecordLock
+from .lock import RecordLock, default_timeout
 
 META_NAME = "cortex-tier.meta"
 META_MAGIC = b"CRTXTIER"
@@ -345,7 +345,7 @@ class DiskLog:
         """
         if length > self.file_size:
             raise UsageError(f"record of {length} bytes is larger than a disk tier file ({self.file_size})")
-        self._lock.acquire()
+        self._lock.acquire(default_timeout())  # a stopped appender costs a LockTimeout, never a hang
         try:
             cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
             if cur_off + length > self.file_size:

@@ -68,7 +68,7 @@ from .layout import (
     ZOMBIE,
     Geometry,
 )
-from .lock import PoolLock, RecordLock
+from .lock import PoolLock, RecordLock, default_timeout as default_lock_timeout
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes
 
@@ -307,7 +307,7 @@ class Pool:
             multi_threaded = bool(flags & FLAG_MULTI_THREADED)
         self.multi_threaded = multi_threaded
         self._lock = PoolLock(seg.fd, multi_threaded)
-        self._lock_timeout = lock_timeout
+        self._lock_timeout = lock_timeout if lock_timeout is not None else default_lock_timeout()
         self.clock: Callable[[], float] = clock or time.time
         pol = policy_by_id(int(self._h.policy[0]))
         assert pol is not None  # checked by _validate
@@ -519,6 +519,8 @@ class Pool:
         Raises PoolNotFound (exit 66), PermissionDenied (77), SegmentCorrupt or
         IncompatibleVersion (65) for a segment that is not a usable pool.
         `multi_threaded=None` uses the pool's default chosen at create.
+        `lock_timeout`: seconds an operation waits for the pool's lock before
+        LockTimeout (75); default CORTEX_CACHE_LOCK_TIMEOUT, else 30 s.
         """
         seg = _open_complete_segment(name)
         try:

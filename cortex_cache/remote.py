@@ -313,16 +313,21 @@ class RemoteTier:
             return len(self._queue) + (1 if self._busy else 0)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent (or failed); False on timeout."""
+        """Wait until every queued write was sent (or failed); False on timeout.
+
+        `timeout=None` waits the library's lock timeout (lock.default_timeout):
+        a server that stops answering never holds the caller for ever."""
+        from .lock import default_timeout
+
         # Real time, never the rest period's clock (`self.monotonic`, which tests may stop):
-        # a flush with a timeout always returns.
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # a flush always returns.
+        deadline = time.monotonic() + (default_timeout() if timeout is None else timeout)
         with self._cv:
             while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
-                self._cv.wait(left)
+                self._cv.wait(None if left == float("inf") else left)
         return True
 
     def _run(self) -> None:

@@ -294,3 +294,47 @@ def test_a_malformed_ipv6_url_is_a_usage_error(pool_name):
     r = cli("cache", "create", pool_name, "--size", "1M", "--remote", "redis://:pw-6@[::1:6379/0")
     err = one_line(r, 2)
     assert "IPv6" in err and "pw-6" not in err and not Pool.exists(pool_name)
+
+
+# ---------------------------------------------------------------- 7. bounded waits
+
+
+def test_a_stopped_lock_holder_costs_a_lock_timeout_not_a_hang(make_pool):
+    import signal
+
+    from cortex_cache import LockTimeout
+    from cortex_cache.lock import DEFAULT_TIMEOUT, default_timeout
+    from tests.helpers import run_py, spawn_py
+
+    assert default_timeout() == DEFAULT_TIMEOUT == 30.0  # finite by default
+    p = make_pool("1M")
+    p.put("k", b"v")
+    holder = spawn_py("""
+        import os, signal, sys
+        from cortex_cache import Pool
+        p = Pool.open(sys.argv[1])
+        p._lock.acquire()
+        print("held", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)   # stopped while holding the lock
+    """, p.name)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        r = run_py("""
+            import sys
+            from cortex_cache import Pool, LockTimeout
+            try:
+                Pool.open(sys.argv[1]).get("k")
+            except LockTimeout as e:
+                print(e.exit_code)
+        """, p.name, check=True, timeout=60, env={"CORTEX_CACHE_LOCK_TIMEOUT": "0.3"})
+        assert r.stdout.strip() == b"75"
+        with pytest.raises(LockTimeout):
+            p._lock_timeout = 0.2
+            p.get("k")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        for f in (holder.stdin, holder.stdout, holder.stderr):
+            f.close()
+    p._lock_timeout = 1.0
+    assert p.get("k") == b"v"
