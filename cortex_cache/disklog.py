@@ -51,7 +51,7 @@ from typing import Iterator
 import xxhash
 
 from . import safefs
-from .errors import CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
+from .errors import CannotCreate, CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
 from .layout import MAX_KEY_BYTES
 from .lock import RecordLock, default_timeout
 
@@ -203,7 +203,7 @@ class DiskLog:
                 except CortexCacheError:
                     raise
                 except FileExistsError:
-                    raise UsageError(
+                    raise CannotCreate(
                         f"{str(d)!r} holds a stray {path.name} but no tier: remove it, or choose another --disk-path"
                     ) from None
                 except OSError as e:

@@ -414,7 +414,7 @@ class Pool:
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
         except BaseException:
             if log is not None:
                 log.close()

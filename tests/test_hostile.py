@@ -338,3 +338,152 @@ def test_a_stopped_lock_holder_costs_a_lock_timeout_not_a_hang(make_pool):
             f.close()
     p._lock_timeout = 1.0
     assert p.get("k") == b"v"
+
+
+# ---------------------------------------------------------------- 9. values that never end
+
+
+def _limited(fsize: int | None = None, vm: int | None = None):
+    """A preexec_fn: cap the child's file size (writes past it fail with EFBIG) and address space."""
+    import resource
+    import signal
+
+    def apply() -> None:
+        if fsize is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        if vm is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (vm, vm))
+
+    return apply
+
+
+def _cli_proc(*args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=None):
+    return subprocess.Popen([sys.executable, "-m", "cortex_cache", *args], stdin=stdin, stdout=stdout,
+                            stderr=subprocess.PIPE, cwd=REPO, preexec_fn=preexec_fn)
+
+
+def test_put_stops_reading_an_endless_pipe_at_the_pools_size(make_pool):
+    p = make_pool("1M", block_size="4K")
+    proc = _cli_proc("cache", "put", p.name, "big", "-", stdin=subprocess.PIPE)
+    chunk, sent = b"z" * 65536, 0
+    try:
+        while sent < 100 << 20:
+            proc.stdin.write(chunk)
+            sent += len(chunk)
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+    err = proc.stderr.read().decode()
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.wait() == 2 and len(err.splitlines()) == 1 and "larger than the pool" in err, err
+    assert sent < 4 << 20, sent  # the pool's size and a pipe buffer or two, not 100 MiB
+    assert "big" not in p
+
+
+def test_put_from_dev_zero_is_value_too_large_not_out_of_memory(make_pool):
+    p = make_pool("1M", block_size="4K")
+    r = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", "put", p.name, "z", "/dev/zero"],
+                       capture_output=True, cwd=REPO, timeout=60, preexec_fn=_limited(vm=3 << 30))
+    assert "larger than the pool" in one_line(r, 2)
+    assert len(p) == 0
+
+
+# ---------------------------------------------------------------- 10. output that cannot be written
+
+
+def test_get_to_a_file_that_cannot_be_written_whole_leaves_no_file(make_pool, tmp_path):
+    p = make_pool("4M")
+    p.put("k", b"x" * (1 << 20))
+    out = tmp_path / "out.bin"
+    r = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", "get", p.name, "k", "-o", str(out)],
+                       capture_output=True, cwd=REPO, timeout=60, preexec_fn=_limited(fsize=64 << 10))
+    one_line(r, 74)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [["get", "{p}", "k"], ["keys", "{p}"], ["status", "{p}", "--json"],
+                                  ["keys", "{p}", "--json"]])
+def test_output_to_a_full_device_is_an_io_error(make_pool, args):
+    p = make_pool("1M")
+    p.put("k", b"v" * 100_000)
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", *(a.format(p=p.name) for a in args)],
+                           stdout=full, stderr=subprocess.PIPE, cwd=REPO, timeout=60)
+    assert "I/O error" in one_line(r, 74)
+
+
+# ---------------------------------------------------------------- 11. environment faults, right codes
+
+
+@pytest.mark.parametrize("size", ["9999999T", "1000T"])
+def test_impossible_sizes_cannot_be_created(size, pool_name):
+    assert "cannot create pool" in one_line(cli("cache", "create", pool_name, "--size", size, "--no-reserve"), 73)
+    assert not Pool.exists(pool_name)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "dangling"])
+def test_something_squatting_on_a_pools_name_is_reported_and_removed_by_delete_force(tmp_path, pool_name, kind):
+    path = segment.shm_path(pool_name)
+    if kind == "directory":
+        os.mkdir(path)
+    else:
+        os.symlink(tmp_path / "target" if kind == "dangling" else "/etc/passwd", path)
+    try:
+        for args in (["status", pool_name], ["get", pool_name, "k"], ["keys", pool_name], ["delete", pool_name],
+                     ["create", pool_name, "--size", "1M"]):
+            r = cli("cache", *args)
+            one_line(r, 73 if args[0] == "create" else 65)
+        r = cli("cache", "delete", pool_name, "--force")
+        assert r.returncode == 0, r.stderr
+        assert not os.path.lexists(path) and os.path.exists("/etc/passwd")
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_a_stray_file_in_a_disk_tier_directory_is_cannot_create(tmp_path, pool_name):
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o700)
+    (tier / "tier-03.log").write_bytes(b"mine")
+    r = cli("cache", "create", pool_name, "--size", "1M", "--disk-path", str(tier))
+    assert "stray" in one_line(r, 73)
+    assert sorted(os.listdir(tier)) == ["tier-03.log"] and not Pool.exists(pool_name)
+
+
+def test_a_key_with_a_lone_surrogate_is_a_usage_error(make_pool):
+    p = make_pool("1M")
+    for call in (lambda: p.put("bad\ud800", b"v"), lambda: p.get("bad\ud800")):
+        with pytest.raises(UsageError):
+            call()
+
+
+# ---------------------------------------------------------------- 15. keys that are not printable
+
+
+def test_keys_are_listed_unambiguously(make_pool):
+    p = make_pool("1M")
+    tricky = ["two\nlines", "\x1b[2J\x1b[31mred", "back\\x0aslash", "tab\there", "plain", "\u202eevil"]
+    for k in tricky:
+        p.put(k, b"v")
+    p.put(b"\xff\x00raw", b"v")
+    p.put(b"bytes-key", b"v")
+    r = cli("cache", "keys", p.name)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.decode().splitlines()
+    assert len(lines) == len(tricky) + 2 and b"\x1b" not in r.stdout
+    assert "two\\x0alines" in lines and "back\\\\x0aslash" in lines and "\\xff\\x00raw" in lines
+    assert "\\xe2\\x80\\xaeevil" in lines
+    doc = json.loads(cli("cache", "keys", p.name, "--json").stdout)["keys"]
+    kinds = {(d["key"], d["key_type"], d.get("key_hex")) for d in doc}
+    assert ("plain", "str", None) in kinds and ("bytes-key", "bytes", b"bytes-key".hex()) in kinds
+    assert ("\\xff\\x00raw", "bytes", b"\xff\x00raw".hex()) in kinds
+    long = cli("cache", "keys", p.name, "--long")
+    assert long.returncode == 0 and b"\x1b" not in long.stdout and b"two\\x0alines" in long.stdout
