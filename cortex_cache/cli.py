@@ -588,6 +588,9 @@ def put(
 ) -> None:
     """Store a value under a key.
 
+    At most the pool's size is read: a longer input (an endless pipe,
+    /dev/zero) stops there and exits 2, storing nothing.
+
     Example: echo hello | cortex cache put llama greeting -
     """
     from .pool import Pool
@@ -605,6 +608,9 @@ def get(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
+
+    Output that cannot be written (a full disk, /dev/full) exits 74, and
+    with -o the file is removed rather than left short.
 
     Example: cortex cache get llama greeting -o greeting.bin
     """
@@ -663,7 +669,12 @@ def keys(
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """List keys of live entries, oldest first.
+    """List keys of live entries, oldest first, one a line.
+
+    A backslash shows as \\\\ and every byte that is not printable text (a
+    newline, an escape sequence, a byte that is not UTF-8) as \\xNN, so each
+    line names exactly one key.  --json adds key_type (str or bytes) and,
+    for bytes keys, key_hex.
 
     Example: cortex cache keys llama --prefix user42/ --limit 20
     """
