@@ -32,6 +32,7 @@ METADATA_BYTE = 0
 DEFAULT_TIMEOUT = 30.0  # seconds a library call waits for a lock before LockTimeout (exit 75)
 TIMEOUT_ENV = "CORTEX_CACHE_LOCK_TIMEOUT"
 _SPIN = 20  # non-blocking attempts before a blocking wait (~1 us each)
+_YIELDS = 200  # with a timeout: attempts after giving up the core, before sleeping between them
 PERSIST_BYTE = 1
 
 
@@ -90,11 +91,16 @@ class RecordLock:
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._lock)
             return
         deadline = time.monotonic() + timeout
-        delay = 20e-6
+        # The kernel offers no timed wait on record locks.  First yield the
+        # core a while (the holder may be waiting for it: hand-overs stay in
+        # microseconds), then poll, backing off to 2 ms, so a long wait costs
+        # little CPU.
+        for _ in range(_YIELDS):
+            os.sched_yield()
+            if self.try_acquire():
+                return
+        delay = 50e-6
         while True:
-            # The kernel offers no timed wait on record locks: poll, backing
-            # off to 2 ms, so a long wait costs little CPU and a hand-over
-            # after a short one little latency.
             time.sleep(delay)
             if self.try_acquire():
                 return
