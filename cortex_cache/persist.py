@@ -358,8 +358,10 @@ def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> Non
         for entry in os.scandir(directory):
             if any(p.match(entry.name) for p in patterns):
                 try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
+                    if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                        continue  # not ours (a shared --output directory): never touched
+                    os.unlink(entry.path)  # a symlink goes itself, never what it points at
+                except OSError:
                     pass
     except OSError:
         pass
