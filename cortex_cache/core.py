@@ -50,7 +50,7 @@ from .layout import (
     H_USED_BLOCKS, H_USED_KCELLS,
     Geometry, blocks_for, key_cells,
 )
-from .lock import PoolLock
+from .lock import PoolLock, default_timeout as default_lock_timeout
 from .units import format_size
 
 # Values up to this size are put (and restored) in one lock hold: two extra lock
@@ -153,7 +153,7 @@ class Core:
             multi_threaded = bool(flags & FLAG_MULTI_THREADED)
         self.multi_threaded = multi_threaded
         self.lock = PoolLock(seg.fd, multi_threaded)
-        self.lock_timeout = lock_timeout
+        self.lock_timeout = lock_timeout if lock_timeout is not None else default_lock_timeout()
         self.clock: Callable[[], float] = clock or time.time
         pol = policy_by_id(int(self.fields.policy[0]))
         assert pol is not None  # checked when the segment was opened (header.py)

@@ -532,14 +532,14 @@ class DiskTier:
 
 
 def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: bool,
-                     owner: str) -> tuple[DiskLog, bool]:
+                     owner: str, mode: int = 0o600) -> tuple[DiskLog, bool]:
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made).
 
     `owner`: the /dev/shm path of the pool that will use it (a live other pool's tier is refused)."""
     from .errors import CannotCreate, UsageError
 
     if not DiskLog.exists(path):
-        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct), True
+        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct, mode=mode), True
     log = DiskLog.open(path, o_direct=o_direct)
     try:
         if size is not None and DiskLog.capacity_for(size) != log.capacity:
@@ -570,8 +570,11 @@ def check_disk_path(path: str | os.PathLike) -> str:
     from .errors import UsageError
     from .layout import DISK_PATH_BYTES
 
-    p = os.path.abspath(os.fspath(path))
-    if len(p.encode()) >= DISK_PATH_BYTES or "\0" in p:
+    raw = os.fspath(path)
+    if not raw or (isinstance(raw, str) and not raw.strip()):
+        raise UsageError("the disk path is empty: give a directory (or leave the option out for the default)")
+    p = os.path.abspath(raw)
+    if len(p.encode("utf-8", "surrogateescape")) >= DISK_PATH_BYTES or "\0" in p:
         raise UsageError(f"disk path is too long (at most {DISK_PATH_BYTES - 1} bytes): {p[:60]!r}...")
     return p
 

@@ -13,12 +13,18 @@ from typing import Any, Callable
 
 from .errors import PermissionDenied, StorageIOError  # noqa: F401 (re-exported: callers catch them from here)
 from .pool import Pool
-from .snapshot import (  # noqa: F401 (re-exported)
+from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     COUNTERS,
+    FILE_HEAD,
+    HEAD_CHECK,
+    REC_CHECK,
+    REC_HEAD,
+    TRAILER,
     STAGING_PREFIX,
     PersistResult,
     Snapshot,
     WriteBehind,
+    check_snapshot_dir,
     latest_path,
     snapshot_dir,
     snapshots_of,
@@ -43,10 +49,11 @@ def restore(
     replace: bool = False,
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
+    mode: int | None = None,
 ) -> tuple[Pool, dict[str, Any]]:
     """Rebuild a pool from a snapshot; return (pool, report) (snapshot.restore has the details)."""
-    return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock)
+    return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode)
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
-           "STAGING_PREFIX", "COUNTERS"]
+           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS"]

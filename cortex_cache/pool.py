@@ -180,13 +180,14 @@ class Pool:
                 raise UsageError(f"invalid disk max entries {disk_max_entries}")
             dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
             dsize = parse_size(disk_size) if disk_size is not None else None
-            log, made_tier = open_or_make_log(dpath, dsize, 4 * geo.data_size, disk_o_direct, segment.shm_path(name))
+            log, made_tier = open_or_make_log(dpath, dsize, 4 * geo.data_size, disk_o_direct, segment.shm_path(name),
+                                              mode)
             dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
             dflags |= DISK_O_DIRECT if disk_o_direct else 0
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
         except BaseException:
             if log is not None:
                 log.close()
@@ -256,6 +257,8 @@ class Pool:
         Raises PoolNotFound (exit 66), PermissionDenied (77), SegmentCorrupt or
         IncompatibleVersion (65) for a segment that is not a usable pool.
         `multi_threaded=None` uses the pool's default chosen at create.
+        `lock_timeout`: seconds an operation waits for the pool's lock before
+        LockTimeout (75); default CORTEX_CACHE_LOCK_TIMEOUT, else 30 s.
         """
         seg = header.open_segment(name)
         try:
@@ -645,14 +648,17 @@ class Pool:
         name: str | None = None,
         replace: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        mode: int | None = None,
     ) -> "Pool":
         """Rebuild a pool from a snapshot (verified whole first) and return it open.
 
         Creates the pool from the snapshot's configuration when it does not
-        exist; an existing pool only with `replace`.  Raises SnapshotCorrupt
-        (65), SnapshotNotFound (66), PoolExists (73).
+        exist; an existing pool only with `replace`, swapped in atomically
+        (snapshot.restore).  `mode` defaults to 0600 (with `replace`, the old
+        pool's).  Raises SnapshotCorrupt (65), SnapshotNotFound (66),
+        PoolExists and NoSpace (73), PermissionDenied (77).
         """
-        return snapshot.restore(cls, path, name=name, replace=replace, progress=progress)[0]
+        return snapshot.restore(cls, path, name=name, replace=replace, progress=progress, mode=mode)[0]
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).
