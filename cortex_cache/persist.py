@@ -1,8 +1,8 @@
 """Snapshots of pools: `persist` and `restore`, the entry points (docs/design.md, "Layers").
 
 The snapshot format, its writer and its reader live in snapshot.py, on the
-core's interface; this module adds what needs the `Pool` class: restoring
-creates and opens pools.  Its names are re-exported here for callers that
+core's interface, and restore.py builds a pool from a snapshot with the pool
+class it is handed; this module hands it `Pool`.  Its names are re-exported here for callers that
 use `cortex_cache.persist` as the snapshot module.
 """
 
@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from .errors import PermissionDenied, StorageIOError  # noqa: F401 (re-exported: callers catch them from here)
 from .pool import Pool
+from .restore import STAGING_PREFIX, check_snapshot_dir  # noqa: F401 (re-exported)
+from .restore import restore as _restore_with
 from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     COUNTERS,
     FILE_HEAD,
@@ -20,17 +22,14 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     REC_CHECK,
     REC_HEAD,
     TRAILER,
-    STAGING_PREFIX,
     PersistResult,
     Snapshot,
     WriteBehind,
-    check_snapshot_dir,
     latest_path,
     snapshot_dir,
     snapshots_of,
     write,
 )
-from .snapshot import restore as _restore_with
 
 
 def persist(

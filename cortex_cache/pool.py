@@ -35,6 +35,7 @@ from .layout import (
     Geometry,
 )
 from .lock import RecordLock
+from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
 from .tiers import Tiers
 from .units import format_size, parse_size
@@ -654,11 +655,11 @@ class Pool:
 
         Creates the pool from the snapshot's configuration when it does not
         exist; an existing pool only with `replace`, swapped in atomically
-        (snapshot.restore).  `mode` defaults to 0600 (with `replace`, the old
+        (restore.py).  `mode` defaults to 0600 (with `replace`, the old
         pool's).  Raises SnapshotCorrupt (65), SnapshotNotFound (66),
         PoolExists and NoSpace (73), PermissionDenied (77).
         """
-        return snapshot.restore(cls, path, name=name, replace=replace, progress=progress, mode=mode)[0]
+        return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode)[0]
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).

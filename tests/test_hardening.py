@@ -260,7 +260,7 @@ def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, t
 
 
 def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, pool_name, monkeypatch):
-    from cortex_cache import persist, snapshot
+    from cortex_cache import persist, restore
 
     p = make_pool("8M")
     for k in range(48):
@@ -275,7 +275,7 @@ def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, 
             Pool.unlink(target)
         _check_pool(p)
     # Killed restores leave their staging segments; the next restore sweeps those nobody maps.
-    monkeypatch.setattr(snapshot, "STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
     q = Pool.restore(snap, name=target)
     q.close()
     Pool.unlink(target)
@@ -288,7 +288,7 @@ REPLACE_ROUNDS = max(ROUNDS, 20)
 def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_pool, tmp_path, pool_name, monkeypatch):
     """Two snapshots of 200 entries each (different keys) restored over one pool in turn, killed at random:
     the pool always holds exactly one of them, whole, and never a mix."""
-    from cortex_cache import persist, snapshot
+    from cortex_cache import persist, restore
 
     snaps = []
     for v, keys in ((1, "a"), (2, "b")):
@@ -312,7 +312,7 @@ def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_poo
                 assert check_value(q.get(f"{which}{k}")) == (k, 1 if which == "a" else 2)
             assert q.verify()["ok"]
         seen[which] += 1
-    monkeypatch.setattr(snapshot, "STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
     Pool.restore(snaps[0], name=pool_name, replace=True).close()  # sweeps the killed ones' staging segments
     assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
     assert seen["a"] and seen["b"], seen  # kills landed on both sides of the swap

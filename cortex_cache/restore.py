@@ -1,0 +1,328 @@
+"""Restoring a pool from a snapshot: built aside under a staging name, published whole, or nothing.
+
+Below `pool.py`: the pool class is handed in (`persist.restore` and
+`Pool.restore` do), and the pool's core (core.py) takes the entries.  The
+file itself is read by snapshot.py.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import xxhash
+
+from . import safefs, segment
+from .core import COPY_IN_LOCK, Core
+from .disklog import DiskLog
+from .errors import (
+    CortexCacheError,
+    NoSpace,
+    PermissionDenied,
+    PersistBusy,
+    PoolExists,
+    PoolFull,
+    PoolNotFound,
+    UsageError,
+    ValueTooLarge,
+)
+from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY
+from .lock import PERSIST_BYTE, RecordLock
+from .policy_names import POLICY_IDS
+from .snapshot import Record, Snapshot, latest_path, pool_config
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+
+def restore(
+    pools: "type[Pool]",
+    path: str | os.PathLike | None,
+    name: str | None = None,
+    replace: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] | None = None,
+    mode: int | None = None,
+) -> tuple["Pool", dict[str, Any]]:
+    """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
+
+    The pool is built under a temporary name and appears under its real name
+    only once every live entry of the snapshot is in it and the whole file
+    checked out: other processes see no pool (or the old one) until then,
+    and a restore killed at any point leaves no trace but a staging segment
+    the next restore sweeps.  A missing pool is created with the snapshot's
+    size and policy; an existing one is refused (PoolExists) unless
+    `replace`, which builds the new pool with the existing one's size,
+    policy and tiers and swaps it in by an atomic rename (its disk tier is
+    emptied afterwards).  Processes attached to a replaced pool keep the old
+    one, as after a delete, until they open it again.
+
+    `mode`: the new segment's permission bits (default 0600; with `replace`,
+    the replaced pool's); PermissionDenied (77) if it would let more users
+    read the data than the snapshot file does.  Raises NoSpace (73), and
+    changes nothing, when the entries do not all fit.  Expired entries are
+    skipped.  `path` None means the stable latest snapshot of `name` in the
+    snapshot directory, which must be ours (safefs).
+    """
+    Pool = pools
+    private = path is None
+    if path is None:
+        if name is None:
+            raise UsageError("restore needs a snapshot path or a pool name")
+        path = latest_path(segment.validate_name(name))
+        check_snapshot_dir(path.parent, mode if mode is not None else 0o600)
+    if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
+        raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
+    t0 = time.perf_counter()
+    if name is not None:
+        segment.validate_name(name)
+    with Snapshot(path, verify=False, private=private) as snap:
+        h = snap.header
+        target = name or segment.validate_name(h.name)
+        if segment.exists(target):
+            if not replace:
+                raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
+            pool, report = _replace(Pool, target, snap, mode, progress, clock)
+        else:
+            new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
+            _sweep_stale_staging()
+            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+            pool = Pool.create(
+                staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+                mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period,
+                clock=clock,
+                prefault=False,
+            )
+            try:
+                report = _fill_pool(pool, snap, snap.header.counters, progress, xxhash.xxh3_64())
+                pool.core.header["name"] = target.encode()
+                segment.publish(staging, target)
+            except BaseException:
+                _discard(Pool, pool, staging)
+                raise
+            pool.close()
+            Pool.unlink(staging)
+            pool = Pool.open(target, clock=clock)
+    report["seconds"] = round(time.perf_counter() - t0, 6)
+    report["path"] = str(Path(path))
+    report["pool"] = target
+    return pool, report
+
+
+def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
+    """Refuse a snapshot directory another user owns or may write (PermissionDenied, 77)."""
+    safefs.check_dir(directory, mode, "snapshot directory")
+
+
+def _restored_mode(snap: "Snapshot", mode: int) -> int:
+    """`mode`, unless it lets someone read what the snapshot file does not let them read."""
+    wider = mode & 0o066 & ~snap.file_mode
+    if wider:
+        raise PermissionDenied(
+            f"mode {mode:04o} would let more users read pool data than snapshot {str(snap.path)!r} "
+            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~wider:04o} or narrower"
+        )
+    return mode
+
+
+def _discard(Pool: "type[Pool]", pool: "Pool", staging: str) -> None:
+    pool.close()
+    try:
+        Pool.unlink(staging)
+    except PoolNotFound:
+        pass
+
+
+def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None, progress,
+             clock) -> tuple["Pool", dict[str, Any]]:
+    """Build the snapshot's pool beside `target` with target's configuration, then rename it over target.
+
+    Held meanwhile: target's persist lock, so no persist or second restore of
+    it runs.  The disk tier stays where it is: the new pool is built with a
+    throw-away tier of the same index size and pointed at the real one just
+    before the swap; the old pool's records there are killed after it (a
+    kill in between leaves only unreachable records, which a later restart
+    scan could find again).
+    """
+    import tempfile
+
+    snap.verify()  # the cheap refusal first: a damaged file never costs a staging pool
+    old = Pool.open(target, clock=clock)
+    try:
+        lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
+        if not lock.try_acquire():
+            raise PersistBusy(f"a persist of pool {target!r} is running; restore later")
+        try:
+            cfg = old.core.locked(pool_config, old.core)
+            keep = _tier_header(old.core)
+            st = old.core.seg.stat()
+            new_mode = _restored_mode(snap, cfg["mode"] if mode is None else mode)
+            tier_kw: dict[str, Any] = {}
+            tmp_tier = None
+            if old.disk_path is not None:
+                tmp_tier = tempfile.mkdtemp(prefix="cortex-restore-")
+                tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
+                           "disk_max_entries": int(old.geometry.n_dslots)}
+            _sweep_stale_staging()
+            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+            try:
+                pool = Pool.create(
+                    staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
+                    max_entries=cfg["max_entries"], mode=new_mode,
+                    multi_threaded=bool(cfg["flags"] & FLAG_MULTI_THREADED),
+                    lfu_period=cfg["lfu_period"], clock=clock, prefault=False, **tier_kw,
+                )
+                try:
+                    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                        try:
+                            os.fchown(pool.core.seg.fd, st.st_uid, st.st_gid)  # the replaced pool's owners keep it
+                        except PermissionError:
+                            raise PermissionDenied(
+                                f"cannot give the restored pool the owner of {target!r} (uid {st.st_uid} "
+                                f"gid {st.st_gid}); restore it as that user or as root"
+                            ) from None
+                    report = _fill_pool(pool, snap, cfg["counters"], progress, None)
+                    pool.core.header["name"] = target.encode()
+                    for field, value in keep.items():
+                        pool.core.header[field] = value
+                    pool.close()
+                    segment.replace(staging, target)
+                except BaseException:
+                    _discard(Pool, pool, staging)
+                    raise
+            finally:
+                if tmp_tier is not None:
+                    DiskLog.destroy(os.path.join(tmp_tier, "tier"))
+                    os.rmdir(tmp_tier)
+            if old.disk_path is not None:
+                try:  # the old pool's records would come back on a restart scan of the tier
+                    old.evict(all=True, tier="disk")
+                except CortexCacheError:
+                    pass
+        finally:
+            lock.release()
+    finally:
+        old.close()
+    return Pool.open(target, clock=clock), report
+
+
+def _tier_header(core: Core) -> dict[str, Any]:
+    """The header fields that name a pool's disk and remote tiers (copied onto its replacement)."""
+    h = core.header[0]
+    return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
+            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url")}
+
+
+STAGING_PREFIX = "restoring-"
+STAGING_STALE_AFTER = 60.0  # seconds without a change, and no process mapping it
+
+
+def _sweep_stale_staging() -> None:
+    """Remove the staging segments of restores that were killed (nobody maps them, and they sit still)."""
+    now = time.time()
+    for n in segment.list_names():
+        if not n.startswith(STAGING_PREFIX):
+            continue
+        try:
+            st = os.stat(segment.shm_path(n))
+        except OSError:
+            continue
+        if now - max(st.st_mtime, st.st_ctime) < STAGING_STALE_AFTER or segment.attached_pids(n):
+            continue
+        try:
+            segment.unlink(n)
+        except CortexCacheError:
+            pass
+
+
+def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict[str, Any]:
+    """Put every live record of `snap` into a new, empty pool; NoSpace if they do not all stay."""
+    core = pool.core
+    lock = RecordLock(core.seg.fd, PERSIST_BYTE)
+    if not lock.try_acquire():
+        raise PersistBusy(f"a persist of pool {pool.name!r} is running; restore later")
+    try:
+        now = core.clock()
+        restored = expired = nbytes = 0
+        # Sequence numbers of a snapshot restored into a pool in use go after the pool's own.
+        base = 0 if counters is not None else core.locked(lambda: int(core.fields.seq[0]))
+        count = 0
+        for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
+            count += 1
+            if 0 < rec.expiry <= now:
+                expired += 1
+                continue
+            try:
+                _restore_entry(core, rec, base)
+            except (ValueTooLarge, PoolFull) as e:
+                raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
+            restored += 1
+            nbytes += len(rec.value)
+            if progress is not None:
+                progress(nbytes, snap.value_bytes)
+        if hasher is not None:
+            snap.check_trailer(count, hasher)
+        core.locked(_restore_end, core, counters)
+        report = {"entries": restored, "bytes": nbytes, "expired_skipped": expired}
+        # Entries the pool evicted to make room for later ones are not restored: count what is there.
+        st = pool.stats()
+        if st["entries"] != restored or st["value_bytes"] != nbytes:
+            raise NoSpace(
+                f"snapshot {str(snap.path)!r} does not fit: {restored} live entries ({nbytes} bytes), "
+                f"of which a pool of {st['size_bytes']} bytes and {st['max_entries']} entries keeps "
+                f"{st['entries']}; nothing was changed"
+            )
+        return report
+    finally:
+        lock.release()
+
+
+def _restore_entry(core: Core, rec: "Record", base: int) -> None:
+    """Insert one snapshot record with its metadata (like a put; large values copied outside the lock)."""
+    kb, vb = rec.key, rec.value
+    vlen = len(vb)
+    nblk = core.blocks_or_raise(vlen, "snapshot entry")
+    kh = xxhash.xxh3_64_intdigest(kb)
+    flags = rec.flags & SLOT_FLAG_STR_KEY
+    meta = (rec.created, rec.last_access, rec.expiry, base + rec.insert_seq, base + rec.access_seq, rec.access_count)
+    if vlen <= COPY_IN_LOCK:
+        core.locked(_put_restored, core, kb, kh, flags, vb, nblk, rec.checksum, rec.priority, meta)
+        return
+    i, off = core.locked(core.reserve, kb, kh, flags, vlen, nblk)
+
+    def copy() -> int:
+        # Through the segment's fd, not the mapping: the kernel fills the
+        # pages without a page fault each (~1.5x faster into fresh memory).
+        done = 0
+        while done < vlen:
+            done += os.pwrite(core.seg.fd, vb[done:], off + done)
+        return rec.checksum
+
+    core.fill(i, copy, _seal_restored, core, kb, kh, rec.priority, meta)
+
+
+def _put_restored(core: Core, kb: bytes, kh: int, flags: int, vb: Any, nblk: int, checksum: int, priority: int,
+                  meta: tuple) -> None:
+    i = core.put_small(kb, kh, flags, vb, nblk, checksum, None, priority)
+    core.restore_meta(i, *meta)
+
+
+def _seal_restored(i: int, checksum: int, core: Core, kb: bytes, kh: int, priority: int, meta: tuple) -> None:
+    if not core.is_writing(i):
+        return  # a repair took the reservation back
+    core.seal(i, kb, kh, checksum, None, priority)
+    core.restore_meta(i, *meta)
+
+
+def _restore_end(core: Core, counters: dict[str, int] | None) -> None:
+    if counters:
+        for c, v in counters.items():
+            if c != "seq":
+                core.header[c] = v
+    core.victims.invalidate()
+
+
+__all__ = ["restore", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER"]
