@@ -393,10 +393,11 @@ class Pool:
         if r.__class__ is bytes:
             return r
         if r.__class__ is Pinned:
+            pin, slot, off, n = r  # unpacked: cheaper than four attribute lookups on the hot path
             try:
-                return core.mv[r.offset : r.offset + r.length].tobytes()
+                return core.mv[off : off + n].tobytes()
             finally:
-                core.locked(core.unpin, r.pin, r.slot)
+                core.locked(core.unpin, pin, slot)
         value = tiers.from_below(kb, kh, r)
         return default if value is None else value
 
@@ -426,11 +427,12 @@ class Pool:
         if r.__class__ is int:
             return r
         if r.__class__ is Pinned:
+            pin, slot, off, n = r
             try:
-                omv[: r.length] = core.mv[r.offset : r.offset + r.length]
+                omv[:n] = core.mv[off : off + n]
             finally:
-                core.locked(core.unpin, r.pin, r.slot)
-            return r.length
+                core.locked(core.unpin, pin, slot)
+            return n
         value = tiers.from_below(kb, kh, r, omv.nbytes)
         if value is None:
             return None
