@@ -294,7 +294,7 @@ class Core:
         i = self._alloc_slot()
         klen = len(kb)
         try:
-            kcell = self._alloc_kcells(key_cells(klen))
+            kcell = self._alloc_kcells(klen)
             try:
                 first = self._alloc_blocks(nblk)
             except BaseException:
@@ -336,7 +336,7 @@ class Core:
                 self.mv[off : off + vb.nbytes] = vb
                 self._c_vlen[old] = vb.nbytes
                 self._c_flags[old] = flags
-                self._scored(old, self._stamp(old, checksum, ttl, priority, None))
+                self._stamp(old, checksum, ttl, priority, None)
                 return old
             self.remove(old)
         i, off = self.reserve(kb, kh, flags, vb.nbytes, nblk)
@@ -354,17 +354,17 @@ class Core:
         old = self.find(kb, kh) if replace else -1
         if old >= 0:
             self.remove(old)
-        e = self._stamp(i, checksum, ttl, priority, expiry)
+        self._stamp(i, checksum, ttl, priority, expiry)
         b = kh & self._mask
         bkt = self._bkt
         self._c_next[i] = bkt[b]
         bkt[b] = i
         self._c_state[i] = SEALED
         self._hu64[H_N_ENTRIES] += 1
-        self._scored(i, e)
 
-    def _stamp(self, i: int, checksum: int, ttl: float | None, priority: int, expiry: float | None) -> float:
-        """Give slot `i` the metadata of a new put (counted); its absolute expiry, 0 for none."""
+    def _stamp(self, i: int, checksum: int, ttl: float | None, priority: int, expiry: float | None) -> None:
+        """Give slot `i` the metadata of a new put (counted), and tell the victim list its score and expiry
+        (the list checks an entry's state when it hands it out, so this may come before the seal)."""
         hu64 = self._hu64
         now = self.clock()
         e = now + ttl if ttl and expiry is None else (expiry or 0.0)
@@ -382,15 +382,11 @@ class Core:
         self._c_ostart[i] = 0
         self._c_opid[i] = 0
         hu64[H_PUTS] += 1
-        return e
-
-    def _scored(self, i: int, expiry: float) -> None:
-        """Tell the victim list about entry `i`'s new score and expiry."""
         v = self.victims
         if not v.policy.monotone:
             v.on_score_change(i)
-        if expiry:
-            v.on_expiry_set(expiry)
+        if e:
+            v.on_expiry_set(e)
 
     def fill(self, i: int, copy: Callable[[], int], seal: Callable[..., Any], *args: Any) -> None:
         """The end of every put whose value is copied outside the lock, for reserved slot `i`: run `copy()`
@@ -497,8 +493,9 @@ class Core:
         hu64[H_ALLOC_HINT] = nxt if nxt < self._n_blocks else 0
         return first
 
-    def _alloc_kcells(self, k: int) -> int:
-        """First cell of a run of `k` free cells of the key arena, evicting for room (docs/design.md, "Keys")."""
+    def _alloc_kcells(self, klen: int) -> int:
+        """First cell of a run of free cells for a key of `klen` bytes, evicting for room (docs/design.md, "Keys")."""
+        k = (klen + KEY_CELL - 1) // KEY_CELL  # layout.key_cells, inlined on the hot path
         hu64 = self._hu64
         hint = hu64[H_KEY_HINT]
         kmap = self._kmap
@@ -534,7 +531,11 @@ class Core:
         hu64[H_USED_BLOCKS] -= n
         # Reuse freed blocks first: they are likely still in the CPU cache.
         hu64[H_ALLOC_HINT] = first
-        self._free_kcells(self._c_kcell[i], self._c_klen[i])
+        kf = self._c_kcell[i]
+        k = (self._c_klen[i] + KEY_CELL - 1) // KEY_CELL  # as _free_kcells, inlined on the hot path
+        self._kmap[kf : kf + k] = _ZEROS[:k]
+        hu64[H_USED_KCELLS] -= k
+        hu64[H_KEY_HINT] = kf
         self._free_slot(i)
 
     # ------------------------------------------------------------------ eviction
