@@ -1,9 +1,9 @@
 """One vLLM engine process for the vLLM tests and benchmark: run in the vLLM venv (scripts/vllm_venv.sh).
 
-    python tests/vllm_engine.py make-model DIR [--layers N] [--seed S]
+    python tests/vllm_engine.py make-model DIR[:LAYERS] ...
     python tests/vllm_engine.py run MODEL_DIR REQUEST_JSON
 
-`make-model` saves a tiny random Llama (no download).  `run` starts one
+`make-model` saves tiny random Llamas (2 layers unless given; no download).  `run` starts one
 engine (in this process: no engine or worker subprocesses, so it starts in
 seconds), generates greedily for the prompts given as token ids, and prints
 one JSON line: output tokens, `num_cached_tokens` per request, seconds per
@@ -69,10 +69,9 @@ def run(model: str, req: dict) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        args = sys.argv[2:]
-        layers = int(args[args.index("--layers") + 1]) if "--layers" in args else 2
-        seed = int(args[args.index("--seed") + 1]) if "--seed" in args else 0
-        make_model(args[0], layers, seed)
+        for spec in sys.argv[2:]:
+            path, _, layers = spec.partition(":")
+            make_model(path, int(layers or 2))
     elif sys.argv[1] == "run":
         with open(sys.argv[3]) as f:
             request = json.load(f)

@@ -203,7 +203,7 @@ class BlockStore:
             return 0
         import torch
 
-        heads = np.frombuffer(b"".join(self.header(d) for d in digests), np.uint8).reshape(n, HEADER_SIZE)
+        heads = np.frombuffer(bytearray(b"".join(self.header(d) for d in digests)), np.uint8).reshape(n, HEADER_SIZE)
         try:
             rows[:, :HEADER_SIZE].copy_(torch.from_numpy(heads))
             gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0))).wait()
