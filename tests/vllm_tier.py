@@ -42,9 +42,19 @@ def build(pool: str):
     tier = SecondaryTierFactory.create_secondary_tier(
         {"type": "CortexTier", "module_path": "cortex_cache.integrations.vllm", "pool": pool, "model": "tiny"},
         primary.get_kv_memoryview(), spec)
-    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
-    rows = np.frombuffer(primary.get_kv_memoryview(), np.uint8).reshape(SLOTS, ROW)
-    return manager, tier, rows, region
+    return TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier]), tier
+
+
+def write_rows(manager, slots, chunks) -> None:
+    """What the GPU->CPU copy would have written into the primary region."""
+    rows = np.frombuffer(manager.primary_tier.get_kv_memoryview(), np.uint8).reshape(SLOTS, ROW)
+    for slot, i in zip(slots, chunks):
+        rows[slot] = chunk_bytes(i)
+
+
+def rows_equal(manager, slots, chunks) -> list[bool]:
+    rows = np.frombuffer(manager.primary_tier.get_kv_memoryview(), np.uint8).reshape(SLOTS, ROW)
+    return [bool(np.array_equal(rows[slot], chunk_bytes(i))) for slot, i in zip(slots, chunks)]
 
 
 def keys_of(first: int, n: int) -> list:
@@ -62,20 +72,18 @@ def end_step(manager) -> None:
 def store(pool: str, first: int, n: int) -> dict:
     from vllm.v1.kv_offload.base import ReqContext
 
-    manager, tier, rows, region = build(pool)
+    manager, tier = build(pool)
     ctx = ReqContext(req_id="store")
     keys = keys_of(first, n)
     manager.on_new_request(ctx)
     out = manager.prepare_store(keys, ctx)
-    for slot, i in zip(out.store_spec.chunk_ids, range(first, first + n)):
-        rows[slot] = chunk_bytes(i)  # what the GPU->CPU copy would have written
+    write_rows(manager, out.store_spec.chunk_ids, range(first, first + n))
     manager.complete_store(keys, ctx, success=True)  # cascades to the tier (on its threads)
     tier.drain_jobs()
     end_step(manager)
     end_step(manager)  # the first end of step may have skipped its poll (vLLM polls once per step)
     manager.on_request_finished(ctx)
     result = {"pending": manager.has_pending_work(), "stats": tier.stats}
-    del rows
     manager.shutdown()
     return result
 
@@ -83,7 +91,7 @@ def store(pool: str, first: int, n: int) -> dict:
 def promote(pool: str, first: int, n: int) -> dict:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-    manager, tier, rows, region = build(pool)
+    manager, tier = build(pool)
     ctx = ReqContext(req_id="promote")
     keys = keys_of(first, n)
     manager.on_new_request(ctx)
@@ -95,13 +103,11 @@ def promote(pool: str, first: int, n: int) -> dict:
     equal = []
     if hits:
         spec = manager.prepare_load(hits, ctx)
-        equal = [bool(np.array_equal(rows[slot], chunk_bytes(first + keys.index(k))))
-                 for slot, k in zip(spec.chunk_ids, hits)]
+        equal = rows_equal(manager, spec.chunk_ids, [first + keys.index(k) for k in hits])
         manager.complete_load(hits, ctx)
     end_step(manager)
     manager.on_request_finished(ctx)
     result = {"before": before, "after": after, "equal": equal, "stats": tier.stats}
-    del rows
     manager.shutdown()
     return result
 
