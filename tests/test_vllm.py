@@ -115,8 +115,11 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     fourth = engine(small, [B], conn)
     assert fourth["outputs"] == ref["outputs"][1:]
     assert fourth["stats"]["corrupt"] == 1 and fourth["stats"]["loaded"] == 4
-    assert fourth["cached"][0] < 288
+    # (vLLM 0.32 still counts the recomputed blocks in num_cached_tokens: the
+    # referee here is the tokens, which unloaded blocks would have changed.)
     assert "corrupt" in fourth["log"]  # logged once, as a miss
+    with Pool.open(name) as p:
+        assert order[4] not in p and order[3] in p  # the damaged block was dropped, the others kept
 
 
 @needs_vllm
@@ -218,8 +221,12 @@ def test_foreign_and_corrupt_blocks_are_counted_misses_never_loaded(make_pool):
     out[:] = 9
     assert store.load(d, out) == 2 and faults.stats["corrupt"] == 1
     assert (out[:2] == 7).all() and (out[2:] == 9).all()  # nothing of the damaged block was copied
+    assert store.key(d[2]) not in pool  # and it was dropped: the next look-up is a plain miss
+    assert store.present(d) == 2
+    off = pool._data_off + pool.info(store.key(d[3]))["first_block"] * pool.geometry.block_size
+    pool._mv[off + 64 + 10] ^= 0xFF
     unverified, uf = _store(pool.name, verify=False)
-    assert unverified.load(d, out) == 4 and uf.stats["corrupt"] == 0  # verify=False trusts the bytes
+    assert unverified.load(d[3:], out) == 1 and uf.stats["corrupt"] == 0  # verify=False trusts the bytes
 
 
 def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, pool_name):
@@ -298,9 +305,10 @@ def test_tier_stores_in_one_process_and_promotes_exact_bytes_in_another(make_poo
     pool._mv[off + 64 + 3] ^= 0xFF
     got = tier_run("promote", pool.name, 0, 8)
     assert got["before"] == ["HIT_PENDING"] * 6 + ["MISS"] * 2  # tier hits start promotions
-    assert got["after"] == ["HIT"] * 5 + ["MISS"] * 3
+    assert got["after"] == ["HIT"] * 5 + ["MISS"] * 3  # the damaged chunk was dropped from the pool
     assert got["equal"] == [True] * 5  # the exact bytes process A stored, in B's primary region
     assert got["stats"]["loaded"] == 5 and got["stats"]["corrupt"] == 1
+    assert keys[5] not in pool and len(pool.keys(prefix="vllm-tier/")) == 5
 
 
 @needs_vllm

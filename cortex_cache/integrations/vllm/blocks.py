@@ -28,7 +28,7 @@ Each value is a 64-byte header and then the block's bytes::
 A value whose header is not exactly the one this reader would have written
 for that key -- another layout or rank, another key's bytes, anything else
 -- is a miss ("foreign"), never loaded; with `verify` a value whose bytes no
-longer match the pool's checksum is a miss too ("corrupt").  Every fault
+longer match the pool's checksum is a miss too ("corrupt"), and is deleted.  Every fault
 (pool missing or unusable, pool full, foreign, corrupt, an entry gone
 between lookup and load) is counted in `stats` and logged once per kind;
 nothing raises into the engine.
@@ -249,6 +249,10 @@ class BlockStore:
                 if why:
                     ev.release()
                     self.faults.fault(why, f"{key} in pool {pool.name!r}")
+                    if why == "corrupt":
+                        # Damaged bytes help no one: drop them, so the next
+                        # look-up is a miss and the block is stored afresh.
+                        pool.delete(key)
                     break
                 views.append(ev)
                 keys.append(key)
