@@ -19,7 +19,7 @@ and the pool and report through `get_finished_jobs`.  A store becomes
 visible only when its copy is whole and checksummed (a process killed
 mid-store leaves nothing); a load checks each chunk's header and checksum
 and reports the keys it could not load as failed, which vLLM treats as a
-miss.  Faults are counted in `stats` and logged once, never raised.
+miss (a corrupt chunk is deleted from the pool, so it is not promoted again).  Faults are counted in `stats` and logged once, never raised.
 
 Keys are vLLM's own offload keys (its block hash and group index), so
 instances share chunks only when their block hashes agree: vLLM's default
