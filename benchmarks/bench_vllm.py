@@ -1,9 +1,9 @@
 """vLLM with and without CortexConnector: a conversation-trace replay through two engine processes.
 
     CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python CORTEX_BENCH_TRACE=PATH.jsonl \\
-        python benchmarks/bench_vllm.py [--quick] [--requests N] [--json PATH]
+        python benchmarks/bench_vllm.py [--quick] [--requests N] [--start S] [--json PATH]
 
-Replays the first N requests (default 300; --quick 60) of a Mooncake
+Replays N requests (default 300; --quick 60; from the first, or the S-th) of a Mooncake
 conversation trace (JSON lines with `hash_ids`, one id per 512-token prefix
 block) through two vLLM engine processes that take the requests in turn
 (request i goes to engine i % 2, one at a time, in trace order), twice:
@@ -43,12 +43,13 @@ MAX_IDS = 60
 BLOCK = 32
 
 
-def prompts_from_trace(path: str, n: int) -> list[list[int]]:
+def prompts_from_trace(path: str, n: int, start: int = 0) -> list[list[int]]:
+    import itertools
     import random
 
     out = []
     with open(path) as f:
-        for line, _ in zip(f, range(n)):
+        for line in itertools.islice(f, start, start + n):
             ids = json.loads(line)["hash_ids"][:MAX_IDS]
             toks: list[int] = []
             for h in ids:
@@ -143,6 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int)
+    ap.add_argument("--start", type=int, default=0, help="skip this many requests of the trace first")
     ap.add_argument("--json")
     ap.add_argument("--serve", nargs=2, metavar=("MODEL", "CONNECTOR_JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--make-model", help=argparse.SUPPRESS)
@@ -157,7 +159,7 @@ def main() -> None:
         raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh) and CORTEX_BENCH_TRACE "
                          "(a Mooncake conversation trace, JSON lines with hash_ids)")
     n = args.requests or (60 if args.quick else 300)
-    prompts = prompts_from_trace(trace, n)
+    prompts = prompts_from_trace(trace, n, args.start)
     sys.path.insert(0, str(REPO))
     from cortex_cache import Pool
 
@@ -174,7 +176,7 @@ def main() -> None:
             pool.close()
             Pool.unlink(name)
     ratio = cortex["prefill_computed"] / base["prefill_computed"]
-    print(f"{n} requests of {Path(trace).name}, 2 engines taking turns, {sum(map(len, prompts)):,} prompt tokens")
+    print(f"{n} requests of {Path(trace).name} from #{args.start}, 2 engines taking turns, {sum(map(len, prompts)):,} prompt tokens")
     print(f"{'run':9} {'prefill computed':>17} {'local hits':>11} {'pool hits':>10} {'s/request p50':>14} {'mean':>7}")
     for label, r in (("baseline", base), ("cortex", cortex)):
         print(f"{label:9} {r['prefill_computed']:>17,} {r['local_hit_rate']:>11.1%} {r['external_hit_rate']:>10.1%} "
