@@ -48,7 +48,7 @@ _cortex_files()
 _cortex_options()
 {
     case $1 in
-        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --json -q --quiet --help' ;;
+        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
         status) _cortex_words '--json --format -q --quiet --help' ;;
         delete) _cortex_words '-f --force -q --quiet --help' ;;
@@ -58,7 +58,8 @@ _cortex_options()
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --json -q --quiet --help' ;;
-        restore) _cortex_words '-i --input --replace --json -q --quiet --help' ;;
+        restore) _cortex_words '-i --input --replace --if-missing --json -q --quiet --help' ;;
+        snapshots) _cortex_words '--json -q --quiet --help' ;;
     esac
 }
 
@@ -124,7 +125,7 @@ _cortex()
     fi
     [[ $group == cache ]] || return 0
     if [[ -z $cmd ]]; then
-        [[ $cur == -* ]] && _cortex_words '-q --quiet --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore'
+        [[ $cur == -* ]] && _cortex_words '-q --quiet --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore snapshots'
         return 0
     fi
     if (( !dashdash )) && [[ $cur == -* ]]; then
@@ -146,6 +147,7 @@ _cortex()
         verify:0) _cortex_words "$(_cortex_pools)" ;;
         persist:0) _cortex_words "$(_cortex_pools)" ;;
         restore:0) _cortex_words "$({ _cortex_pools; _cortex_snapshots; } | sort -u)" ;;
+        snapshots:0) _cortex_words "$(_cortex_pools)" ;;
         *) (( dashdash )) || _cortex_options "$cmd" ;;
     esac
     return 0

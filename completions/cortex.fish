@@ -93,6 +93,7 @@ complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and rep
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
 complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot, verified whole before anything changes'
+complete -c cortex -n '__cortex_at group' -a snapshots -d 'List every snapshot of a pool in the snapshot directory, oldest first'
 
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
 complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
@@ -109,6 +110,8 @@ complete -c cortex -n '__cortex_using create' -l disk-o-direct -d 'Read and writ
 complete -c cortex -n '__cortex_using create' -l disk-max-entries -x -d 'Disk index capacity (default: one entry per block of disk, at most 2,097,152)'
 complete -c cortex -n '__cortex_using create' -l remote -x -d 'A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N'
 complete -c cortex -n '__cortex_using create' -l remote-cluster -d 'The --remote URL names a node of a Valkey/Redis cluster'
+complete -c cortex -n '__cortex_using create' -l keep -x -d 'Snapshots of this pool that persist keeps (stored with the pool; default 3)'
+complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using create' -l help -d 'Show this message and exit'
@@ -169,16 +172,22 @@ complete -c cortex -n '__cortex_using verify' -l help -d 'Show this message and 
 complete -c cortex -n '__cortex_using verify 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using persist' -s o -l output -r -F -d 'Write the snapshot to this file instead of the snapshot directory'
-complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory (default 3)'
+complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)'
 complete -c cortex -n '__cortex_using persist' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using persist' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using persist 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using restore' -s i -l input -r -F -d 'Snapshot file (default: NAME.ccsnap in the snapshot directory)'
-complete -c cortex -n '__cortex_using restore' -l replace -d 'Empty an existing pool and fill it from the snapshot'
+complete -c cortex -n '__cortex_using restore' -l replace -d 'Empty an existing pool (memory and disk tier; it keeps its own configuration, and a remote tier is left alone) and fill it from the snapshot'
+complete -c cortex -n '__cortex_using restore' -l if-missing -d 'Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)'
 complete -c cortex -n '__cortex_using restore' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_snapshots)' -d snapshot
+
+complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using snapshots' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using snapshots' -l help -d 'Show this message and exit'
+complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_pools)' -d pool

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from enum import Enum
@@ -126,8 +127,16 @@ def _print_table(table, console=None) -> None:
     sys.stdout.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
 
 
+def _now_iso() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
 def _print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """One JSON document on one line (fit for a log), with the time it was made (UTC, ISO 8601)."""
+    if isinstance(doc, dict):
+        doc = {"time": _now_iso(), **doc}
+    sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
 
 
 def _say(msg: str, stderr: bool = False) -> None:
@@ -194,6 +203,8 @@ def create(
     disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
     remote: Optional[str] = typer.Option(None, "--remote", metavar="URL", help="A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N."),
     remote_cluster: bool = typer.Option(False, "--remote-cluster", help="The --remote URL names a node of a Valkey/Redis cluster."),
+    keep: Optional[int] = typer.Option(None, "--keep", metavar="N", help="Snapshots of this pool that persist keeps (stored with the pool; default 3)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -206,6 +217,11 @@ def create(
 
     if disk_write is not None and tier is Tier.cpu and disk_path is None:
         raise UsageError("--disk-write needs --tier disk (or --disk-path)")
+    if keep is not None and keep < 1:
+        raise UsageError(f"--keep must be at least 1, not {keep}")
+    from . import segment
+
+    existed = if_missing and segment.exists(name)
     p = Pool.create(
         name,
         parse_size(size),
@@ -223,11 +239,15 @@ def create(
         disk_max_entries=disk_max_entries,
         remote=remote,
         remote_cluster=remote_cluster,
+        keep=keep,
+        exist_ok=if_missing,
     )
     with p:
         st = p.stats()
     if as_json:
-        _print_json(st)
+        _print_json({**st, "created": not existed} if if_missing else st)
+    elif existed:
+        _say(f"pool {name} exists with this configuration; nothing to do")
     else:
         _say(
             f"created pool {name}: {_fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
@@ -748,7 +768,7 @@ def _run_with_progress(description: str, fn):
 def persist(
     name: str = NAME_ARG,
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -784,17 +804,20 @@ def persist(
 def restore(
     name: str = NAME_ARG,
     input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
-    replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
+    replace: bool = typer.Option(False, "--replace", help="Empty an existing pool (memory and disk tier; it keeps its own configuration, and a remote tier is left alone) and fill it from the snapshot."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Rebuild a pool from a snapshot, verified whole before anything changes.
 
-    A missing pool is created with the snapshot's size, policy and mode; an
-    existing one is only overwritten with --replace.  Expired entries are
+    A missing pool is created with the snapshot's whole configuration (size,
+    policy, mode, retention) and its tiers attached again: the disk tier's
+    records that check out are found again, the remote tier is used again.
+    An existing one is only overwritten with --replace.  Expired entries are
     not restored.  A damaged, truncated or foreign file exits 65.
 
-    Example: cortex cache restore llama --input /backup/llama.ccsnap --replace
+    Example: cortex cache restore llama --if-missing
     """
     from . import persist as snap
 
@@ -802,8 +825,14 @@ def restore(
         # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
     pool, report = _run_with_progress(
-        f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb)
+        f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing)
     )
+    if pool is None:  # --if-missing, and the pool is there
+        if as_json:
+            _print_json(report)
+        else:
+            _say(f"pool {name} exists; nothing restored")
+        return
     pool.close()
     secs = report["seconds"]
     report["gbps"] = round(report["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0
@@ -815,6 +844,46 @@ def restore(
             f"from {report['path']} in {secs:.2f}s"
             + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
         )
+        for tier, what in report["tiers"].items():
+            _say(f"{tier} tier: {what}")
+
+
+@cache.command()
+def snapshots(
+    name: str = NAME_ARG,
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """List every snapshot of a pool in the snapshot directory, oldest first.
+
+    Shows each file's time, size and entries, and which one NAME.ccsnap (what
+    restore reads by default) names.  Reads only the files' headers.
+
+    Example: cortex cache snapshots llama
+    """
+    from . import persist as snap
+    from . import segment
+
+    segment.validate_name(name)
+    rows = snap.list_snapshots(name)
+    if as_json:
+        _print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows})
+        return
+    if not rows:
+        _say(f"no snapshots of {name} in {snap.snapshot_dir()}", stderr=True)
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("TIME", "AGE", "SIZE", "ENTRIES", "LATEST", "PATH"):
+        t.add_column(col, justify="right" if col in ("SIZE", "ENTRIES") else "left")
+    for r in rows:
+        if "error" in r:
+            t.add_row("-", "-", "-", "-", "", f"{r['path']} ({r['error']})")
+            continue
+        t.add_row(_fmt_time(r["time"]), _fmt_age(r["time"]), _fmt_size(r["bytes"]), str(r["entries"]),
+                  "yes" if r["latest"] else "", r["path"])
+    _print_table(t)
 
 
 # ---------------------------------------------------------------- entry point
@@ -822,6 +891,21 @@ def restore(
 
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
+
+
+def _error(msg: str, code: int, as_json: bool) -> None:
+    """An error: one line on stderr; with --json a JSON document {"time", "error", "exit"}."""
+    if as_json:
+        sys.stderr.write(json.dumps({"time": _now_iso(), "error": msg, "exit": code}, separators=(",", ":")) + "\n")
+    else:
+        sys.stderr.write(f"cortex: error: {msg}\n")
+
+
+def _usage_words(msg: str) -> str:
+    """The parser's message in our words: no validation-library phrasing ("Input should be ...")."""
+    msg = _one_line(msg)
+    return re.sub(r"Input should be (greater|less) than or equal to (\S+)", r"must be at \1 \2", msg).replace(
+        "at greater", "at least").replace("at less", "at most")
 
 
 def _is_usage_error(e: BaseException) -> bool:
@@ -851,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in options:
         debug = True
         args.remove("--debug")
+    as_json = "--json" in options  # errors, too, are JSON then (on stderr)
     code = 0
     try:
         rc = typer.main.get_command(app).main(
@@ -868,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"cortex: error: {_one_line(str(e))}\n")
+        _error(f"{_one_line(str(e))}", e.exit_code, as_json)
         code = e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("cortex: interrupted\n")
@@ -884,14 +969,17 @@ def main(argv: list[str] | None = None) -> int:
             return EX_USAGE
         if _is_usage_error(e):
             # The parser's own errors (unknown option, bad choice): one line, exit 2.
-            sys.stderr.write(f"cortex: error: {_one_line(e.format_message())} (see --help)\n")  # type: ignore[attr-defined]
+            _error(f"{_usage_words(e.format_message())} (see --help)", EX_USAGE, as_json)  # type: ignore[attr-defined]
             return EX_USAGE
         # Anything else is a bug: say so in one line, traceback with --debug.
         if debug:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
+        if as_json:
+            _error(f"internal error: {_one_line(f'{type(e).__name__}: {e}')}", EX_SOFTWARE, True)
+        else:
+            sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
         code = EX_SOFTWARE
     return code
 
