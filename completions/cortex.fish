@@ -3,7 +3,7 @@
 #
 # Install: copy to ~/.config/fish/completions/cortex.fish
 
-set -g __cortex_value_options --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl -i -o -s
+set -g __cortex_value_options --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl --watch -i -o -s
 
 # The words so far after `cortex`, without options and their values.
 function __cortex_args
@@ -76,10 +76,12 @@ end
 
 complete -c cortex -f
 complete -c cortex -n '__cortex_at root' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_at root' -l version -d 'Print the version and exit'
 complete -c cortex -n '__cortex_at root' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
 complete -c cortex -n '__cortex_at root' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at root' -a cache -d 'Create, inspect, use and remove KV-cache pools'
 complete -c cortex -n '__cortex_at group' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_at group' -l version -d 'Print the version and exit'
 complete -c cortex -n '__cortex_at group' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
 complete -c cortex -n '__cortex_at group' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at group' -a create -d 'Create a pool'
@@ -94,6 +96,7 @@ complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consiste
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
 complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot, verified whole before anything changes'
 complete -c cortex -n '__cortex_at group' -a snapshots -d 'List every snapshot of a pool in the snapshot directory, oldest first'
+complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-up; exit 1 if something is wrong, each finding with what to do'
 
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
 complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
@@ -121,7 +124,9 @@ complete -c cortex -n '__cortex_using list' -s q -l quiet -d 'Print no confirmat
 complete -c cortex -n '__cortex_using list' -l help -d 'Show this message and exit'
 
 complete -c cortex -n '__cortex_using status' -l json -d 'Print one JSON document on stdout'
-complete -c cortex -n '__cortex_using status' -l format -x -a 'table json prometheus' -d 'table, json, or prometheus (text exposition format)'
+complete -c cortex -n '__cortex_using status' -l format -x -a 'table json prometheus' -d 'table (default), json, or prometheus (text exposition format)'
+complete -c cortex -n '__cortex_using status' -l watch -x -d 'Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME'
+complete -c cortex -n '__cortex_using status' -l count -x -d 'With --watch: stop after N lines'
 complete -c cortex -n '__cortex_using status' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using status' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using status 0' -a '(__cortex_pools)' -d pool
@@ -138,7 +143,8 @@ complete -c cortex -n '__cortex_using put' -l help -d 'Show this message and exi
 complete -c cortex -n '__cortex_using put 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using put 2' -F
 
-complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout'
+complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout (\'-\': stdout)'
+complete -c cortex -n '__cortex_using get' -l peek -d 'Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)'
 complete -c cortex -n '__cortex_using get' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using get' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
@@ -155,7 +161,7 @@ complete -c cortex -n '__cortex_using keys 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using evict' -l percent -x -d 'Evict this percentage of the stored bytes, by policy'
 complete -c cortex -n '__cortex_using evict' -l bytes -x -d 'Evict at least this many value bytes, by policy (e.g. 1G)'
 complete -c cortex -n '__cortex_using evict' -l expired -d 'Evict expired entries only'
-complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key (repeatable)'
+complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key; repeat the option for more keys (--key a --key b)'
 complete -c cortex -n '__cortex_using evict' -l prefix -x -d 'Evict every key starting with this'
 complete -c cortex -n '__cortex_using evict' -l all -d 'Evict everything'
 complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all remote' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)'
@@ -191,3 +197,8 @@ complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON docu
 complete -c cortex -n '__cortex_using snapshots' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using snapshots' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_pools)' -d pool
+complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_snapshots)' -d snapshot
+
+complete -c cortex -n '__cortex_using doctor' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using doctor' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using doctor' -l help -d 'Show this message and exit'

@@ -63,14 +63,40 @@ cache = typer.Typer(
 app.add_typer(cache, name="cache")
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("cortex-cache")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            v = "unknown"
+        sys.stdout.write(f"cortex-cache {v}\n")
+        raise typer.Exit(0)
+
+
+VERSION_OPT = typer.Option(False, "--version", help="Print the version and exit.", callback=_show_version, is_eager=True)
+
+
 @app.callback()
-def _root(quiet: bool = QUIET_OPT) -> None:
+def _root(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
     pass
 
 
 @cache.callback()
-def _cache(quiet: bool = QUIET_OPT) -> None:
+def _cache(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
     pass
+
+
+# Typer writes a required argument as {NAME} in usage lines; the man page and
+# every other tool write NAME.
+def _usage_name(self) -> str:  # type: ignore[no-untyped-def]
+    name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
 
 
 Policy = Enum("Policy", {name: name for name in POLICY_IDS}, type=str)  # type: ignore[misc]
@@ -113,7 +139,8 @@ def _console(stderr: bool = False):  # rich is imported by typer already
     # Off a terminal rich assumes 80 columns and would cut names and keys:
     # a pipe or file gets whole lines instead.
     width = None if stream.isatty() else 1 << 16
-    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width)
+    # markup=False: our text holds brackets ("cortex-cache[remote]") that are no rich markup.
+    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width, markup=False)
 
 
 def _print_table(table, console=None) -> None:
@@ -385,6 +412,21 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
         for r in with_disk:
             v = r["disk"][key]
             out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
+    snap_metrics = [
+        ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
+        ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
+        ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
+         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch; alert when it gets old."),
+        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot."),
+    ]
+    with_snaps = [r for r in ok if r.get("snapshots")]
+    for metric, key, kind, help_ in snap_metrics if with_snaps else []:
+        name = f"cortex_cache_{metric}"
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_snaps:
+            v = r["snapshots"][key]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
     out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
     out.append("# TYPE cortex_cache_up gauge")
     for r in rows:
@@ -399,33 +441,73 @@ def _others_attached(name: str) -> list[int]:
     return [p for p in segment.attached_pids(name) if p != os.getpid()]
 
 
+def _add_operating(row: dict[str, Any]) -> None:
+    """What status adds to a pool's stats: who has it mapped, and its snapshots."""
+    from . import persist as snap
+    from . import procs
+
+    row["attached_pids"] = _others_attached(row["name"])
+    row["attached"] = [procs.describe(p) for p in row["attached_pids"]]
+    row["snapshots"] = snap.snapshot_usage(row["name"])
+
+
+def _show_attached(procs_: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{a['pid']} ({a['command'] or '?'}, uid {a['uid'] if a['uid'] is not None else '?'})"
+                     for a in procs_) or "none"
+
+
 @cache.command()
 def status(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="Pool name (default: every pool).", show_default=False),
     as_json: bool = JSON_OPT,
-    fmt: Format = typer.Option(Format.table, "--format", metavar="FORMAT", help="table, json, or prometheus (text exposition format)."),
+    fmt: Optional[Format] = typer.Option(None, "--format", metavar="FORMAT", help="table (default), json, or prometheus (text exposition format)."),
+    watch: Optional[float] = typer.Option(None, "--watch", metavar="SECONDS", help="Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME."),
+    count: Optional[int] = typer.Option(None, "--count", min=1, metavar="N", help="With --watch: stop after N lines."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Show usage, entries, counters and policy of one pool or all pools.
 
+    A pool that is missing exits 66, except with --format prometheus, which
+    prints cortex_cache_up{pool="NAME"} 0 for it (a scrape must not come back
+    empty).
+
     Example: cortex cache status llama --json
     """
     from . import segment
+    from .errors import PoolNotFound
     from .pool import Pool
 
-    if as_json:
-        fmt = Format.json
+    if as_json and fmt not in (None, Format.json):
+        raise UsageError(f"--json and --format {fmt.value} contradict each other: give one")
+    fmt = Format.json if as_json else (fmt or Format.table)
+    if count is not None and watch is None:
+        raise UsageError("--count goes with --watch")
+    if watch is not None:
+        if name is None:
+            raise UsageError("--watch needs a pool NAME")
+        if fmt is Format.prometheus:
+            raise UsageError("--watch prints rates as a table or JSON lines, not prometheus")
+        if not watch > 0:
+            raise UsageError(f"--watch needs a positive number of seconds, not {watch}")
+        _watch(name, watch, count, fmt is Format.json)
+        return
     if name is not None:
-        with Pool.open(name, lock_timeout=5) as p:
-            st = p.stats()
-        st["status"] = "ok"
-        st["attached_pids"] = _others_attached(name)
+        try:
+            with Pool.open(name, lock_timeout=5) as p:
+                st = p.stats()
+        except PoolNotFound as e:
+            if fmt is not Format.prometheus:
+                raise
+            st = {"name": name, "status": "gone", "error": str(e)}
+        else:
+            st["status"] = "ok"
+            _add_operating(st)
         rows = [st]
     else:
         rows = [_pool_summary(n) for n in segment.list_names()]
         for r in rows:
             if r["status"] == "ok":
-                r["attached_pids"] = _others_attached(r["name"])
+                _add_operating(r)
     if fmt is Format.json:
         _print_json(rows[0] if name is not None else {"pools": rows})
         return
@@ -454,10 +536,12 @@ def status(
         t.add_row("hits / misses", f"{r['hits']} / {r['misses']} (hit ratio {r['hit_ratio']:.3f})")
         t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
         t.add_row("evictions", f"{r['evictions']} ({_fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
-        t.add_row("attached", ", ".join(map(str, r["attached_pids"])) or "none")
+        t.add_row("attached", _show_attached(r["attached"]))
         t.add_row("owner / mode", f"uid {r['uid']} gid {r['gid']}, {r['mode']}")
         t.add_row("created", _fmt_time(r["created"]))
         t.add_row("last snapshot", _fmt_time(r["last_snapshot"]) + (f" ({_fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
+        sn = r["snapshots"]
+        t.add_row("snapshots", f"{sn['count']}, {_fmt_size(sn['bytes'])} in {sn['directory']}")
         if r["repairs"]:
             t.add_row("repairs", str(r["repairs"]))
         d = r.get("disk")
@@ -483,6 +567,33 @@ def status(
                       f"dropped, {_fmt_size(rm['bytes_written'])} written, {_fmt_size(rm['bytes_read'])} read")
             t.add_row("remote errors", str(rm["errors"]) + (f" (last: {rm['last_error']})" if rm.get("last_error") else ""))
         _print_table(t, con)
+
+
+def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None:
+    from . import watch as w
+    from .pool import Pool
+
+    header = f"{'time':8} {'puts/s':>9} {'gets/s':>9} {'hit%':>6} {'evict/s':>8} {'spill/s':>8} {'promo/s':>8} {'disk w/s':>9} {'disk r/s':>9} {'entries':>8} {'used':>9}"
+    n = 0
+    with Pool.open(name, lock_timeout=5) as p:
+        try:
+            for r in w.watch(p, interval, count):
+                if as_json:
+                    _print_json({"pool": name, **r})
+                else:
+                    if n % 20 == 0:
+                        sys.stdout.write(header + "\n")
+                    hit = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}"
+                    sys.stdout.write(
+                        f"{time.strftime('%H:%M:%S')} {r['puts_per_s']:9.1f} {r['gets_per_s']:9.1f} {hit:>6} "
+                        f"{r['evictions_per_s']:8.1f} {r['spills_per_s']:8.1f} {r['promotions_per_s']:8.1f} "
+                        f"{_fmt_size(r['disk_write_bytes_per_s']):>9} {_fmt_size(r['disk_read_bytes_per_s']):>9} "
+                        f"{r['entries']:8d} {_fmt_size(r['used_bytes']):>9}\n"
+                    )
+                sys.stdout.flush()
+                n += 1
+        except KeyboardInterrupt:  # the way to stop it: not an error
+            pass
 
 
 @cache.command()
@@ -512,6 +623,7 @@ def delete(
         raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
     tier = _disk_tier_of(name)
     segment.unlink(name)
+    _say(f"deleted pool {name}")
     if tier is None:
         return
     if force:
@@ -579,7 +691,8 @@ def put(
 def get(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
-    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout ('-': stdout)."),
+    peek: bool = typer.Option(False, "--peek", help="Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
@@ -589,6 +702,8 @@ def get(
     from .pool import Pool
 
     fd = -1
+    if output == "-":
+        output = None
     if output is not None:
         # Create the output first, so a bad path changes nothing in the pool.
         try:
@@ -607,7 +722,7 @@ def get(
             raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
     try:
         with Pool.open(name, lock_timeout=10) as p:
-            value = p.get(key)
+            value = p.peek(key) if peek else p.get(key)
         if value is None:
             raise KeyNotFound(f"no key {key!r} in pool {name!r}")
     except BaseException:
@@ -680,7 +795,7 @@ def evict(
     percent: Optional[float] = typer.Option(None, "--percent", metavar="PERCENT", help="Evict this percentage of the stored bytes, by policy."),
     nbytes: Optional[str] = typer.Option(None, "--bytes", metavar="SIZE", help="Evict at least this many value bytes, by policy (e.g. 1G)."),
     expired: bool = typer.Option(False, "--expired", help="Evict expired entries only."),
-    key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
+    key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key; repeat the option for more keys (--key a --key b)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
     tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
@@ -688,6 +803,8 @@ def evict(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Evict entries now and report what was freed.  Give exactly one selector.
+
+    Several keys: repeat the option, --key a --key b.
 
     Example: cortex cache evict llama --percent 25
     """
@@ -886,6 +1003,35 @@ def snapshots(
     _print_table(t)
 
 
+@cache.command()
+def doctor(
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Check this host's set-up; exit 1 if something is wrong, each finding with what to do.
+
+    Looks at /dev/shm (size against the pools, huge pages), the snapshot and
+    disk-tier directories (owner, mode, free space), the remote tiers
+    (redis-py installed, server answering), restore staging segments left
+    behind, and which `cortex` a cron job would run.  Changes nothing.
+
+    Example: cortex cache doctor
+    """
+    from . import doctor as doc
+
+    running = sys.argv[0] if os.path.basename(sys.argv[0]) == "cortex" else None
+    findings = doc.diagnose(running=os.path.abspath(running) if running else None)
+    bad = [f for f in findings if not f["ok"]]
+    if as_json:
+        _print_json({"ok": not bad, "findings": findings})
+    else:
+        for f in findings:
+            line = f"{'ok  ' if f['ok'] else 'FAIL'} {f['message']}"
+            sys.stdout.write(line + (f"\n     fix: {f['fix']}" if f["fix"] else "") + "\n")
+    if bad:
+        raise typer.Exit(EX_PROBLEM)
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -919,6 +1065,22 @@ def _is_usage_error(e: BaseException) -> bool:
 COMPLETE_VAR = "_CORTEX_COMPLETE"
 
 
+def _watch_default(args: list[str]) -> list[str]:
+    """`--watch` takes an optional SECONDS (like `redis-cli --stat`): supply 1 where none follows."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a == "--":  # what follows is data (a KEY), not options
+            return out + args[i + 1 :]
+        if a == "--watch":
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            try:
+                float(nxt)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                out.append("1")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return (and exit with) its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -936,6 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         debug = True
         args.remove("--debug")
     as_json = "--json" in options  # errors, too, are JSON then (on stderr)
+    args = _watch_default(args)
     code = 0
     try:
         rc = typer.main.get_command(app).main(

@@ -459,6 +459,28 @@ def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, A
     return out
 
 
+def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """Count and total bytes of pool `name`'s snapshots, and the latest one's time and bytes (None: none).
+
+    From the directory listing alone (no file is read): cheap enough for every `status`.
+    """
+    directory = directory or snapshot_dir()
+    files = snapshots_of(name, directory)
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    try:
+        st = latest_path(name, directory).stat()
+        last_time, last_bytes = st.st_mtime, st.st_size
+    except OSError:
+        last_time = last_bytes = None
+    return {"directory": str(directory), "count": len(files), "bytes": total, "latest_time": last_time,
+            "latest_bytes": last_bytes}
+
+
 def _prune(name: str, directory: Path, keep: int) -> None:
     for old in snapshots_of(name, directory)[:-keep]:
         try:
@@ -854,4 +876,4 @@ def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress,
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
-           "list_snapshots", "namespaced"]
+           "list_snapshots", "snapshot_usage", "namespaced"]

@@ -1310,6 +1310,31 @@ class Pool:
         finally:
             self._locked(self._unpin, j, i)
 
+    def peek(self, key: str | bytes, default: Any = None) -> bytes | Any:
+        """The value under `key` in memory, read without disturbing the pool.
+
+        Unlike `get`, counts no hit or miss, leaves the entry's place in the
+        eviction order (access time and count) as it was, expires nothing and
+        does not look in, or promote from, the tiers below memory.
+        """
+        kb, _ = key_bytes(key)
+        kh = xxh3_64_intdigest(kb)
+
+        def find() -> Any:
+            i = self._find(kb, kh)
+            if i < 0 or self._expired(i):
+                return None
+            return self._pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i]
+
+        r = self._locked(find)
+        if r is None:
+            return default
+        j, i, off, vlen = r
+        try:
+            return self._mv[off : off + vlen].tobytes()
+        finally:
+            self._locked(self._unpin, j, i)
+
     def get_into(self, key: str | bytes, out: Any) -> int | None:
         """Copy the value of `key` into the writable buffer `out`; return its length, or None if absent.
 

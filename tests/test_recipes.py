@@ -39,6 +39,20 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", PAGE, re.S)
 
 
+def _code(block: str) -> str:
+    """A block's lines without its comments (the `# not run here: ...` marker)."""
+    return "\n".join(ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#"))
+
+
+def test_readme_shows_the_tested_recipes():
+    """The README's boot and cron lines are the ones tested here, character for character."""
+    readme = (REPO / "README.md").read_text()
+    for lang in ("sh", "cron"):
+        tested = {_code(b) for b in _blocks(lang)}
+        shown = [_code(b) for b in re.findall(rf"```{lang}\n(.*?)```", readme, re.S) if "/opt/cortex-cache" in b]
+        assert shown and all(b in tested for b in shown), (lang, shown)
+
+
 def _units() -> dict[str, str]:
     """The unit files on the page, by file name (each block starts with `# /etc/systemd/system/NAME`)."""
     out = {}
@@ -129,7 +143,7 @@ def test_cron_recipe(clean_env):
 
 
 def test_boot_line_first_boot_reboot_restart(clean_env):
-    (line,) = [b.strip() for b in _blocks("sh") if "--if-missing" in b]
+    (line,) = [_code(b) for b in _blocks("sh") if "--if-missing" in b]
     line = line.replace("--size 64M", "--size 1M")  # what /dev/shm of a CI box affords
     assert _sh(line, clean_env).returncode == 0  # first boot: created
     with Pool.open(POOL) as p:
