@@ -965,6 +965,7 @@ def run_console(blocks: list[list[str]], workdir: Path, prefix: str) -> list[lis
 
 def normalize(text: str) -> str:
     """Output with what changes from run to run (times, durations, speeds, ids) replaced by placeholders."""
+    text = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", "<time>", text)  # --json's "time"
     text = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", "<time>", text)
     text = re.sub(r"\d{8}T\d{6}\.\d{6}Z", "<stamp>", text)
     text = re.sub(r"\d+(\.\d+)? GB/s", "<rate>", text)

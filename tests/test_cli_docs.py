@@ -648,6 +648,7 @@ def test_readme_normalize_keeps_what_matters():
     n = gen_docs.normalize
     assert n("persisted 1 entries in 0.01s (1.20 GB/s)") == n("persisted 1 entries in 3.50s (0.07 GB/s)")
     assert n("created  2026-01-01 10:00:00") == n("created 2027-02-02 11:11:11")
+    assert n('{"time":"2026-12-01T06:17:24.770Z","ok":true}') == n('{"time":"2027-01-01T00:00:00.000Z","ok":true}')
     assert n("llama-20261129T175048.267719Z.ccsnap") == n("llama-20270101T000000.000000Z.ccsnap")
     assert n("evicted 1 entries, 293.0KiB (300000 bytes)") != n("evicted 2 entries, 293.0KiB (300000 bytes)")
     assert n("entries 2 of 4096") != n("entries 2 of 4095")
