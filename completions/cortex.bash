@@ -24,8 +24,12 @@ _cortex_snapshots()
             dir=${XDG_STATE_HOME:-$HOME/.local/state}/cortex-cache/snapshots
         fi
     fi
-    for f in "$dir"/*.ccsnap; do
+    # Under another prefix than the default, snapshot names start with it.
+    local prefix=${CORTEX_CACHE_SHM_PREFIX-cortex-cache.} sp=
+    [[ $prefix == cortex-cache. ]] || sp=$prefix
+    for f in "$dir/$sp"*.ccsnap; do
         n=${f##*/}
+        n=${n#"$sp"}
         n=${n%.ccsnap}
         [[ -f $f && $n != *-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]T[0-9][0-9][0-9][0-9][0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]Z ]] &&
             printf '%s\n' "$n"

@@ -67,9 +67,14 @@ function __cortex_snapshots
             set dir $HOME/.local/state/cortex-cache/snapshots
         end
     end
-    for f in $dir/*.ccsnap
+    # Under another prefix than the default, snapshot names start with it.
+    set -l sp cortex-cache.
+    set -q CORTEX_CACHE_SHM_PREFIX; and set sp $CORTEX_CACHE_SHM_PREFIX
+    test "$sp" = cortex-cache.; and set sp ''
+    for f in $dir/$sp*.ccsnap
         test -f $f; or continue
         set -l n (string replace -r '.*/' '' -- $f | string replace -r '\.ccsnap$' '')
+        set n (string sub -s (math (string length -- "$sp") + 1) -- $n)
         string match -qr -- '-\d{8}T\d{6}\.\d{6}Z$' $n; or printf '%s\n' $n
     end
 end

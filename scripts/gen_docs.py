@@ -246,8 +246,12 @@ _cortex_snapshots()
             dir=${{XDG_STATE_HOME:-$HOME/.local/state}}/cortex-cache/snapshots
         fi
     fi
-    for f in "$dir"/*.ccsnap; do
+    # Under another prefix than the default, snapshot names start with it.
+    local prefix=${{CORTEX_CACHE_SHM_PREFIX-cortex-cache.}} sp=
+    [[ $prefix == cortex-cache. ]] || sp=$prefix
+    for f in "$dir/$sp"*.ccsnap; do
         n=${{f##*/}}
+        n=${{n#"$sp"}}
         n=${{n%.ccsnap}}
         [[ -f $f && $n != *-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]T[0-9][0-9][0-9][0-9][0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]Z ]] &&
             printf '%s\\n' "$n"
@@ -431,7 +435,11 @@ _cortex_snapshots() {{
   local -a pools
   pools=( /dev/shm/${{prefix}}*(N-.:t) )
   pools=( ${{pools#${{prefix}}}} )
-  snaps=( $dir/*.ccsnap(N-.:t:r) )
+  # Under another prefix than the default, snapshot names start with it.
+  local sp=$prefix
+  [[ $prefix == cortex-cache. ]] && sp=
+  snaps=( $dir/${{sp}}*.ccsnap(N-.:t:r) )
+  snaps=( ${{snaps#${{sp}}}} )
   snaps=( ${{${{snaps:#*-<->T<->.<->Z}}:|pools}} )
   _alternative 'pools:pool:_cortex_pools' "snapshots:pool with a snapshot:compadd -a - snaps"
 }}
@@ -571,9 +579,14 @@ def fish(m: Model) -> str:
         "            set dir $HOME/.local/state/cortex-cache/snapshots",
         "        end",
         "    end",
-        "    for f in $dir/*.ccsnap",
+        "    # Under another prefix than the default, snapshot names start with it.",
+        "    set -l sp cortex-cache.",
+        "    set -q CORTEX_CACHE_SHM_PREFIX; and set sp $CORTEX_CACHE_SHM_PREFIX",
+        "    test \"$sp\" = cortex-cache.; and set sp ''",
+        "    for f in $dir/$sp*.ccsnap",
         "        test -f $f; or continue",
         "        set -l n (string replace -r '.*/' '' -- $f | string replace -r '\\.ccsnap$' '')",
+        "        set n (string sub -s (math (string length -- \"$sp\") + 1) -- $n)",
         "        string match -qr -- '-\\d{8}T\\d{6}\\.\\d{6}Z$' $n; or printf '%s\\n' $n",
         "    end",
         "end",

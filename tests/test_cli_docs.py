@@ -358,7 +358,9 @@ def _pools_and_snapshots(new_pool, tmp_path) -> tuple[str, str, dict]:
     snaps = tmp_path / "snaps"
     snaps.mkdir()
     gone = a.rsplit("-", 1)[0] + "-gone"
-    for f in (f"{b}.ccsnap", f"{gone}.ccsnap", f"{gone}-20260101T010203.123456Z.ccsnap"):
+    sp = os.environ["CORTEX_CACHE_SHM_PREFIX"]  # not the default: file names start with it
+    for f in (f"{sp}{b}.ccsnap", f"{sp}{gone}.ccsnap", f"{sp}{gone}-20260101T010203.123456Z.ccsnap",
+              f"other.{gone}x.ccsnap"):  # another deployment's snapshot: not offered
         (snaps / f).write_bytes(b"x")
     return a, b, {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps), "gone": gone}
 
