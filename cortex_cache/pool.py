@@ -38,6 +38,7 @@ from .errors import (
     KeyNotFound,
     PoolBusy,
     PoolClosed,
+    PoolExists,
     PoolFull,
     PoolNotFound,
     SegmentCorrupt,
@@ -435,11 +436,16 @@ class Pool:
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
             seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
-        except BaseException:
+        except BaseException as e:
             if log is not None:
                 log.close()
                 if made_tier:
                     DiskLog.destroy(dpath)
+            if exist_ok and isinstance(e, PoolExists):  # another process created it meanwhile
+                return cls._open_as_asked(
+                    name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
+                    disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
+                )
             raise
         init_lock = RecordLock(seg.fd)
         pool = None
