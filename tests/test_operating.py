@@ -53,7 +53,7 @@ def test_restore_after_reboot_brings_back_the_whole_pool(pool_name, cleanup, tmp
     cleanup.append(pool_name)
     disk = tmp_path / "tier"
     r = cli("cache", "create", pool_name, "--size", "256K", "--block-size", "4K", "--policy", "lfu",
-            "--mode", "0640", "--multi-threaded", "--disk-path", str(disk), "--disk-size", "4M",
+            "--multi-threaded", "--disk-path", str(disk), "--disk-size", "4M",
             "--disk-write", "through", "--keep", "2", "--max-entries", "100")
     assert r.returncode == 0, r.stderr
     with Pool.open(pool_name) as p:
@@ -74,7 +74,7 @@ def test_restore_after_reboot_brings_back_the_whole_pool(pool_name, cleanup, tmp
         assert all(p.get(f"k{i}") == bytes([i]) * 9000 for i in range(100))
     # Creating it again the way it was made is not an error any more, with --if-missing.
     r = cli("cache", "create", pool_name, "--size", "256K", "--block-size", "4K", "--policy", "lfu",
-            "--mode", "0640", "--multi-threaded", "--disk-path", str(disk), "--disk-write", "through",
+            "--multi-threaded", "--disk-path", str(disk), "--disk-write", "through",
             "--max-entries", "100", "--if-missing")
     assert r.returncode == 0, r.stderr
     assert b"nothing to do" in r.stdout
@@ -103,7 +103,7 @@ def test_remote_tier_comes_back_with_restore_and_is_shown_redacted(pool_name, cl
     _reboot(pool_name)
     r = cli("cache", "restore", pool_name)
     assert r.returncode == 0, r.stderr
-    assert b"remote tier: attached redis://:***@127.0.0.1:1/3" in r.stdout and b"s3cret" not in r.stdout
+    assert b"remote tier: attached redis://***@127.0.0.1:1/3" in r.stdout and b"s3cret" not in r.stdout
     with Pool.open(pool_name) as p:
         assert p.configuration()["remote"] == {"url": url, "cluster": False}
     listing = cli("cache", "snapshots", pool_name, "--json")
