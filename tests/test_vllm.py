@@ -318,12 +318,19 @@ def test_tier_store_killed_mid_copy_leaves_nothing_visible(make_pool):
     pool = make_pool("16M")
     proc = subprocess.Popen([VLLM_PY, TIER, "hang", pool.name, "10", "4"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    region = None
     try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("region /dev/shm/vllm_offload_cctest-"), line
+        region = line.split(" ", 1)[1]
         assert proc.stdout.readline().strip() == "copied"  # every byte is in the pool, uncommitted
         proc.send_signal(signal.SIGKILL)
     finally:
+        proc.kill()
         proc.wait(timeout=60)
         proc.stdout.close()
+        if region:
+            os.unlink(region)  # vLLM's primary region of the killed process
     assert proc.returncode == -signal.SIGKILL
     assert pool.keys(prefix="vllm-tier/") == [] and len(pool) == 0
     got = tier_run("promote", pool.name, 10, 4)

@@ -42,6 +42,7 @@ def build(pool: str):
     tier = SecondaryTierFactory.create_secondary_tier(
         {"type": "CortexTier", "module_path": "cortex_cache.integrations.vllm", "pool": pool, "model": "tiny"},
         primary.get_kv_memoryview(), spec)
+    print(f"region {region.mmap_path}", flush=True)  # a killed process leaves it behind: the test removes it
     return TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier]), tier
 
 
