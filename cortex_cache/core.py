@@ -709,6 +709,14 @@ class Core:
         self.touch(i)
         return Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i])
 
+    def pin_quietly(self, kb: bytes, kh: int) -> Pinned | None:
+        """Pin the live entry of `kb` counting nothing and leaving its place in the eviction order
+        (Pool.peek); None if there is none.  Lock held."""
+        i = self.find_live(kb, kh)
+        if i < 0:
+            return None
+        return Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i])
+
     def delete(self, kb: bytes, kh: int, counted: bool) -> bool:
         """Remove `kb`'s entry if it is in memory; count a delete if it was or `counted` (lock held)."""
         i = self.find(kb, kh)

@@ -186,7 +186,9 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("n_kcells", "<u8", 640),  # cells of KEY_CELL bytes in the key arena
     ("used_kcells", "<u8", 648),
     ("key_hint", "<u8", 656),  # next-fit cursor into the key map
-    # 664..1023 reserved (zero).
+    # Operating (persist.py): snapshots of the pool persist keeps; 0 = DEFAULT_KEEP.
+    ("snapshot_keep", "<u4", 664),
+    # 668..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -503,6 +505,7 @@ H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
               "disk_errors", "disk_evictions")
 )
 H_REMOTE_FLAGS = _word(HEADER_FIELDS, "remote_flags", 4)
+H_SNAPSHOT_KEEP = _word(HEADER_FIELDS, "snapshot_keep", 4)
 (H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_ERRORS, H_REMOTE_CORRUPT, H_REMOTE_SENT,
  H_REMOTE_WRITTEN, H_REMOTE_DROPPED, H_REMOTE_BYTES_WRITTEN, H_REMOTE_BYTES_READ) = (
     _word(HEADER_FIELDS, n, 8)

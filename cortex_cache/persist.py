@@ -17,16 +17,22 @@ from .restore import STAGING_PREFIX, check_snapshot_dir  # noqa: F401 (re-export
 from .restore import restore as _restore_with
 from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     COUNTERS,
+    DEFAULT_KEEP,
     FILE_HEAD,
     HEAD_CHECK,
     REC_CHECK,
     REC_HEAD,
     TRAILER,
+    READS,
+    VERSION,
     PersistResult,
     Snapshot,
     WriteBehind,
     latest_path,
+    list_snapshots,
+    namespaced,
     snapshot_dir,
+    snapshot_usage,
     snapshots_of,
     write,
 )
@@ -38,8 +44,11 @@ def persist(
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> PersistResult:
-    """Write a snapshot of `pool`'s live entries (snapshot.write has the details)."""
-    return write(pool.core, path, keep, progress)
+    """Write a snapshot of `pool`'s live entries and its whole configuration (snapshot.write has the details).
+
+    Retention: as many snapshots as the pool keeps (`Pool.snapshot_keep`,
+    default 3); a `keep` given here is stored with the pool first."""
+    return write(pool.core, pool.configuration, path, keep, progress)
 
 
 def restore(
@@ -49,10 +58,15 @@ def restore(
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
     mode: int | None = None,
-) -> tuple[Pool, dict[str, Any]]:
-    """Rebuild a pool from a snapshot; return (pool, report) (snapshot.restore has the details)."""
-    return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode)
+    if_missing: bool = False,
+) -> tuple[Pool | None, dict[str, Any]]:
+    """Rebuild a pool from a snapshot; return (pool, report) (restore.restore has the details).
+
+    `if_missing`: a pool that exists is left alone: (None, a report with "skipped": True)."""
+    return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode,
+                         if_missing=if_missing)
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
-           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS"]
+           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS", "list_snapshots", "snapshot_usage", "namespaced",
+           "DEFAULT_KEEP"]

@@ -26,12 +26,14 @@ from .errors import (
     PoolExists,
     PoolFull,
     PoolNotFound,
+    ServiceUnavailable,
     UsageError,
     ValueTooLarge,
 )
 from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
+from .remote import redact, redis_missing
 from .snapshot import Record, Snapshot, latest_path, pool_config
 
 if TYPE_CHECKING:
@@ -46,7 +48,8 @@ def restore(
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
     mode: int | None = None,
-) -> tuple["Pool", dict[str, Any]]:
+    if_missing: bool = False,
+) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
     The pool is built under a temporary name and appears under its real name
@@ -54,62 +57,124 @@ def restore(
     checked out: other processes see no pool (or the old one) until then,
     and a restore killed at any point leaves no trace but a staging segment
     the next restore sweeps.  A missing pool is created with the snapshot's
-    size and policy; an existing one is refused (PoolExists) unless
-    `replace`, which builds the new pool with the existing one's size,
-    policy and tiers and swaps it in by an atomic rename (its disk tier is
-    emptied afterwards).  Processes attached to a replaced pool keep the old
-    one, as after a delete, until they open it again.
+    whole configuration: its disk tier is attached again (the records still
+    on disk that check out are found again; a tier that is gone is made
+    anew), and so are its remote tier and its retention.  An existing one is
+    refused (PoolExists) unless `replace`, which builds the new pool with the
+    existing one's size, policy and tiers and swaps it in by an atomic
+    rename (its disk tier is emptied afterwards; a remote tier is left as it
+    is: other hosts share it).  Processes attached to a replaced pool keep
+    the old one, as after a delete, until they open it again.  The report's
+    "tiers" says what happened to each tier.
 
-    `mode`: the new segment's permission bits (default 0600; with `replace`,
-    the replaced pool's); PermissionDenied (77) if it would let more users
-    read the data than the snapshot file does.  Raises NoSpace (73), and
-    changes nothing, when the entries do not all fit.  Expired entries are
-    skipped.  `path` None means the stable latest snapshot of `name` in the
-    snapshot directory, which must be ours (safefs).
+    `if_missing`: a pool that exists is left alone, and (None, a report with
+    "skipped": True) returned.  `mode`: the new segment's permission bits
+    (default 0600; with `replace`, the replaced pool's); PermissionDenied
+    (77) if it would let more users read the data than the snapshot file
+    does.  Raises NoSpace (73), and changes nothing, when the entries do not
+    all fit.  Expired entries are skipped.  `path` None means the stable
+    latest snapshot of `name` in the snapshot directory, which must be ours
+    (safefs).
     """
     Pool = pools
+    if replace and if_missing:
+        raise UsageError("--if-missing and --replace contradict each other: give one")
     private = path is None
     if path is None:
         if name is None:
             raise UsageError("restore needs a snapshot path or a pool name")
         path = latest_path(segment.validate_name(name))
-        check_snapshot_dir(path.parent, mode if mode is not None else 0o600)
+    if name is not None:
+        segment.validate_name(name)
+        if if_missing and segment.exists(name):
+            return None, _skipped(name, path)
+    if private:
+        check_snapshot_dir(Path(path).parent, mode if mode is not None else 0o600)
     if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
         raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
     t0 = time.perf_counter()
-    if name is not None:
-        segment.validate_name(name)
     with Snapshot(path, verify=False, private=private) as snap:
         h = snap.header
         target = name or segment.validate_name(h.name)
         if segment.exists(target):
+            if if_missing:
+                return None, _skipped(target, path)
             if not replace:
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
             pool, report = _replace(Pool, target, snap, mode, progress, clock)
+            report["tiers"] = _tiers_kept(pool)
         else:
-            new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
-            _sweep_stale_staging()
-            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
-            pool = Pool.create(
-                staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
-                mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period,
-                clock=clock,
-                prefault=False,
-            )
-            try:
-                report = _fill_pool(pool, snap, snap.header.counters, progress, xxhash.xxh3_64())
-                pool.core.header["name"] = target.encode()
-                segment.publish(staging, target)
-            except BaseException:
-                _discard(Pool, pool, staging)
-                raise
-            pool.close()
-            Pool.unlink(staging)
-            pool = Pool.open(target, clock=clock)
+            pool, report = _restore_new(Pool, snap, target, mode, progress, clock)
     report["seconds"] = round(time.perf_counter() - t0, 6)
     report["path"] = str(Path(path))
     report["pool"] = target
+    report["skipped"] = False
     return pool, report
+
+
+def _skipped(name: str, path) -> dict[str, Any]:
+    return {"pool": name, "path": str(Path(path)), "skipped": True, "entries": 0, "bytes": 0,
+            "expired_skipped": 0, "seconds": 0.0, "tiers": {}}
+
+
+def _tiers_kept(pool: "Pool") -> dict[str, str]:
+    """What restore --replace did to an existing pool's tiers (it keeps the pool's configuration)."""
+    out = {}
+    if pool.disk_path is not None:
+        out["disk"] = f"emptied: {pool.disk_path} now holds only what memory spills from the snapshot"
+    st = pool.stats()
+    if st["remote"] is not None:
+        out["remote"] = f"left as it is: {st['remote']['url']} is shared with other hosts (evict --tier remote empties it)"
+    return out
+
+
+def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
+                 clock) -> tuple["Pool", dict[str, Any]]:
+    """Create pool `target` from the snapshot's whole configuration, under a staging name first."""
+    h = snap.header
+    cfg = h.config or {"reserve": True, "keep": None, "disk": None, "remote": None}
+    disk, remote = cfg["disk"], cfg["remote"]
+    tier_kw: dict[str, Any] = {}
+    tiers: dict[str, str] = {}
+    if disk is not None:
+        # An existing tier keeps its own capacity (its records are found again); a missing one is made anew.
+        there = DiskLog.exists(disk["path"])
+        tier_kw = {"disk_path": disk["path"], "disk_size": None if there else disk["size"], "disk_write": disk["write"],
+                   "disk_o_direct": disk["o_direct"], "disk_max_entries": disk["max_entries"]}
+    if remote is not None:
+        why = redis_missing()
+        if why:
+            raise ServiceUnavailable(f"the snapshot's pool has a remote tier ({redact(remote['url'])}): {why}")
+    new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
+    _sweep_stale_staging()
+    staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+    pool = Pool.create(
+        staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+        mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
+        prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], **tier_kw,
+    )
+    try:
+        if disk is not None:
+            d = pool.stats()["disk"]
+            tiers["disk"] = (f"attached {disk['path']}: {d['entries']} entries found on it" if tier_kw["disk_size"] is None
+                             else f"made anew in {disk['path']} (it was gone)")
+        report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
+        pool.core.header["name"] = target.encode()
+        if remote is not None:
+            # Set under the real name only: the staging handle must never talk to the server.
+            pool.record_remote(remote["url"], remote["cluster"])
+            tiers["remote"] = f"attached {redact(remote['url'])}" + (" (cluster)" if remote["cluster"] else "")
+        disk_tier = pool.tiers.disk
+        if disk_tier is not None and disk_tier.log is not None:
+            disk_tier.log.set_owner(segment.shm_path(target))
+        segment.publish(staging, target)
+    except BaseException:
+        _discard(Pool, pool, staging)
+        raise
+    pool.close()
+    Pool.unlink(staging)
+    report["tiers"] = tiers
+    return Pool.open(target, clock=clock), report
 
 
 def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
@@ -210,10 +275,10 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
 
 
 def _tier_header(core: Core) -> dict[str, Any]:
-    """The header fields that name a pool's disk and remote tiers (copied onto its replacement)."""
+    """The header fields that name a pool's disk and remote tiers, and its retention (copied onto its replacement)."""
     h = core.header[0]
     return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
-            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url")}
+            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url", "snapshot_keep")}
 
 
 STAGING_PREFIX = "restoring-"

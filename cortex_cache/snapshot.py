@@ -4,11 +4,11 @@
 restore.py builds pools from what this module reads; this module works on a
 pool's core (core.py) only, so it sits below `pool.py`.
 
-Snapshot format, version 1.  All integers little-endian::
+Snapshot format, version 2 (version 1 is still read).  All integers little-endian::
 
     file header  FILE_HEAD (320 bytes)
       0   8s  magic b"CRTXSNAP"
-      8   u32 version (1)
+      8   u32 version (2; 1 has no configuration block)
       12  u32 header size (320)
       16  f64 created (wall clock of the persist)
       24  u64 pool data size      32  u64 block size     40  u64 max entries
@@ -16,8 +16,12 @@ Snapshot format, version 1.  All integers little-endian::
       64  u64 lfu period
       72  64s pool name (NUL padded)
       136 u64 x 8 counters: seq, hits, misses, puts, deletes, evictions, expirations, bytes evicted
-      200 112 bytes reserved (zero)
+      200 u32 configuration block length (version 2; 0 in version 1)
+      204 108 bytes reserved (zero)
       312 u64 xxh3_64 of bytes 0..311
+    configuration block (version 2): that many bytes of UTF-8 JSON, the rest of
+      the pool's configuration (config.encode: reserve, keep, disk tier, remote
+      tier), covered by the file checksum
     records, one per live entry: REC_HEAD (104 bytes), key, value
       0   4s  magic b"CREC"       4  u32 key length      8  u32 flags (bit 0: str key)
       12  u32 reserved            16 u64 value length
@@ -58,7 +62,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import xxhash
 
-from . import safefs
+from . import config, safefs, segment
 from .core import Core
 from .errors import (
     CannotCreate,
@@ -75,14 +79,15 @@ from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 
 MAGIC = b"CRTXSNAP"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions this code restores
 REC_MAGIC = b"CREC"
 END_MAGIC = b"CRTXEND\0"
 SUFFIX = ".ccsnap"
 SNAPSHOT_DIR_ENV = "CORTEX_CACHE_SNAPSHOT_DIR"
 DEFAULT_KEEP = 3
 
-FILE_HEAD = struct.Struct("<8sIId QQQ IIII Q 64s 8Q 112x")
+FILE_HEAD = struct.Struct("<8sIId QQQ IIII Q 64s 8Q I 108x")
 HEAD_CHECK = struct.Struct("<Q")
 REC_HEAD = struct.Struct("<4sIII Q ddd QQQ q Q Q")
 REC_CHECK = struct.Struct("<Q")
@@ -109,14 +114,26 @@ def snapshot_dir() -> Path:
     return Path(state) / "cortex-cache" / "snapshots"
 
 
+def namespaced(name: str) -> str:
+    """The stem of what pool `name` owns on disk (snapshots, default disk tier).
+
+    Namespaced like the segment: under another CORTEX_CACHE_SHM_PREFIX than
+    the default, the prefix comes first, so two deployments with a pool of
+    the same name never share (or rotate away) each other's files.  Under the
+    default prefix the stem is the bare name, as it always was.
+    """
+    p = segment.prefix()
+    return name if p == segment.DEFAULT_PREFIX else p + name
+
+
 def latest_path(name: str, directory: Path | None = None) -> Path:
     """The stable name of pool `name`'s newest snapshot in the snapshot directory."""
-    return (directory or snapshot_dir()) / f"{name}{SUFFIX}"
+    return (directory or snapshot_dir()) / f"{namespaced(name)}{SUFFIX}"
 
 
 def _timestamped(name: str, directory: Path, now: float) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
-    return directory / f"{name}-{stamp}{SUFFIX}"
+    return directory / f"{namespaced(name)}-{stamp}{SUFFIX}"
 
 
 def _os_error(e: OSError, what: str) -> CortexCacheError:
@@ -152,15 +169,21 @@ _running_guard = threading.Lock()
 
 def write(
     core: Core,
+    configuration: Callable[[], dict[str, Any]],
     path: str | os.PathLike | None = None,
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> PersistResult:
     """Write a snapshot of the live entries of the pool of `core`.
 
-    With `path`, write exactly that file.  Without, write a timestamped file in
-    the snapshot directory, point `<name>.ccsnap` at it and keep the newest
-    `keep` (default 3) timestamped snapshots of the pool.  Raises PersistBusy
+    `configuration()` (run with the lock held) gives the pool's whole
+    configuration as `Pool.configuration` does; its rest beyond the file
+    header goes into the configuration block.  With `path`, write exactly
+    that file.  Without, write a timestamped file in the snapshot directory,
+    point `<name>.ccsnap` at it and keep the newest timestamped snapshots of
+    the pool: as many as the pool keeps (its header's `snapshot_keep`,
+    default 3).  A `keep` given here is stored with the pool first, so every
+    later persist keeps as many.  Raises PersistBusy
     (exit 75) if another persist of this pool is running, PermissionDenied,
     StorageIOError (disk full, I/O error); on any error the previous snapshot
     is untouched and no temp file is left.
@@ -179,7 +202,9 @@ def write(
         if not lock.try_acquire():  # another process persists (or restores) this pool
             raise busy
         try:
-            return _persist_locked(core, path, keep, progress)
+            if keep is not None:
+                core.fields.snapshot_keep[0] = keep
+            return _persist_locked(core, configuration, path, progress)
         finally:
             lock.release()
     finally:
@@ -187,7 +212,7 @@ def write(
             _running.discard(core.name)
 
 
-def _persist_locked(core: Core, path, keep, progress) -> PersistResult:
+def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
     t0 = time.perf_counter()
     now = time.time()
     if path is None:
@@ -202,7 +227,7 @@ def _persist_locked(core: Core, path, keep, progress) -> PersistResult:
         safefs.make_dir(directory, core.seg.stat().st_mode & 0o777, "snapshot directory")
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
-    _clean_stale_temps(directory, core.name, target.name)
+    _clean_stale_temps(directory, namespaced(core.name), target.name)
     tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -211,7 +236,7 @@ def _persist_locked(core: Core, path, keep, progress) -> PersistResult:
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             f = WriteBehind(raw)
-            entries, nbytes, skipped = _write_snapshot(core, f, now, progress)
+            entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)
             f.finish()
             os.fsync(raw.fileno())
         os.rename(tmp, target)
@@ -227,7 +252,7 @@ def _persist_locked(core: Core, path, keep, progress) -> PersistResult:
             raise _os_error(e, f"writing {str(target)!r}") from None
         raise
     if path is None:
-        _prune(core.name, directory, DEFAULT_KEEP if keep is None else keep)
+        _prune(core.name, directory, int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP)
 
     def note() -> None:
         core.header["last_snapshot"] = now
@@ -354,7 +379,7 @@ def _record_head(e: SnapshotEntry) -> bytes:
     )
 
 
-def _write_snapshot(core: Core, f, now: float, progress) -> tuple[int, int, int]:
+def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
     """Write header, records and trailer to `f`; return (entries, value bytes, skipped)."""
     file_hash = xxhash.xxh3_64()
 
@@ -363,12 +388,14 @@ def _write_snapshot(core: Core, f, now: float, progress) -> tuple[int, int, int]
         file_hash.update(data)
 
     cfg = core.locked(pool_config, core)
+    block = config.encode(core.locked(configuration))
     head = FILE_HEAD.pack(
         MAGIC, VERSION, FILE_HEAD.size + HEAD_CHECK.size, now,
         cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
-        cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS],
+        cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS], len(block),
     )
     out(head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)))
+    out(block)
     # Live entries at the start, oldest insert first; entries put later are
     # not part of this snapshot, entries deleted meanwhile are skipped.
     def live() -> tuple[Any, Any]:
@@ -411,7 +438,9 @@ def _write_snapshot(core: Core, f, now: float, progress) -> tuple[int, int, int]
 
 
 def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> None:
-    """Remove temp files that a killed persist of this pool left (we hold its persist lock)."""
+    """Remove temp files that a killed persist of this pool left (we hold its persist lock).
+
+    `pool_name` is the namespaced stem of the pool's files."""
     tmp = r"\.tmp-[0-9a-f]{12}$"
     patterns = [
         re.compile(r"^\." + re.escape(target_name) + tmp),  # an explicit --output
@@ -453,11 +482,67 @@ def _fsync_dir(directory: Path) -> None:
 def snapshots_of(name: str, directory: Path | None = None) -> list[Path]:
     """Timestamped snapshots of pool `name` in the directory, oldest first."""
     directory = directory or snapshot_dir()
-    pattern = re.compile(r"^" + re.escape(name) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
+    pattern = re.compile(r"^" + re.escape(namespaced(name)) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
     try:
         return sorted(p for p in directory.iterdir() if pattern.match(p.name))
     except FileNotFoundError:
         return []
+
+
+def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, Any]]:
+    """Every snapshot of pool `name` in the snapshot directory, oldest first.
+
+    Each: path, time (of the persist), bytes (file size), entries, value_bytes,
+    latest (what `NAME.ccsnap` names), and configuration (the remote URL
+    redacted); a file that cannot be read has "error" instead of the figures.
+    Only headers and trailers are read: this is cheap and never touches a pool.
+    """
+    directory = directory or snapshot_dir()
+    latest = latest_path(name, directory)
+    try:
+        latest_ino = latest.stat().st_ino
+    except OSError:
+        latest_ino = None
+    out = []
+    for path in snapshots_of(name, directory):
+        row: dict[str, Any] = {"path": str(path)}
+        try:
+            st = path.stat()
+            row["bytes"] = st.st_size
+            row["latest"] = st.st_ino == latest_ino
+            with Snapshot(path, verify=False) as snap:
+                h = snap.header
+                row.update(time=h.created, entries=snap.entries, value_bytes=snap.value_bytes, version=h.version,
+                           size_bytes=h.size, policy=h.policy,
+                           configuration=config.redacted(h.config) if h.config else None)
+        except SnapshotNotFound:
+            continue  # rotated away meanwhile
+        except (CortexCacheError, OSError) as e:
+            row["error"] = str(e)
+        out.append(row)
+    return out
+
+
+def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """Count and total bytes of pool `name`'s snapshots, and the latest one's time and bytes (None: none).
+
+    From the directory listing alone (no file is read): cheap enough for every `status`.
+    """
+    directory = directory or snapshot_dir()
+    files = snapshots_of(name, directory)
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    try:
+        st = latest_path(name, directory).stat()
+        last_time, last_bytes = st.st_mtime, st.st_size
+    except OSError:
+        last_time = last_bytes = None
+    return {"directory": str(directory), "count": len(files), "bytes": total, "latest_time": last_time,
+            "latest_bytes": last_bytes}
 
 
 def _prune(name: str, directory: Path, keep: int) -> None:
@@ -483,6 +568,10 @@ class SnapshotHeader:
     lfu_period: int
     name: str
     counters: dict[str, int]
+    version: int = VERSION
+    # The rest of the configuration (config.decode); a version 1 file has
+    # none: no tiers, default retention.
+    config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -584,10 +673,11 @@ class Snapshot:
             raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot")
         fields = FILE_HEAD.unpack_from(mv, 0)
         (_, version, hsize, created, size, bsize, max_entries, policy, flags, mode, _r, lfu_period, name,
-         *counters) = fields
-        if version != VERSION:
+         *counters, config_len) = fields
+        if version not in READS:
             raise SnapshotCorrupt(
-                f"snapshot {str(self.path)!r} has format version {version}; this cortex_cache reads version {VERSION}"
+                f"snapshot {str(self.path)!r} has format version {version}; this cortex_cache reads versions "
+                + ", ".join(map(str, READS))
             )
         (check,) = HEAD_CHECK.unpack_from(mv, FILE_HEAD.size)
         if hsize != FILE_HEAD.size + HEAD_CHECK.size or check != xxhash.xxh3_64_intdigest(mv[: FILE_HEAD.size]):
@@ -599,8 +689,17 @@ class Snapshot:
             pool_name = name.rstrip(b"\0").decode()
         except (CortexCacheError, UnicodeDecodeError):
             raise self._corrupt("impossible pool configuration") from None
+        self.records_off = FILE_HEAD.size + HEAD_CHECK.size
+        cfg = None
+        if version >= 2:
+            if config_len > min(config.MAX_CONFIG_BYTES, self.size - self.records_off - TRAILER.size):
+                raise self._corrupt("impossible configuration length")
+            cfg = config.decode(bytes(mv[self.records_off : self.records_off + config_len]), str(self.path))
+            self.records_off += config_len
+        elif config_len:
+            raise self._corrupt("header checksum mismatch")
         return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
-                              lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)))
+                              lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)), version, cfg)
 
     def verify(self) -> None:
         end = self.size - TRAILER.size
@@ -626,7 +725,7 @@ class Snapshot:
         (with `values=False`, all but the values' own checksums).  A `hasher`
         (xxh3_64) is fed every byte before the trailer, for `check_trailer`."""
         mv = self._mv
-        pos = FILE_HEAD.size + HEAD_CHECK.size
+        pos = self.records_off
         end = self.size - TRAILER.size
         self._seen_bytes = 0
         if hasher is not None:
@@ -657,4 +756,4 @@ class Snapshot:
 
 
 __all__ = ["write", "Snapshot", "Record", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
-           "snapshots_of", "pool_config", "COUNTERS"]
+           "snapshots_of", "list_snapshots", "snapshot_usage", "namespaced", "pool_config", "COUNTERS"]
