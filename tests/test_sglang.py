@@ -174,7 +174,7 @@ def test_extra_config_errors_and_a_missing_pool_is_no_error(pool_name):
     # A pool that does not exist yet: SGLang starts, every lookup misses until it does.
     b = cortex_sglang.CortexHiCache(_config(pool=pool_name, backend_name="cortex", interface_v1=1))
     assert b.batch_exists(["a", "b"]) == 0 and b.get("a") is None and b.set("a", None) is False
-    assert b.stats["unavailable"] == 3
+    assert b.stats["unavailable"] == 4  # two pages looked up, one loaded, one stored
     b.close()
 
 
