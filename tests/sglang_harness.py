@@ -70,11 +70,11 @@ cortex_sglang._REATTACH_EVERY = 0.0  # tests look again at once instead of waiti
 
 
 def make_host(kind: str, layout: str = "page_first", pages: int = 16, layers: int = LAYERS, heads: int = 2,
-              head_dim: int = 16, dtype: torch.dtype = torch.bfloat16):
+              head_dim: int = 16, dtype: torch.dtype = torch.bfloat16, page_size: int = PAGE):
     """A real SGLang host KV pool of `pages` pages (plus SGLang's padding page), on the CPU."""
-    n = pages * PAGE
+    n = pages * page_size
     cpu = torch.device("cpu")
-    common = dict(host_to_device_ratio=1.0, host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
+    common = dict(host_to_device_ratio=1.0, host_size=0, page_size=page_size, layout=layout, pin_memory=False,
                   device="cpu", device_capacity_tokens=n, start_layer=0, end_layer=layers)
     if kind == "mha":
         k = tuple(torch.zeros(n, heads, head_dim, dtype=dtype) for _ in range(layers))
@@ -82,7 +82,7 @@ def make_host(kind: str, layout: str = "page_first", pages: int = 16, layers: in
         ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
         info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
                                                layout=KVBufferLayout.NHD),
-                             page_size=PAGE, head_num=heads, head_dim=head_dim, v_head_dim=head_dim, dtype=dtype,
+                             page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim, dtype=dtype,
                              device=cpu)
         host = MHATokenToKVPoolHost(info, **common)
         host._device_keepalive = (k, v)
@@ -90,7 +90,7 @@ def make_host(kind: str, layout: str = "page_first", pages: int = 16, layers: in
     lora, rope = 4 * head_dim, head_dim
     bufs = tuple(torch.zeros(n, 1, lora + rope, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64),
-                         layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=PAGE,
+                         layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page_size,
                          kv_lora_rank=lora, qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=dtype, device=cpu)
     host = MLATokenToKVPoolHost(info, target_layer_num=layers, **common)
     host._device_keepalive = bufs
