@@ -274,7 +274,9 @@ def scenario_faults(a: dict) -> dict:
     p = Pool.open(name)
     info = p.info(reader.key_prefix + keys[1])
     off = p.geometry.data_off + info["first_block"] * p.geometry.block_size + cortex_sglang.HEADER_SIZE + 5
-    with open(f"/dev/shm/{os.environ['CORTEX_CACHE_SHM_PREFIX']}{name}", "r+b") as f:
+    from cortex_cache import segment
+
+    with open(segment.shm_path(name), "r+b") as f:
         f.seek(off)
         b = f.read(1)
         f.seek(off)
