@@ -58,7 +58,7 @@ _cortex_options()
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --json -q --quiet --help' ;;
-        restore) _cortex_words '-i --input --replace --json -q --quiet --help' ;;
+        restore) _cortex_words '-i --input --replace --mode --json -q --quiet --help' ;;
     esac
 }
 

@@ -88,7 +88,7 @@ complete -c cortex -n '__cortex_at group' -a status -d 'Show usage, entries, cou
 complete -c cortex -n '__cortex_at group' -a delete -d 'Remove a pool'
 complete -c cortex -n '__cortex_at group' -a put -d 'Store a value under a key'
 complete -c cortex -n '__cortex_at group' -a get -d 'Write a value to stdout (or a file)'
-complete -c cortex -n '__cortex_at group' -a keys -d 'List keys of live entries, oldest first'
+complete -c cortex -n '__cortex_at group' -a keys -d 'List keys of live entries, oldest first, one a line'
 complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and report what was freed'
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
@@ -176,7 +176,8 @@ complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and
 complete -c cortex -n '__cortex_using persist 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using restore' -s i -l input -r -F -d 'Snapshot file (default: NAME.ccsnap in the snapshot directory)'
-complete -c cortex -n '__cortex_using restore' -l replace -d 'Empty an existing pool and fill it from the snapshot'
+complete -c cortex -n '__cortex_using restore' -l replace -d 'Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically'
+complete -c cortex -n '__cortex_using restore' -l mode -x -d 'Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool\'s); never wider than the snapshot file\'s'
 complete -c cortex -n '__cortex_using restore' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'

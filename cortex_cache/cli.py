@@ -8,6 +8,7 @@ CORTEX_CACHE_DEBUG=1 shows tracebacks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from .errors import EX_PROBLEM, EX_SOFTWARE, EX_USAGE, CortexCacheError, KeyNotFound, UsageError
+from .errors import EX_IOERR, EX_PROBLEM, EX_SOFTWARE, EX_USAGE, CortexCacheError, KeyNotFound, UsageError
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 
 EXIT_CODES_HELP = (
@@ -170,7 +171,30 @@ def _parse_mode(text: str) -> int:
 
 
 def _show_key(k: str | bytes) -> str:
-    return k if isinstance(k, str) else k.decode("utf-8", "backslashreplace")
+    """A key as one line of text that names it exactly: printable characters as they are, a backslash
+    doubled, anything else (newlines, escape sequences, bytes that are not UTF-8) as \\xNN per byte."""
+    text = k if isinstance(k, str) else k.decode("utf-8", "surrogateescape")
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for c in text:
+        if c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append("".join(f"\\x{b:02x}" for b in c.encode("utf-8", "surrogateescape")))
+    return "".join(out)
+
+
+def _json_key(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (an entry's info) with its key made JSON: shown as text, typed, and exact in hex if bytes."""
+    k = doc["key"]
+    doc["key"] = _show_key(k)
+    doc["key_type"] = "str" if isinstance(k, str) else "bytes"
+    if not isinstance(k, str):
+        doc["key_hex"] = bytes(k).hex()
+    return doc
 
 
 # ---------------------------------------------------------------- commands
@@ -487,6 +511,14 @@ def delete(
         from .errors import PoolNotFound
 
         raise PoolNotFound(f"no pool named {name!r}")
+    squatter = segment.squatter_kind(name)
+    if squatter:  # a symlink, a directory...: not a pool, so nothing maps it and there is no tier
+        from .errors import SegmentCorrupt
+
+        if not force:
+            raise SegmentCorrupt(f"{segment.shm_path(name)} is {squatter}, not a pool; `delete --force` removes it")
+        _say(f"removed {segment.remove_squatter(name)} at {segment.shm_path(name)}", stderr=True)
+        return
     users = [p for p in segment.attached_pids(name) if p != os.getpid()]
     if users and not force:
         raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
@@ -515,14 +547,24 @@ def _disk_tier_of(name: str) -> str | None:
         return None
 
 
-def _read_value(source: Optional[str]) -> bytes:
+def _read_value(source: Optional[str], limit: int) -> bytes:
+    """The value from FILE or stdin, read up to `limit` bytes: one byte more is ValueTooLarge, so
+    /dev/zero or an endless pipe costs a pool's size of memory at most."""
+    from .errors import ValueTooLarge
+
+    def bounded(f) -> bytes:
+        data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueTooLarge(f"the value is larger than the pool's {limit} bytes; nothing was stored")
+        return data
+
     if source is None or source == "-":
         if source is None and sys.stdin.isatty():
             raise UsageError("give a FILE, or '-' and pipe the value on stdin")
-        return sys.stdin.buffer.read()
+        return bounded(sys.stdin.buffer)
     try:
         with open(source, "rb") as f:
-            return f.read()
+            return bounded(f)
     except FileNotFoundError:
         from .errors import PoolNotFound  # exit 66: no such input
 
@@ -546,12 +588,15 @@ def put(
 ) -> None:
     """Store a value under a key.
 
+    At most the pool's size is read: a longer input (an endless pipe,
+    /dev/zero) stops there and exits 2, storing nothing.
+
     Example: echo hello | cortex cache put llama greeting -
     """
     from .pool import Pool
 
-    data = _read_value(source)
     with Pool.open(name, lock_timeout=10) as p:
+        data = _read_value(source, p.geometry.data_size)
         p.put(key, data, ttl=ttl, priority=priority)
 
 
@@ -563,6 +608,9 @@ def get(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
+
+    Output that cannot be written (a full disk, /dev/full) exits 74, and
+    with -o the file is removed rather than left short.
 
     Example: cortex cache get llama greeting -o greeting.bin
     """
@@ -599,8 +647,16 @@ def get(
         sys.stdout.buffer.write(value)
         sys.stdout.flush()
         return
-    with os.fdopen(fd, "wb") as f:
-        f.write(value)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(value)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not later as a short file
+    except OSError as e:
+        os.unlink(output)  # type: ignore[arg-type]  # never a truncated file left behind
+        from .errors import StorageIOError
+
+        raise StorageIOError(f"cannot write {output!r}: {e.strerror or e}; nothing was written") from None
 
 
 @cache.command()
@@ -613,7 +669,12 @@ def keys(
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """List keys of live entries, oldest first.
+    """List keys of live entries, oldest first, one a line.
+
+    A backslash shows as \\\\ and every byte that is not printable text (a
+    newline, an escape sequence, a byte that is not UTF-8) as \\xNN, so each
+    line names exactly one key.  --json adds key_type (str or bytes) and,
+    for bytes keys, key_hex.
 
     Example: cortex cache keys llama --prefix user42/ --limit 20
     """
@@ -634,13 +695,12 @@ def keys(
                 except KeyNotFound:  # removed meanwhile
                     continue
     if as_json:
-        for inf in infos:
-            inf["key"] = _show_key(inf["key"])
-        _print_json({"keys": infos})
+        _print_json({"keys": [_json_key(inf) for inf in infos]})
         return
     if not long:
         sys.stdout.write("".join(_show_key(k) + "\n" for k in ks))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
@@ -650,7 +710,7 @@ def keys(
         ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
         age = _fmt_age(inf.get("created") or inf.get("spilled"))
         prio = "-" if inf["priority"] is None else str(inf["priority"])
-        t.add_row(_show_key(inf["key"]), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), prio)
+        t.add_row(escape(_show_key(inf["key"])), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), prio)
     _print_table(t)
 
 
@@ -784,15 +844,21 @@ def persist(
 def restore(
     name: str = NAME_ARG,
     input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
-    replace: bool = typer.Option(False, "--replace", help="Empty an existing pool and fill it from the snapshot."),
+    replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically."),
+    mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Rebuild a pool from a snapshot, verified whole before anything changes.
 
-    A missing pool is created with the snapshot's size, policy and mode; an
-    existing one is only overwritten with --replace.  Expired entries are
-    not restored.  A damaged, truncated or foreign file exits 65.
+    The pool is built under a temporary name and appears only when complete:
+    a missing pool is created with the snapshot's size and policy; an
+    existing one is only replaced with --replace, by an atomic swap (other
+    processes see the old pool or the new one, never a mix; processes
+    attached to the old one keep it until they reopen).  A snapshot whose
+    entries do not all fit exits 73 and changes nothing.  Expired entries
+    are not restored.  A damaged, truncated or foreign file exits 65; a
+    FIFO or device exits 2.
 
     Example: cortex cache restore llama --input /backup/llama.ccsnap --replace
     """
@@ -802,7 +868,9 @@ def restore(
         # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
     pool, report = _run_with_progress(
-        f"restore {name}", lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb)
+        f"restore {name}",
+        lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb,
+                                mode=_parse_mode(mode) if mode is not None else None),
     )
     pool.close()
     secs = report["seconds"]
@@ -859,6 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         # Without standalone mode, the parser turns `raise typer.Exit(n)` into a return value.
         if isinstance(rc, int):
             code = rc
+        sys.stdout.flush()  # a full disk or /dev/full shows here, as exit 74, not at interpreter exit
     except typer.Exit as e:
         code = e.exit_code
     except typer.Abort:
@@ -878,6 +947,17 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         code = 0
+    except OSError as e:
+        if e.errno not in _IO_ERRNOS:
+            raise
+        # Writing our output failed (a full disk, /dev/full, a dead device): an I/O error, exit 74.
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.write(f"cortex: error: I/O error writing output: {e.strerror or e}\n")
+        _drop_stdout()
+        code = EX_IOERR
     except Exception as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `cortex` / `cortex cache`: show help
             sys.stderr.write(e.format_message() + "\n")  # type: ignore[attr-defined]
@@ -894,6 +974,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
         code = EX_SOFTWARE
     return code
+
+
+_IO_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ENXIO}
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what could not be written stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 def run() -> None:

@@ -50,9 +50,10 @@ from typing import Iterator
 
 import xxhash
 
-from .errors import NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
+from . import safefs
+from .errors import CannotCreate, CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
 from .layout import MAX_KEY_BYTES
-from .lock import RecordLock
+from .lock import RecordLock, default_timeout
 
 META_NAME = "cortex-tier.meta"
 META_MAGIC = b"CRTXTIER"
@@ -161,63 +162,92 @@ class DiskLog:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, directory: str | os.PathLike, capacity: int, o_direct: bool = False) -> "DiskLog":
-        """Make a new tier of `capacity` bytes in `directory` (created 0700); reserve the space now.
+    def create(
+        cls, directory: str | os.PathLike, capacity: int, o_direct: bool = False, mode: int = 0o600
+    ) -> "DiskLog":
+        """Make a new tier of `capacity` bytes in `directory`; reserve the space now.
 
-        Raises NoSpace (exit 73) when the filesystem lacks the room, UsageError
-        when the directory already holds a tier or the capacity is too small.
+        The directory is created 0700 (0770 and files 0660 when `mode`, the
+        pool's, shares it with the group); an existing one must be ours and
+        not writable by others (safefs.check_dir).  Raises NoSpace (exit 73)
+        when the filesystem lacks the room, PermissionDenied (77) for a
+        directory or file another user controls, UsageError when the
+        directory already holds a tier or the capacity is too small.
         """
         d = Path(directory)
         file_size = DiskLog.capacity_for(capacity) // FILES
         if capacity < FILES * ALIGN * 2:
             raise UsageError(f"disk tier of {capacity} bytes is too small: at least {FILES * ALIGN * 2}")
-        new_dirs = [p for p in [d, *d.parents] if not p.exists()]  # removed again if we fail
-        try:
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            _remove_dirs(new_dirs)
-            raise _os_error(e, f"cannot create {str(d)!r}") from None
+        new_dirs = safefs.make_dir(d, mode, "disk tier directory")  # removed again if we fail
         st = os.statvfs(d)
         if st.f_bavail * st.f_frsize < file_size * FILES:
-            _remove_dirs(new_dirs)
+            safefs.remove_dirs(new_dirs)
             raise NoSpace(f"not enough disk in {str(d)!r} for a {capacity}-byte tier")
+        fmode = mode & 0o660
         try:
-            meta_fd = os.open(d / META_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            meta_fd = safefs.open_file(d / META_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, fmode, "disk tier file")
+        except CortexCacheError:
+            safefs.remove_dirs(new_dirs)
+            raise
         except FileExistsError:
             raise UsageError(f"{str(d)!r} already holds a disk tier; open it instead") from None
         except OSError as e:
-            _remove_dirs(new_dirs)
+            safefs.remove_dirs(new_dirs)
             raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
         made = [d / META_NAME]
         try:
             for i in range(FILES):
                 path = d / f"tier-{i:02d}.log"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    fd = safefs.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, fmode, "disk tier file")
+                except CortexCacheError:
+                    raise
+                except FileExistsError:
+                    raise CannotCreate(
+                        f"{str(d)!r} holds a stray {path.name} but no tier: remove it, or choose another --disk-path"
+                    ) from None
+                except OSError as e:
+                    raise _os_error(e, f"cannot create {str(path)!r}") from None
                 made.append(path)
                 try:
+                    os.fchmod(fd, fmode)  # O_CREAT applied the umask
                     _reserve(fd, file_size)
                 finally:
                     os.close(fd)
+            os.fchmod(meta_fd, fmode)
             header = META.pack(META_MAGIC, VERSION, FILES, file_size, ALIGN, 0, 0, 1)
             os.pwrite(meta_fd, header.ljust(META_SIZE, b"\0"), 0)
             os.fsync(meta_fd)
-        except BaseException:
+        except BaseException as e:
             os.close(meta_fd)
             for p in made:
                 p.unlink(missing_ok=True)
-            _remove_dirs(new_dirs)
+            safefs.remove_dirs(new_dirs)
+            if isinstance(e, OSError) and not isinstance(e, CortexCacheError):
+                raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
             raise
         return cls(d, meta_fd, FILES, file_size, o_direct)
 
     @classmethod
     def open(cls, directory: str | os.PathLike, o_direct: bool = False) -> "DiskLog":
-        """Open an existing tier; SegmentCorrupt (65) if it is not one of ours."""
+        """Open an existing tier; SegmentCorrupt (65) if it is not one of ours, PermissionDenied (77)
+        if another user owns or can write its directory or files."""
         d = Path(directory)
         try:
-            meta_fd = os.open(d / META_NAME, os.O_RDWR | os.O_CLOEXEC)
+            meta_fd = safefs.open_file(d / META_NAME, os.O_RDWR, 0, "disk tier file")
+        except CortexCacheError:
+            raise
         except FileNotFoundError:
             raise StorageIOError(f"no disk tier in {str(d)!r}") from None
-        raw = os.pread(meta_fd, META.size, 0)
+        except OSError as e:
+            raise _os_error(e, f"cannot open the disk tier in {str(d)!r}") from None
+        try:
+            # The meta file's mode says whether the tier was made shared with the group.
+            safefs.check_dir(d, os.fstat(meta_fd).st_mode & 0o777, "disk tier directory")
+            raw = os.pread(meta_fd, META.size, 0)
+        except BaseException:
+            os.close(meta_fd)
+            raise
         if len(raw) < META.size or raw[:8] != META_MAGIC:
             os.close(meta_fd)
             raise SegmentCorrupt(f"{str(d)!r} does not hold a cortex disk tier")
@@ -229,7 +259,7 @@ class DiskLog:
 
     @staticmethod
     def exists(directory: str | os.PathLike) -> bool:
-        return (Path(directory) / META_NAME).exists()
+        return os.path.lexists(Path(directory) / META_NAME)  # a planted symlink counts: open refuses it
 
     def owner(self) -> str:
         raw = os.pread(self._meta_fd, OWNER_BYTES, OWNER_OFF)
@@ -265,11 +295,24 @@ class DiskLog:
         path = self.directory / f"tier-{i:02d}.log"
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
-                return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT), True
+                return self._open_file(path, os.O_RDWR | os.O_DIRECT), True
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
-                    raise
-        return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+                    raise _os_error(e, f"cannot open {str(path)!r}") from None
+        return self._open_file(path, os.O_RDWR), False
+
+    @staticmethod
+    def _open_file(path: Path, flags: int) -> int:
+        try:
+            return safefs.open_file(path, flags, 0, "disk tier file")
+        except CortexCacheError:
+            raise
+        except FileNotFoundError:
+            raise SegmentCorrupt(f"disk tier file {str(path)!r} is missing") from None
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise
+            raise _os_error(e, f"cannot open {str(path)!r}") from None
 
     def close(self) -> None:
         for fd, _ in self._fds:
@@ -302,7 +345,7 @@ class DiskLog:
         """
         if length > self.file_size:
             raise UsageError(f"record of {length} bytes is larger than a disk tier file ({self.file_size})")
-        self._lock.acquire()
+        self._lock.acquire(default_timeout())  # a stopped appender costs a LockTimeout, never a hang
         try:
             cur_file, cur_off, seq = struct.unpack("<QQQ", os.pread(self._meta_fd, 24, CURSOR_OFF))
             if cur_off + length > self.file_size:
@@ -374,7 +417,7 @@ class DiskLog:
         if not direct:
             return fd
         if not self._plain:
-            self._plain = [os.open(self.directory / f"tier-{i:02d}.log", os.O_RDWR | os.O_CLOEXEC)
+            self._plain = [self._open_file(self.directory / f"tier-{i:02d}.log", os.O_RDWR)
                            for i in range(self.files)]
         return self._plain[file]
 
@@ -485,15 +528,6 @@ def _os_error(e: OSError, what: str) -> Exception:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"{what}: {e.strerror}")
     return StorageIOError(f"{what}: {e.strerror}")
-
-
-def _remove_dirs(dirs: list[Path]) -> None:
-    """Remove directories we created (deepest first), if they are still empty."""
-    for p in dirs:
-        try:
-            p.rmdir()
-        except OSError:
-            return
 
 
 def _pwrite_all(fd: int, data: memoryview, off: int) -> None:

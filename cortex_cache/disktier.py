@@ -519,8 +519,11 @@ def check_disk_path(path: str | os.PathLike) -> str:
     from .errors import UsageError
     from .layout import DISK_PATH_BYTES
 
-    p = os.path.abspath(os.fspath(path))
-    if len(p.encode()) >= DISK_PATH_BYTES or "\0" in p:
+    raw = os.fspath(path)
+    if not raw or (isinstance(raw, str) and not raw.strip()):
+        raise UsageError("the disk path is empty: give a directory (or leave the option out for the default)")
+    p = os.path.abspath(raw)
+    if len(p.encode("utf-8", "surrogateescape")) >= DISK_PATH_BYTES or "\0" in p:
         raise UsageError(f"disk path is too long (at most {DISK_PATH_BYTES - 1} bytes): {p[:60]!r}...")
     return p
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
+import os
 import struct
 import threading
 import time
@@ -27,8 +29,32 @@ from .errors import LockTimeout
 _FLOCK = struct.Struct("@hhqqi4x")
 
 METADATA_BYTE = 0
+DEFAULT_TIMEOUT = 30.0  # seconds a library call waits for a lock before LockTimeout (exit 75)
+TIMEOUT_ENV = "CORTEX_CACHE_LOCK_TIMEOUT"
 _SPIN = 20  # non-blocking attempts before a blocking wait (~1 us each)
+_YIELDS = 200  # with a timeout: attempts after giving up the core, before sleeping between them
 PERSIST_BYTE = 1
+
+
+def default_timeout() -> float:
+    """Seconds to wait for a pool's lock when the caller gave no `lock_timeout`.
+
+    CORTEX_CACHE_LOCK_TIMEOUT (seconds; "inf" waits for ever), else 30.
+    A holder that stops (SIGSTOP, a debugger, a frozen cgroup) keeps its
+    lock; the wait is bounded so the caller gets LockTimeout, not a hang.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from .errors import UsageError
+
+        raise UsageError(f"invalid {TIMEOUT_ENV} {raw!r}: give seconds (> 0), or inf")
+    return value
 
 
 def _flock(kind: int, byte: int) -> bytes:
@@ -46,34 +72,44 @@ class RecordLock:
         self._unlock = _flock(fcntl.F_UNLCK, byte)
 
     def acquire(self, timeout: float | None = None) -> None:
-        """Block until held; with `timeout` (seconds), raise LockTimeout after it."""
-        if timeout is None:
-            # Critical sections last a few microseconds and the holder is
-            # usually running on another core: retrying briefly beats going
-            # to sleep in the kernel and paying a wake-up per hand-over.
-            for _ in range(_SPIN):
-                try:
-                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._lock)
-                    return
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
+        """Block until held; with `timeout` (seconds), raise LockTimeout after it.
+
+        `timeout=None` waits for ever: only for locks whose holder is this
+        process's own code (a creator finishing its pool).  Everyone else
+        passes a finite timeout (`default_timeout()`), so a holder that was
+        stopped (SIGSTOP, a debugger, a frozen cgroup) costs a LockTimeout,
+        never a hang.
+        """
+        # Critical sections last a few microseconds and the holder is
+        # usually running on another core: retrying briefly beats going
+        # to sleep in the kernel and paying a wake-up per hand-over.
+        for _ in range(_SPIN):
+            if self.try_acquire():
+                return
+        if timeout is None or timeout == math.inf:
             # fcntl releases the GIL while it waits.
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._lock)
             return
-        if self.try_acquire():
-            return
         deadline = time.monotonic() + timeout
-        delay = 0.0005
+        # The kernel offers no timed wait on record locks.  First yield the
+        # core a while (the holder may be waiting for it: hand-overs stay in
+        # microseconds), then poll, backing off to 2 ms, so a long wait costs
+        # little CPU.
+        for _ in range(_YIELDS):
+            os.sched_yield()
+            if self.try_acquire():
+                return
+        delay = 50e-6
         while True:
-            # The kernel offers no timed wait on record locks; poll with
-            # a short backoff.  Only callers that asked for a timeout pay this.
             time.sleep(delay)
             if self.try_acquire():
                 return
             if time.monotonic() >= deadline:
-                raise LockTimeout(f"lock not acquired within {timeout:g}s (held by another process)")
-            delay = min(delay * 2, 0.05)
+                raise LockTimeout(
+                    f"lock not acquired within {timeout:g}s (held by another process, "
+                    f"perhaps stopped; {TIMEOUT_ENV} sets the wait)"
+                )
+            delay = min(delay * 2, 0.002)
 
     def try_acquire(self) -> bool:
         try:
@@ -115,4 +151,4 @@ class PoolLock:
             self.thread.release()
 
 
-__all__ = ["RecordLock", "PoolLock", "METADATA_BYTE", "PERSIST_BYTE"]
+__all__ = ["RecordLock", "PoolLock", "METADATA_BYTE", "PERSIST_BYTE", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout"]

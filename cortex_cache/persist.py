@@ -197,11 +197,10 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
         directory = target.parent if str(target.parent) else Path(".")
         if target.is_dir():
             raise UsageError(f"{str(target)!r} is a directory; give a file name")
-    if path is None:  # our own directory: make it (private); a given one must exist
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            raise _os_error(e, f"creating {str(directory)!r}") from None
+    if path is None:  # our own directory: make it (private), and refuse one others could plant files in
+        from . import safefs
+
+        safefs.make_dir(directory, pool._seg.stat().st_mode & 0o777, "snapshot directory")
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, pool.name, target.name)
@@ -359,8 +358,10 @@ def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> Non
         for entry in os.scandir(directory):
             if any(p.match(entry.name) for p in patterns):
                 try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
+                    if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                        continue  # not ours (a shared --output directory): never touched
+                    os.unlink(entry.path)  # a symlink goes itself, never what it points at
+                except OSError:
                     pass
     except OSError:
         pass
@@ -442,16 +443,28 @@ class Snapshot:
     foreign or of a newer version), PermissionDenied (77).
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool = False) -> None:
         """Map `path` and check its header; with `verify` (default) check the whole file now.
 
         Without `verify` only the header and the trailer's place are checked:
         the caller must then read every record through `records(hasher=...)`
-        and call `check_trailer` before trusting anything it read.
+        and call `check_trailer` before trusting anything it read.  Anything
+        but a regular file (a FIFO, a device) is refused before a read could
+        block on it; with `private` (a file of our snapshot directory) so is
+        a symbolic link or a file that is not ours (PermissionDenied, 77).
         """
+        from . import safefs
+
         self.path = Path(path)
+        self._mv = None
+        flags = os.O_RDONLY | os.O_NONBLOCK  # a FIFO's open would wait for a writer
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            if private:
+                fd = safefs.open_file(self.path, flags, 0, "snapshot")
+            else:
+                fd = os.open(self.path, flags | os.O_CLOEXEC)
+        except CortexCacheError:
+            raise
         except FileNotFoundError:
             raise SnapshotNotFound(f"no snapshot {str(self.path)!r}") from None
         except IsADirectoryError:
@@ -461,7 +474,8 @@ class Snapshot:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise UsageError(f"{str(self.path)!r} is not a file, so not a snapshot")
+                raise UsageError(f"{str(self.path)!r} is not a regular file, so not a snapshot")
+            self.file_mode = stat.S_IMODE(st.st_mode)
             size = st.st_size
             if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
                 raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
@@ -586,61 +600,65 @@ def restore(
     replace: bool = False,
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
+    mode: int | None = None,
 ) -> tuple["Pool", dict[str, Any]]:
     """Rebuild a pool from a snapshot; return (pool, report).
 
-    The snapshot is verified whole before any pool is touched.  A pool that
-    does not exist is created from the snapshot's configuration; an existing
-    one is refused (PoolExists) unless `replace`, which empties it and fills
-    it from the snapshot (keeping its own size and policy).  Expired entries
-    are skipped.  `path` None means the stable latest snapshot of `name`.
+    The pool is built under a temporary name and appears under its real name
+    only once every live entry of the snapshot is in it and the whole file
+    checked out: other processes see no pool (or the old one) until then,
+    and a restore killed at any point leaves no trace but a staging segment
+    the next restore sweeps.  A missing pool is created with the snapshot's
+    size and policy; an existing one is refused (PoolExists) unless
+    `replace`, which builds the new pool with the existing one's size,
+    policy and tiers and swaps it in by an atomic rename (its disk tier is
+    emptied afterwards).  Processes attached to a replaced pool keep the old
+    one, as after a delete, until they open it again.
+
+    `mode`: the new segment's permission bits (default 0600; with `replace`,
+    the replaced pool's); PermissionDenied (77) if it would let more users
+    read the data than the snapshot file does.  Raises NoSpace (73), and
+    changes nothing, when the entries do not all fit.  Expired entries are
+    skipped.  `path` None means the stable latest snapshot of `name` in the
+    snapshot directory, which must be ours (safefs).
     """
     from . import segment
-    from .errors import PoolExists, PoolNotFound
+    from .errors import PoolExists
     from .pool import Pool
 
+    private = path is None
     if path is None:
         if name is None:
             raise UsageError("restore needs a snapshot path or a pool name")
         path = latest_path(segment.validate_name(name))
+        check_snapshot_dir(path.parent, mode if mode is not None else 0o600)
+    if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
+        raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
     t0 = time.perf_counter()
     if name is not None:
         segment.validate_name(name)
-    # A new pool is filled under a temporary name in one pass over the file
-    # (hashing as it copies) and appears under its real name only once the
-    # whole snapshot checked out.  An existing pool (--replace) is emptied, so
-    # the file is verified whole first, in a pass of its own.
-    with Snapshot(path, verify=False) as snap:
+    with Snapshot(path, verify=False, private=private) as snap:
         h = snap.header
         target = name or segment.validate_name(h.name)
         if segment.exists(target):
             if not replace:
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
-            snap._verify()
-            pool = Pool.open(target, clock=clock)
-            try:
-                report = _fill_pool(pool, snap, True, False, progress, None)
-            except BaseException:
-                pool.close()
-                raise
+            pool, report = _replace(target, snap, mode, progress, clock)
         else:
+            new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
             _sweep_stale_staging()
             staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
             pool = Pool.create(
                 staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
-                mode=h.mode | 0o600, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
+                mode=new_mode, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
                 prefault=False,
             )
             try:
-                report = _fill_pool(pool, snap, False, True, progress, xxhash.xxh3_64())
+                report = _fill_pool(pool, snap, snap.header.counters, progress, xxhash.xxh3_64())
                 pool._hdr["name"] = target.encode()
                 segment.publish(staging, target)
             except BaseException:
-                pool.close()
-                try:
-                    Pool.unlink(staging)
-                except PoolNotFound:
-                    pass
+                _discard(pool, staging)
                 raise
             pool.close()
             Pool.unlink(staging)
@@ -649,6 +667,118 @@ def restore(
     report["path"] = str(Path(path))
     report["pool"] = target
     return pool, report
+
+
+def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
+    """Refuse a snapshot directory another user owns or may write (PermissionDenied, 77)."""
+    from . import safefs
+
+    safefs.check_dir(directory, mode, "snapshot directory")
+
+
+def _restored_mode(snap: "Snapshot", mode: int) -> int:
+    """`mode`, unless it lets someone read what the snapshot file does not let them read."""
+    wider = mode & 0o066 & ~snap.file_mode
+    if wider:
+        raise PermissionDenied(
+            f"mode {mode:04o} would let more users read pool data than snapshot {str(snap.path)!r} "
+            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~wider:04o} or narrower"
+        )
+    return mode
+
+
+def _discard(pool: "Pool", staging: str) -> None:
+    from .errors import PoolNotFound
+    from .pool import Pool
+
+    pool.close()
+    try:
+        Pool.unlink(staging)
+    except PoolNotFound:
+        pass
+
+
+def _replace(target: str, snap: "Snapshot", mode: int | None, progress, clock) -> tuple["Pool", dict[str, Any]]:
+    """Build the snapshot's pool beside `target` with target's configuration, then rename it over target.
+
+    Held meanwhile: target's persist lock, so no persist or second restore of
+    it runs.  The disk tier stays where it is: the new pool is built with a
+    throw-away tier of the same index size and pointed at the real one just
+    before the swap; the old pool's records there are killed after it (a
+    kill in between leaves only unreachable records, which a later restart
+    scan could find again).
+    """
+    import tempfile
+
+    from . import segment
+    from .disklog import DiskLog
+    from .lock import PERSIST_BYTE, RecordLock
+    from .pool import Pool
+
+    snap._verify()  # the cheap refusal first: a damaged file never costs a staging pool
+    old = Pool.open(target, clock=clock)
+    try:
+        lock = RecordLock(old._seg.fd, PERSIST_BYTE)
+        if not lock.try_acquire():
+            raise PersistBusy(f"a persist of pool {target!r} is running; restore later")
+        try:
+            cfg = old._locked(old._snapshot_config)
+            keep = _tier_header(old)
+            st = old._seg.stat()
+            new_mode = _restored_mode(snap, cfg["mode"] if mode is None else mode)
+            tier_kw: dict[str, Any] = {}
+            tmp_tier = None
+            if old._tier is not None:
+                tmp_tier = tempfile.mkdtemp(prefix="cortex-restore-")
+                tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
+                           "disk_max_entries": int(old.geometry.n_dslots)}
+            _sweep_stale_staging()
+            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+            try:
+                pool = Pool.create(
+                    staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
+                    max_entries=cfg["max_entries"], mode=new_mode, multi_threaded=bool(cfg["flags"] & 1),
+                    lfu_period=cfg["lfu_period"], clock=clock, prefault=False, **tier_kw,
+                )
+                try:
+                    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                        try:
+                            os.fchown(pool._seg.fd, st.st_uid, st.st_gid)  # the replaced pool's owners keep it
+                        except PermissionError:
+                            raise PermissionDenied(
+                                f"cannot give the restored pool the owner of {target!r} (uid {st.st_uid} "
+                                f"gid {st.st_gid}); restore it as that user or as root"
+                            ) from None
+                    report = _fill_pool(pool, snap, cfg["counters"], progress, None)
+                    pool._hdr["name"] = target.encode()
+                    for field, value in keep.items():
+                        pool._hdr[field] = value
+                    pool.close()
+                    segment.replace(staging, target)
+                except BaseException:
+                    _discard(pool, staging)
+                    raise
+            finally:
+                if tmp_tier is not None:
+                    DiskLog.destroy(os.path.join(tmp_tier, "tier"))
+                    os.rmdir(tmp_tier)
+            if old._tier is not None:
+                try:  # the old pool's records would come back on a restart scan of the tier
+                    old.evict(all=True, tier="disk")
+                except CortexCacheError:
+                    pass
+        finally:
+            lock.release()
+    finally:
+        old.close()
+    return Pool.open(target, clock=clock), report
+
+
+def _tier_header(pool: "Pool") -> dict[str, Any]:
+    """The header fields that name a pool's disk and remote tiers (copied onto its replacement)."""
+    h = pool._hdr[0]
+    return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
+            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url")}
 
 
 STAGING_PREFIX = "restoring-"
@@ -675,33 +805,45 @@ def _sweep_stale_staging() -> None:
             pass
 
 
-def _fill_pool(pool: "Pool", snap: Snapshot, clear: bool, fresh: bool, progress, hasher) -> dict[str, Any]:
+def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict[str, Any]:
+    """Put every live record of `snap` into a new, empty pool; NoSpace if they do not all stay."""
+    from .errors import NoSpace, PoolFull, ValueTooLarge
     from .lock import PERSIST_BYTE, RecordLock
 
     lock = RecordLock(pool._seg.fd, PERSIST_BYTE)
     if not lock.try_acquire():
         raise PersistBusy(f"a persist of pool {pool.name!r} is running; restore later")
     try:
-        if clear:
-            pool.evict(all=True, tier="all")  # the pool becomes the snapshot: its disk tier is emptied too
         now = pool.clock()
         restored = expired = nbytes = 0
-        base = pool._locked(pool._restore_begin, snap.header.counters if fresh else None)
+        base = pool._locked(pool._restore_begin, counters)
         count = 0
         for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
             count += 1
             if 0 < rec.expiry <= now:
                 expired += 1
                 continue
-            pool._restore_entry(rec, base)
+            try:
+                pool._restore_entry(rec, base)
+            except (ValueTooLarge, PoolFull) as e:
+                raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
             restored += 1
             nbytes += len(rec.value)
             if progress is not None:
                 progress(nbytes, snap.value_bytes)
         if hasher is not None:
             snap.check_trailer(count, hasher)
-        pool._locked(pool._restore_end, snap.header.counters if fresh else None)
-        return {"entries": restored, "bytes": nbytes, "expired_skipped": expired}
+        pool._locked(pool._restore_end, counters)
+        report = {"entries": restored, "bytes": nbytes, "expired_skipped": expired}
+        # Entries the pool evicted to make room for later ones are not restored: count what is there.
+        st = pool.stats()
+        if st["entries"] != restored or st["value_bytes"] != nbytes:
+            raise NoSpace(
+                f"snapshot {str(snap.path)!r} does not fit: {restored} live entries ({nbytes} bytes), "
+                f"of which a pool of {st['size_bytes']} bytes and {st['max_entries']} entries keeps "
+                f"{st['entries']}; nothing was changed"
+            )
+        return report
     finally:
         lock.release()
 

@@ -68,7 +68,7 @@ from .layout import (
     ZOMBIE,
     Geometry,
 )
-from .lock import PoolLock, RecordLock
+from .lock import PoolLock, RecordLock, default_timeout as default_lock_timeout
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes
 
@@ -307,7 +307,7 @@ class Pool:
             multi_threaded = bool(flags & FLAG_MULTI_THREADED)
         self.multi_threaded = multi_threaded
         self._lock = PoolLock(seg.fd, multi_threaded)
-        self._lock_timeout = lock_timeout
+        self._lock_timeout = lock_timeout if lock_timeout is not None else default_lock_timeout()
         self.clock: Callable[[], float] = clock or time.time
         pol = policy_by_id(int(self._h.policy[0]))
         assert pol is not None  # checked by _validate
@@ -408,13 +408,13 @@ class Pool:
                 raise UsageError(f"invalid disk max entries {disk_max_entries}")
             dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
             dsize = parse_size(disk_size) if disk_size is not None else None
-            log, made_tier = _open_or_make_tier(dpath, dsize, 4 * geo.data_size, disk_o_direct, name)
+            log, made_tier = _open_or_make_tier(dpath, dsize, 4 * geo.data_size, disk_o_direct, name, mode)
             dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
             dflags |= DISK_O_DIRECT if disk_o_direct else 0
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve)
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
         except BaseException:
             if log is not None:
                 log.close()
@@ -519,6 +519,8 @@ class Pool:
         Raises PoolNotFound (exit 66), PermissionDenied (77), SegmentCorrupt or
         IncompatibleVersion (65) for a segment that is not a usable pool.
         `multi_threaded=None` uses the pool's default chosen at create.
+        `lock_timeout`: seconds an operation waits for the pool's lock before
+        LockTimeout (75); default CORTEX_CACHE_LOCK_TIMEOUT, else 30 s.
         """
         seg = _open_complete_segment(name)
         try:
@@ -1803,16 +1805,19 @@ class Pool:
         name: str | None = None,
         replace: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        mode: int | None = None,
     ) -> "Pool":
         """Rebuild a pool from a snapshot (verified whole first) and return it open.
 
         Creates the pool from the snapshot's configuration when it does not
-        exist; an existing pool only with `replace`.  Raises SnapshotCorrupt
-        (65), SnapshotNotFound (66), PoolExists (73).
+        exist; an existing pool only with `replace`, swapped in atomically
+        (persist.restore).  `mode` defaults to 0600 (with `replace`, the old
+        pool's).  Raises SnapshotCorrupt (65), SnapshotNotFound (66),
+        PoolExists and NoSpace (73), PermissionDenied (77).
         """
         from . import persist as _persist
 
-        return _persist.restore(path, name=name, replace=replace, progress=progress)[0]
+        return _persist.restore(path, name=name, replace=replace, progress=progress, mode=mode)[0]
 
     def _note_snapshot(self, when: float) -> None:
         self._hdr["last_snapshot"] = when
@@ -1964,10 +1969,10 @@ def default_disk_path(name: str) -> str:
     return str(snapshot_dir().parent / "disk" / name)
 
 
-def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str):
+def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str, mode: int = 0o600):
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made)."""
     if not DiskLog.exists(path):
-        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct), True
+        return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct, mode=mode), True
     log = DiskLog.open(path, o_direct=o_direct)
     try:
         if size is not None and DiskLog.capacity_for(size) != log.capacity:

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from typing import Any, Callable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import xxhash
 
@@ -65,38 +65,82 @@ _BATCH = 500  # keys per round trip of an operator's request (evict, entries)
 
 
 def check_url(url: str) -> str:
-    """The URL if it is one we can use; UsageError (with the password hidden) if not."""
+    """The URL if it is one we can use; UsageError (with the credentials hidden) if not."""
     if not isinstance(url, str) or not url:
         raise UsageError("remote URL must be a non-empty string like redis://host:6379/0")
-    parts = urlsplit(url)
+    try:
+        url.encode()
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except (ValueError, UnicodeError) as e:  # a malformed IPv6 literal, a port out of range, a lone surrogate
+        raise UsageError(f"remote URL {redact(url)!r}: {_why(e)}") from None
     if parts.scheme not in SCHEMES:
         raise UsageError(f"remote URL {redact(url)!r}: scheme must be one of {', '.join(SCHEMES)}")
     if parts.scheme == "unix" and not parts.path:
         raise UsageError(f"remote URL {redact(url)!r}: unix:// needs a socket path")
     if parts.scheme != "unix" and not parts.hostname:
         raise UsageError(f"remote URL {redact(url)!r}: no host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise UsageError(f"remote URL {redact(url)!r}: bad port") from None
     if len(url.encode()) >= 1024:
         raise UsageError("remote URL is too long (at most 1023 bytes)")
     return url
 
 
+def _why(e: Exception) -> str:
+    msg = str(e)
+    if "IPv6" in msg:
+        return "malformed IPv6 address (write it in brackets: redis://[::1]:6379/0)"
+    if isinstance(e, UnicodeError):
+        return "not valid text"
+    return "bad port" if "port" in msg.lower() else "malformed"
+
+
+# Query parameters redis-py's from_url passes on as credentials (redis.connection.parse_url).
+_SECRET_QUERY = ("password", "username")
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced by ***."""
+    """The URL with every credential hidden: the whole user-info part and `password`/`username` query values."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
-    if "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    if ":" not in userinfo:
-        return url  # a user name alone is no secret
-    netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = parts.query
+    if query:
+        items = []
+        for item in query.split("&"):
+            k, eq, _v = item.partition("=")
+            items.append(f"{k}=***" if eq and unquote(k).lower() in _SECRET_QUERY else item)
+        query = "&".join(items)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def secrets_of(url: str) -> list[str]:
+    """The credential strings in `url`, raw and decoded, longest first (for scrubbing messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return [url] if url else []
+    found: set[str] = set()
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rpartition("@")[0]
+        for piece in (userinfo, *userinfo.split(":", 1)):
+            found.update({piece, unquote(piece)})
+    for item in parts.query.split("&"):
+        k, eq, v = item.partition("=")
+        if eq and unquote(k).lower() in _SECRET_QUERY:
+            found.update({v, unquote(v), unquote_plus(v)})
+    return sorted((x for x in found if x), key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (an error message) with `url` and every credential in it hidden."""
+    text = text.replace(url, redact(url))
+    for secret in secrets_of(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 def remote_key(pool_name: str, kb: bytes) -> bytes:
@@ -183,7 +227,7 @@ class RemoteTier:
     def _failed(self, e: BaseException, writer: bool) -> None:
         # The error is recorded and counted before the rest begins: whoever sees the tier resting
         # (another thread's lookup, status) also sees why.
-        self.last_error = f"{type(e).__name__}: {redact(str(e))}"[:300]
+        self.last_error = f"{type(e).__name__}: {scrub(str(e), self.url)}"[:300]
         self._count(H_REMOTE_ERRORS, writer=writer)
         self._retry_at = self.monotonic() + self.backoff
         with self._client_lock:
@@ -269,16 +313,21 @@ class RemoteTier:
             return len(self._queue) + (1 if self._busy else 0)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent (or failed); False on timeout."""
+        """Wait until every queued write was sent (or failed); False on timeout.
+
+        `timeout=None` waits the library's lock timeout (lock.default_timeout):
+        a server that stops answering never holds the caller for ever."""
+        from .lock import default_timeout
+
         # Real time, never the rest period's clock (`self.monotonic`, which tests may stop):
-        # a flush with a timeout always returns.
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # a flush always returns.
+        deadline = time.monotonic() + (default_timeout() if timeout is None else timeout)
         with self._cv:
             while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
-                self._cv.wait(left)
+                self._cv.wait(None if left == float("inf") else left)
         return True
 
     def _run(self) -> None:
@@ -500,4 +549,4 @@ def _add(pool: Any, pairs: tuple) -> None:
         pass
 
 
-__all__ = ["RemoteTier", "check_url", "redact", "remote_key", "encode", "decode"]
+__all__ = ["RemoteTier", "check_url", "redact", "scrub", "remote_key", "encode", "decode"]

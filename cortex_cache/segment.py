@@ -22,6 +22,7 @@ from .errors import (
     PermissionDenied,
     PoolExists,
     PoolNotFound,
+    SegmentCorrupt,
     ServiceUnavailable,
     StorageIOError,
     UsageError,
@@ -83,10 +84,15 @@ class Segment:
     size: int
 
     @classmethod
-    def create(cls, name: str, size: int, mode: int = 0o600, reserve: bool = True) -> "Segment":
-        """Create and map a new segment of `size` bytes; its memory is reserved unless `reserve` is False.
+    def create(
+        cls, name: str, size: int, mode: int = 0o600, reserve: bool = True, reserve_head: int = 0
+    ) -> "Segment":
+        """Create and map a new segment of `size` bytes; its memory is reserved unless `reserve` is False
+        (then only its first `reserve_head` bytes, the metadata the creator writes, are).
 
-        On any failure the segment is unlinked before the error is raised.
+        On any failure the segment is unlinked before the error is raised; a
+        size the system cannot give (too large for the address space, or the
+        memory) is NoSpace (73).
         """
         _check_shm_available()
         path = shm_name(name)
@@ -119,10 +125,18 @@ class Segment:
                     os.ftruncate(fd, size)
             else:
                 os.ftruncate(fd, size)
+                if reserve_head:
+                    # Even a sparse pool's metadata is real memory: create writes it now, and a
+                    # page it could not get would be a SIGBUS inside create.
+                    _reserve_range(fd, min(reserve_head, size), name)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException as e:
             os.close(fd)
             _unlink_quietly(path)
+            if isinstance(e, (OverflowError, ValueError)) or (
+                isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC, errno.EINVAL)
+            ):
+                raise NoSpace(f"cannot create pool {name!r} of {format_size(size)}: {_why(e)}") from None
             if isinstance(e, OSError) and not isinstance(e, (NoSpace, PermissionDenied)):
                 raise StorageIOError(f"cannot create pool {name!r}: {e.strerror or e}") from e
             raise
@@ -133,12 +147,19 @@ class Segment:
         """Open and map an existing segment (its layout is checked by the caller)."""
         _check_shm_available()
         path = shm_name(name)
+        squatter = squatter_kind(name)
+        if squatter:
+            raise SegmentCorrupt(
+                f"{shm_path(name)} is {squatter}, not a pool segment; remove it with `cortex cache delete --force {name}`"
+            )
         try:
             shm = posix_ipc.SharedMemory(path, 0)
         except posix_ipc.ExistentialError:
             raise PoolNotFound(f"no pool named {name!r}") from None
         except posix_ipc.PermissionsError:
             raise PermissionDenied(f"permission denied opening pool {name!r}") from None
+        except (OSError, ValueError) as e:  # swapped for a symlink or a directory since we looked
+            raise SegmentCorrupt(f"{shm_path(name)} is not a pool segment ({_why(e)})") from None
         fd = shm.fd
         try:
             size = os.fstat(fd).st_size
@@ -170,6 +191,62 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OverflowError):
+        return "larger than this system can address"
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def _reserve_range(fd: int, nbytes: int, name: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise NoSpace(f"not enough shared memory for pool {name!r}: {SHM_DIR} is full") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def squatter_kind(name: str) -> str | None:
+    """What sits on pool `name`'s path if it is not a regular file (a symlink, a directory...); else None."""
+    try:
+        st = os.lstat(shm_path(name))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"unreadable ({_why(e)})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    return "not a regular file"
+
+
+def remove_squatter(name: str) -> str:
+    """Remove what squats on pool `name`'s path (a symlink, a directory, ...) if it is ours; say what it was.
+
+    Only the name goes: a symlink is unlinked, never followed; a directory is
+    removed only when empty.  PermissionDenied (77) if another user's.
+    """
+    path = shm_path(name)
+    kind = squatter_kind(name) or "a file"
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() and os.geteuid() != 0:
+        raise PermissionDenied(f"{path} is {kind} of uid {st.st_uid}, not ours: not removed")
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionDenied(f"cannot remove {path}: {e.strerror}") from None
+        raise StorageIOError(f"cannot remove {path} ({kind}): {e.strerror}") from None
+    return kind
 
 
 def _unlink_quietly(path: str) -> None:
@@ -205,8 +282,24 @@ def publish(staging: str, name: str) -> None:
         raise PermissionDenied(f"permission denied creating pool {name!r}") from None
 
 
+def replace(staging: str, name: str) -> None:
+    """Give segment `staging` the name `name` in place of the segment there now, atomically.
+
+    A rename within /dev/shm: a process opening `name` finds the old segment
+    or the new one, never neither and never a mix.  Processes that have the
+    old one mapped keep it (as after `unlink`) until they close it.
+    """
+    try:
+        os.rename(shm_path(staging), shm_path(name))
+    except PermissionError:
+        raise PermissionDenied(f"permission denied replacing pool {name!r}") from None
+    except OSError as e:
+        raise StorageIOError(f"cannot replace pool {name!r}: {e.strerror or e}") from None
+
+
 def exists(name: str) -> bool:
-    return os.path.exists(shm_path(name))
+    """Whether anything, pool or not, holds pool `name`'s path (a dangling symlink included)."""
+    return os.path.lexists(shm_path(name))
 
 
 def attached_pids(name: str) -> list[int]:
@@ -245,4 +338,4 @@ def list_names() -> list[str]:
     return sorted(out)
 
 
-__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "exists", "list_names", "attached_pids"]
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids"]

@@ -44,7 +44,10 @@ def _tensor_view(t: Any) -> memoryview:
 def key_bytes(key: str | bytes | bytearray | memoryview) -> tuple[bytes, bool]:
     """(encoded key, was_str) for a str or bytes-like key; UsageError for anything else."""
     if isinstance(key, str):
-        kb, is_str = key.encode("utf-8", "surrogateescape"), True
+        try:
+            kb, is_str = key.encode("utf-8", "surrogateescape"), True
+        except UnicodeEncodeError as e:  # a lone surrogate that stands for no byte
+            raise UsageError(f"key {key[:40]!r} is not valid text ({e.reason} at {e.start}): use bytes keys") from None
     elif isinstance(key, (bytes, bytearray, memoryview)):
         kb, is_str = bytes(key), False
     else:

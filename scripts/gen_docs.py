@@ -782,7 +782,11 @@ def man(m: Model) -> str:
         ("CORTEX_CACHE_SNAPSHOT_DIR", "Directory of snapshots written by \\fBpersist\\fR and read by \\fBrestore\\fR "
          "without \\fB\\-\\-output\\fR/\\fB\\-\\-input\\fR.  Default: \\fI$XDG_STATE_HOME/cortex\\-cache/snapshots\\fR "
          "(\\fI~/.local/state/cortex\\-cache/snapshots\\fR), or \\fI/var/lib/cortex\\-cache/snapshots\\fR for root "
-         "when \\fBXDG_STATE_HOME\\fR is not set."),
+         "when \\fBXDG_STATE_HOME\\fR is not set.  It must be ours and not writable by others (exit 77 otherwise); "
+         "a \\fINAME\\fR.ccsnap there that is a symbolic link or another user's file is refused."),
+        ("CORTEX_CACHE_LOCK_TIMEOUT", "Seconds a library call waits for a pool's lock before failing with exit 75 "
+         "(default 30; \\fBinf\\fR waits for ever).  A lock holder that was stopped costs this wait, never a hang.  "
+         "The commands here wait 5 to 10 seconds."),
         ("CORTEX_CACHE_DEBUG", "When set and not \\fB0\\fR, errors show their traceback, as with \\fB\\-\\-debug\\fR."),
         ("NO_COLOR", "When set, output is never coloured."),
         ("XDG_STATE_HOME", "See \\fBCORTEX_CACHE_SNAPSHOT_DIR\\fR."),

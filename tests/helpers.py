@@ -11,14 +11,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_py(code: str, *args: str, check: bool = True, timeout: float = 60, input: bytes | None = None):
-    """Run `code` in a fresh Python process (same env and prefix); return CompletedProcess."""
+def run_py(code: str, *args: str, check: bool = True, timeout: float = 60, input: bytes | None = None,
+           env: dict | None = None):
+    """Run `code` in a fresh Python process (same env and prefix, plus `env`); return CompletedProcess."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,
         timeout=timeout,
         input=input,
         cwd=REPO,
+        env={**os.environ, **env} if env else None,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stderr.decode()}")

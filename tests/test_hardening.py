@@ -173,6 +173,8 @@ while True:
         q = Pool.restore(sys.argv[4], name=sys.argv[5])
         q.close()
         Pool.unlink(sys.argv[5])
+    elif op == "replace":                                  # two snapshots, in turn, over one pool
+        Pool.restore(sys.argv[4 + i % 2], name=name, replace=True).close()
     print(i, flush=True)
 """
 
@@ -278,6 +280,42 @@ def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, 
     q.close()
     Pool.unlink(target)
     assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
+
+
+REPLACE_ROUNDS = max(ROUNDS, 20)
+
+
+def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_pool, tmp_path, pool_name, monkeypatch):
+    """Two snapshots of 200 entries each (different keys) restored over one pool in turn, killed at random:
+    the pool always holds exactly one of them, whole, and never a mix."""
+    from cortex_cache import persist
+
+    snaps = []
+    for v, keys in ((1, "a"), (2, "b")):
+        with Pool.create(f"{pool_name}{keys}", "4M", block_size="4K") as src:
+            for k in range(200):
+                src.put(f"{keys}{k}", make_value(k, v, 15_000))
+            snaps.append(str(src.persist(tmp_path / f"{keys}.ccsnap")))
+        Pool.unlink(f"{pool_name}{keys}")
+    p = make_pool("4M", block_size="4K", name=pool_name)
+    for k in range(200):
+        p.put(f"a{k}", make_value(k, 1, 15_000))
+    p.close()
+    seen = {"a": 0, "b": 0}
+    for r in range(REPLACE_ROUNDS):
+        _kill_at_random("replace", pool_name, 1300 + r, *snaps)
+        with Pool.open(pool_name) as q:
+            keys = sorted(map(str, q.keys()))
+            which = keys[0][0]
+            assert keys == sorted(f"{which}{k}" for k in range(200)), (r, len(keys), keys[:3])
+            for k in range(200):
+                assert check_value(q.get(f"{which}{k}")) == (k, 1 if which == "a" else 2)
+            assert q.verify()["ok"]
+        seen[which] += 1
+    monkeypatch.setattr(persist, "_STAGING_STALE_AFTER", 0.0)
+    Pool.restore(snaps[0], name=pool_name, replace=True).close()  # sweeps the killed ones' staging segments
+    assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
+    assert seen["a"] and seen["b"], seen  # kills landed on both sides of the swap
 
 
 def test_sigkill_of_a_remote_writer_leaves_the_pool_and_the_server_consistent(make_pool, pool_name):

@@ -98,7 +98,11 @@ def test_restore_refuses_an_existing_pool_unless_replace(make_pool, restored):
     assert set(p.keys()) == {"a", "b"}
     q = Pool.restore(path, replace=True)
     restored.append(q)
-    assert set(p.keys()) == {"a"} and p.get("a") == b"1"  # the same segment, seen by old handles too
+    assert set(q.keys()) == {"a"} and q.get("a") == b"1"
+    # Swapped in whole: a handle on the old pool keeps the old one (as after a delete) ...
+    assert set(p.keys()) == {"a", "b"}
+    with Pool.open(p.name) as again:  # ... and whoever opens the name now gets the new one.
+        assert set(again.keys()) == {"a"}
 
 
 def test_restore_under_another_name_and_ttl_stays_absolute(make_pool, restored, pool_name, tmp_path):

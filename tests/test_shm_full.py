@@ -69,19 +69,25 @@ r = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", "create", "c"
                    capture_output=True)
 out["cli"] = [r.returncode, r.stderr.decode().splitlines()]
 out["restore"] = refused(lambda: Pool.restore(snap, name="d"))
+# A sparse pool's metadata is written by create itself: refused (73) before any page could be missing.
+r = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", "create", "e", "--size", "256M", "--no-reserve"],
+                   capture_output=True)
+out["no_reserve"] = [r.returncode, r.stderr.decode().splitlines()]
+# Replacing a pool builds the new one beside it before the swap: it needs the room, and changes nothing without.
+out["replace"] = refused(lambda: Pool.restore(snap, name="a", replace=True))
 out["a_unchanged"] = sorted(a.keys()) == keys_before and all(check_value(a.get(k)) for k in keys_before)
 out["segments_while_full"] = sorted(n for n in os.listdir("/dev/shm") if n != "filler")
-# Restoring over the pool itself needs no new memory: it works while /dev/shm is full.
+
+# Space back: the same restores work.  (A handle on a replaced pool keeps its memory until it
+# closes, as after a delete: closed here so that the second restore below has room too.)
+os.unlink("/dev/shm/filler")
+a.close()
 with Pool.restore(snap, name="a", replace=True) as again:
     out["replaced"] = sorted(again.keys()) == sorted(f"k{i}" for i in range(200)) and all(
         check_value(again.get(f"k{i}")) == (i, 0) for i in range(200))
-
-# Space back: the same restore works.
-os.unlink("/dev/shm/filler")
 with Pool.restore(snap, name="d") as d:
     out["restored_after"] = len(d)
 Pool.unlink("d")
-a.close()
 Pool.unlink("a")
 out["left"] = os.listdir("/dev/shm")
 print(json.dumps(out))
@@ -119,9 +125,11 @@ def test_dev_shm_filled_by_another_process_gives_clean_errors_and_no_sigbus(tmp_
     out = json.loads(r.stdout)
     assert out["free_after_fill"] < 16 << 10
     assert out["entries_after_fill"] > 300 and out["evictions"] > 0
-    for what in ("create", "restore"):
+    for what in ("create", "restore", "replace"):
         assert out[what] is not None and out[what][0] == 73, (what, out[what])
     assert not out["b_exists"] and out["a_unchanged"] and out["replaced"]
+    code, stderr = out["no_reserve"]
+    assert code == 73 and len(stderr) == 1, out["no_reserve"]  # not -7 (SIGBUS), and nothing left behind
     code, stderr = out["cli"]
     assert code == 73 and len(stderr) == 1 and "not enough shared memory" in stderr[0], out["cli"]
     assert out["segments_while_full"] == [os.environ["CORTEX_CACHE_SHM_PREFIX"] + "a"], out["segments_while_full"]
