@@ -390,12 +390,16 @@ class CortexHiCache:
         try:
             mv = w.memoryview
             mv[:HEADER_SIZE] = self._header(layout, pkey)
+            h = xxhash.xxh3_64(mv[:HEADER_SIZE])
             off = HEADER_SIZE
             for ptr, nbytes in run:
-                np.copyto(np.frombuffer(mv, np.uint8, nbytes, off), _host_bytes(ptr, nbytes))  # GIL released
+                dst = np.frombuffer(mv, np.uint8, nbytes, off)
+                np.copyto(dst, _host_bytes(ptr, nbytes))  # GIL released
+                h.update(dst)  # the pool's checksum, taken while the piece is still in the CPU cache
+                del dst
                 off += nbytes
             del mv
-            w.commit()
+            w.commit(h.intdigest())
         except BaseException:
             w.abort()
             raise
