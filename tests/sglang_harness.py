@@ -172,7 +172,13 @@ def counters(backend) -> dict:
 # ---------------------------------------------------------------------- scenarios
 
 
+def copy_threads(a: dict) -> None:
+    """With "parallel", every batch of more than one page goes through the backend's copy threads."""
+    cortex_sglang._PARALLEL_BYTES = 0 if a.get("parallel") else 4 << 20
+
+
 def scenario_set(a: dict) -> dict:
+    copy_threads(a)
     host = make_host(a["kind"], a.get("layout", "page_first"))
     fill(host, a["seed"])
     backend = make_backend(host, a["kind"], a["pool"], a.get("model", "Qwen/Qwen3-0.6B"), a["v1"],
@@ -188,6 +194,7 @@ def scenario_set(a: dict) -> dict:
 
 def scenario_get(a: dict) -> dict:
     """Load pages stored by another process into other host slots; compare with what it stored."""
+    copy_threads(a)
     kind, layout = a["kind"], a.get("layout", "page_first")
     expected = make_host(kind, layout)
     fill(expected, a["seed"])

@@ -28,6 +28,9 @@ Extra-config keys (besides SGLang's own, listed in `_SGLANG_KEYS`):
   remote      a Valkey/Redis URL for a remote tier under it
   namespace   prefix of the pool keys (default "sglang/")
   verify      check every loaded page against its checksum (default true)
+  workers     threads that copy and checksum the pages of a v1 batch in
+              parallel (default: up to 4, one per CPU; copies and checksums
+              release the GIL)
 
 Keys.  A page is stored under
 `<namespace><model>/mha/tp<rank>of<size>/<format>/<page hash>` (an MHA shard
@@ -78,6 +81,7 @@ import os
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -97,7 +101,8 @@ MAGIC = b"CXSG"
 VERSION = 1
 DEFAULT_NAMESPACE = "sglang/"
 _PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write", "remote",
-           "namespace", "verify")
+           "namespace", "verify", "workers")
+_PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the calling thread alone
 # Keys of the extra config that SGLang itself reads (or pops before we see them).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
                 "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
@@ -225,6 +230,12 @@ class CortexHiCache:
             raise UsageError('hicache-storage-backend-extra-config "create" needs "size" (e.g. "16G")')
         self.namespace = str(extra.get("namespace", DEFAULT_NAMESPACE))
         self.verify = bool(extra.get("verify", True))
+        workers = extra.get("workers", min(4, os.cpu_count() or 1))
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise UsageError(f'hicache-storage-backend-extra-config "workers" must be a positive integer, '
+                             f'not {workers!r}')
+        self._copiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"cortex-hicache-{name}") \
+            if workers > 1 else None
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.storage_config = storage_config
         self.model = str(getattr(storage_config, "model_name", None) or "default")
@@ -370,7 +381,7 @@ class CortexHiCache:
                 if pages is None:
                     self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
                     return [False] * n
-                out = [self._set_pieces(pool, layout, k, run) for k, run in zip(keys, pages)]
+                out = self._map(lambda k, run: self._set_pieces(pool, layout, k, run), keys, pages, layout)
         except Exception as e:  # never into SGLang's thread
             self._fault("errors", n, f"batch_set_v1: {type(e).__name__}: {e}")
             return [False] * n
@@ -407,7 +418,9 @@ class CortexHiCache:
         return True
 
     def batch_get_v1(self, keys: list, host_indices: Any, extra_info: Any = None) -> list:
-        """Load each page into its host slots; stops at the first miss (SGLang uses only the leading run)."""
+        """Load each page into its host slots; True for the leading run of hits only (all SGLang uses).
+
+        One thread stops at the first miss; copy threads load the whole batch at once."""
         n = len(keys)
         start = time.perf_counter()
         out = [False] * n
@@ -421,15 +434,30 @@ class CortexHiCache:
                 if pages is None:
                     self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
                     return out
-                for i, (page_hash, run) in enumerate(zip(keys, pages)):
-                    if not self._get_pieces(pool, layout, page_hash, run):
-                        break
-                    out[i] = True
+                if self._parallel(n, layout):
+                    got = self._map(lambda k, run: self._get_pieces(pool, layout, k, run), keys, pages, layout)
+                else:  # one page after another, stopping at the first miss
+                    got = []
+                    for page_hash, run in zip(keys, pages):
+                        got.append(self._get_pieces(pool, layout, page_hash, run))
+                        if not got[-1]:
+                            break
+                lead = got.index(False) if False in got else len(got)
+                out[:lead] = [True] * lead
         except Exception as e:  # never into SGLang's thread
             self._fault("errors", 1, f"batch_get_v1: {type(e).__name__}: {e}")
             return out
         self._record("prefetch", sum(out), layout.page_bytes, start)
         return out
+
+    def _parallel(self, n: int, layout: _Layout) -> bool:
+        return self._copiers is not None and n > 1 and n * layout.page_bytes >= _PARALLEL_BYTES
+
+    def _map(self, fn: Any, keys: list, pages: list, layout: _Layout) -> list:
+        """fn over the pages of a batch: on the copy threads when it moves enough bytes to pay for them."""
+        if self._parallel(len(keys), layout):
+            return list(self._copiers.map(fn, keys, pages))  # type: ignore[union-attr]
+        return [fn(k, run) for k, run in zip(keys, pages)]
 
     def _get_pieces(self, pool: Pool, layout: _Layout, page_hash: str, run: list[tuple[int, int]]) -> bool:
         pkey = self._key(page_hash)
@@ -567,6 +595,8 @@ class CortexHiCache:
         return m
 
     def close(self) -> None:
+        if self._copiers is not None:
+            self._copiers.shutdown()
         self._attachment.close()
 
 
