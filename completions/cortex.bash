@@ -24,8 +24,12 @@ _cortex_snapshots()
             dir=${XDG_STATE_HOME:-$HOME/.local/state}/cortex-cache/snapshots
         fi
     fi
-    for f in "$dir"/*.ccsnap; do
+    # Under another prefix than the default, snapshot names start with it.
+    local prefix=${CORTEX_CACHE_SHM_PREFIX-cortex-cache.} sp=
+    [[ $prefix == cortex-cache. ]] || sp=$prefix
+    for f in "$dir/$sp"*.ccsnap; do
         n=${f##*/}
+        n=${n#"$sp"}
         n=${n%.ccsnap}
         [[ -f $f && $n != *-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]T[0-9][0-9][0-9][0-9][0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]Z ]] &&
             printf '%s\n' "$n"
@@ -48,17 +52,19 @@ _cortex_files()
 _cortex_options()
 {
     case $1 in
-        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --json -q --quiet --help' ;;
+        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
-        status) _cortex_words '--json --format -q --quiet --help' ;;
+        status) _cortex_words '--json --format --watch --count -q --quiet --help' ;;
         delete) _cortex_words '-f --force -q --quiet --help' ;;
         put) _cortex_words '--ttl --priority -q --quiet --help' ;;
-        get) _cortex_words '-o --output -q --quiet --help' ;;
+        get) _cortex_words '-o --output --peek -q --quiet --help' ;;
         keys) _cortex_words '--prefix --limit -l --long --tier --json -q --quiet --help' ;;
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --json -q --quiet --help' ;;
-        restore) _cortex_words '-i --input --replace --mode --json -q --quiet --help' ;;
+        restore) _cortex_words '-i --input --replace --if-missing --mode --json -q --quiet --help' ;;
+        snapshots) _cortex_words '--json -q --quiet --help' ;;
+        doctor) _cortex_words '--json -q --quiet --help' ;;
     esac
 }
 
@@ -66,7 +72,7 @@ _cortex()
 {
     local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} opt=
     local group= cmd= w i npos=0 skip=0 dashdash=0
-    local values=' --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl -i -o -s '
+    local values=' --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl --watch -i -o -s '
     COMPREPLY=()
 
     # The command so far: group, command, and how many arguments it has.
@@ -119,12 +125,12 @@ _cortex()
     fi
 
     if [[ -z $group ]]; then
-        [[ $cur == -* ]] && _cortex_words '-q --quiet --debug --help' || _cortex_words 'cache'
+        [[ $cur == -* ]] && _cortex_words '-q --quiet --version --debug --help' || _cortex_words 'cache'
         return 0
     fi
     [[ $group == cache ]] || return 0
     if [[ -z $cmd ]]; then
-        [[ $cur == -* ]] && _cortex_words '-q --quiet --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore'
+        [[ $cur == -* ]] && _cortex_words '-q --quiet --version --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore snapshots doctor'
         return 0
     fi
     if (( !dashdash )) && [[ $cur == -* ]]; then
@@ -146,6 +152,7 @@ _cortex()
         verify:0) _cortex_words "$(_cortex_pools)" ;;
         persist:0) _cortex_words "$(_cortex_pools)" ;;
         restore:0) _cortex_words "$({ _cortex_pools; _cortex_snapshots; } | sort -u)" ;;
+        snapshots:0) _cortex_words "$({ _cortex_pools; _cortex_snapshots; } | sort -u)" ;;
         *) (( dashdash )) || _cortex_options "$cmd" ;;
     esac
     return 0

@@ -3,7 +3,7 @@
 #
 # Install: copy to ~/.config/fish/completions/cortex.fish
 
-set -g __cortex_value_options --block-size --bytes --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl -i -o -s
+set -g __cortex_value_options --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl --watch -i -o -s
 
 # The words so far after `cortex`, without options and their values.
 function __cortex_args
@@ -67,19 +67,26 @@ function __cortex_snapshots
             set dir $HOME/.local/state/cortex-cache/snapshots
         end
     end
-    for f in $dir/*.ccsnap
+    # Under another prefix than the default, snapshot names start with it.
+    set -l sp cortex-cache.
+    set -q CORTEX_CACHE_SHM_PREFIX; and set sp $CORTEX_CACHE_SHM_PREFIX
+    test "$sp" = cortex-cache.; and set sp ''
+    for f in $dir/$sp*.ccsnap
         test -f $f; or continue
         set -l n (string replace -r '.*/' '' -- $f | string replace -r '\.ccsnap$' '')
+        set n (string sub -s (math (string length -- "$sp") + 1) -- $n)
         string match -qr -- '-\d{8}T\d{6}\.\d{6}Z$' $n; or printf '%s\n' $n
     end
 end
 
 complete -c cortex -f
 complete -c cortex -n '__cortex_at root' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_at root' -l version -d 'Print the version and exit'
 complete -c cortex -n '__cortex_at root' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
 complete -c cortex -n '__cortex_at root' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at root' -a cache -d 'Create, inspect, use and remove KV-cache pools'
 complete -c cortex -n '__cortex_at group' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_at group' -l version -d 'Print the version and exit'
 complete -c cortex -n '__cortex_at group' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
 complete -c cortex -n '__cortex_at group' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at group' -a create -d 'Create a pool'
@@ -93,6 +100,8 @@ complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and rep
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
 complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot, verified whole before anything changes'
+complete -c cortex -n '__cortex_at group' -a snapshots -d 'List every snapshot of a pool in the snapshot directory, oldest first'
+complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-up; exit 1 if something is wrong, each finding with what to do'
 
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
 complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
@@ -109,6 +118,8 @@ complete -c cortex -n '__cortex_using create' -l disk-o-direct -d 'Read and writ
 complete -c cortex -n '__cortex_using create' -l disk-max-entries -x -d 'Disk index capacity (default: one entry per block of disk, at most 2,097,152)'
 complete -c cortex -n '__cortex_using create' -l remote -x -d 'A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N'
 complete -c cortex -n '__cortex_using create' -l remote-cluster -d 'The --remote URL names a node of a Valkey/Redis cluster'
+complete -c cortex -n '__cortex_using create' -l keep -x -d 'Snapshots of this pool that persist keeps (stored with the pool; default 3)'
+complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using create' -l help -d 'Show this message and exit'
@@ -118,7 +129,9 @@ complete -c cortex -n '__cortex_using list' -s q -l quiet -d 'Print no confirmat
 complete -c cortex -n '__cortex_using list' -l help -d 'Show this message and exit'
 
 complete -c cortex -n '__cortex_using status' -l json -d 'Print one JSON document on stdout'
-complete -c cortex -n '__cortex_using status' -l format -x -a 'table json prometheus' -d 'table, json, or prometheus (text exposition format)'
+complete -c cortex -n '__cortex_using status' -l format -x -a 'table json prometheus' -d 'table (default), json, or prometheus (text exposition format)'
+complete -c cortex -n '__cortex_using status' -l watch -x -d 'Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME'
+complete -c cortex -n '__cortex_using status' -l count -x -d 'With --watch: stop after N lines'
 complete -c cortex -n '__cortex_using status' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using status' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using status 0' -a '(__cortex_pools)' -d pool
@@ -135,7 +148,8 @@ complete -c cortex -n '__cortex_using put' -l help -d 'Show this message and exi
 complete -c cortex -n '__cortex_using put 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using put 2' -F
 
-complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout'
+complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout (\'-\': stdout)'
+complete -c cortex -n '__cortex_using get' -l peek -d 'Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)'
 complete -c cortex -n '__cortex_using get' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using get' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
@@ -152,7 +166,7 @@ complete -c cortex -n '__cortex_using keys 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using evict' -l percent -x -d 'Evict this percentage of the stored bytes, by policy'
 complete -c cortex -n '__cortex_using evict' -l bytes -x -d 'Evict at least this many value bytes, by policy (e.g. 1G)'
 complete -c cortex -n '__cortex_using evict' -l expired -d 'Evict expired entries only'
-complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key (repeatable)'
+complete -c cortex -n '__cortex_using evict' -l key -x -d 'Evict this key; repeat the option for more keys (--key a --key b)'
 complete -c cortex -n '__cortex_using evict' -l prefix -x -d 'Evict every key starting with this'
 complete -c cortex -n '__cortex_using evict' -l all -d 'Evict everything'
 complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all remote' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)'
@@ -169,17 +183,28 @@ complete -c cortex -n '__cortex_using verify' -l help -d 'Show this message and 
 complete -c cortex -n '__cortex_using verify 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using persist' -s o -l output -r -F -d 'Write the snapshot to this file instead of the snapshot directory'
-complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory (default 3)'
+complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)'
 complete -c cortex -n '__cortex_using persist' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using persist' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using persist 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using restore' -s i -l input -r -F -d 'Snapshot file (default: NAME.ccsnap in the snapshot directory)'
-complete -c cortex -n '__cortex_using restore' -l replace -d 'Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically'
+complete -c cortex -n '__cortex_using restore' -l replace -d 'Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)'
+complete -c cortex -n '__cortex_using restore' -l if-missing -d 'Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)'
 complete -c cortex -n '__cortex_using restore' -l mode -x -d 'Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool\'s); never wider than the snapshot file\'s'
 complete -c cortex -n '__cortex_using restore' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_snapshots)' -d snapshot
+
+complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using snapshots' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using snapshots' -l help -d 'Show this message and exit'
+complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_pools)' -d pool
+complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_snapshots)' -d snapshot
+
+complete -c cortex -n '__cortex_using doctor' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using doctor' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using doctor' -l help -d 'Show this message and exit'

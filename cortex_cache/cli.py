@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 import time
 from enum import Enum
@@ -63,14 +64,40 @@ cache = typer.Typer(
 app.add_typer(cache, name="cache")
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("cortex-cache")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            v = "unknown"
+        sys.stdout.write(f"cortex-cache {v}\n")
+        raise typer.Exit(0)
+
+
+VERSION_OPT = typer.Option(False, "--version", help="Print the version and exit.", callback=_show_version, is_eager=True)
+
+
 @app.callback()
-def _root(quiet: bool = QUIET_OPT) -> None:
+def _root(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
     pass
 
 
 @cache.callback()
-def _cache(quiet: bool = QUIET_OPT) -> None:
+def _cache(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
     pass
+
+
+# Typer writes a required argument as {NAME} in usage lines; the man page and
+# every other tool write NAME.
+def _usage_name(self) -> str:  # type: ignore[no-untyped-def]
+    name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
 
 
 Policy = Enum("Policy", {name: name for name in POLICY_IDS}, type=str)  # type: ignore[misc]
@@ -113,7 +140,8 @@ def _console(stderr: bool = False):  # rich is imported by typer already
     # Off a terminal rich assumes 80 columns and would cut names and keys:
     # a pipe or file gets whole lines instead.
     width = None if stream.isatty() else 1 << 16
-    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width)
+    # markup=False: our text holds brackets ("cortex-cache[remote]") that are no rich markup.
+    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width, markup=False)
 
 
 def _print_table(table, console=None) -> None:
@@ -127,8 +155,16 @@ def _print_table(table, console=None) -> None:
     sys.stdout.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
 
 
+def _now_iso() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
 def _print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """One JSON document on one line (fit for a log), with the time it was made (UTC, ISO 8601)."""
+    if isinstance(doc, dict):
+        doc = {"time": _now_iso(), **doc}
+    sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
 
 
 def _say(msg: str, stderr: bool = False) -> None:
@@ -218,6 +254,8 @@ def create(
     disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
     remote: Optional[str] = typer.Option(None, "--remote", metavar="URL", help="A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N."),
     remote_cluster: bool = typer.Option(False, "--remote-cluster", help="The --remote URL names a node of a Valkey/Redis cluster."),
+    keep: Optional[int] = typer.Option(None, "--keep", metavar="N", help="Snapshots of this pool that persist keeps (stored with the pool; default 3)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -230,6 +268,11 @@ def create(
 
     if disk_write is not None and tier is Tier.cpu and disk_path is None:
         raise UsageError("--disk-write needs --tier disk (or --disk-path)")
+    if keep is not None and keep < 1:
+        raise UsageError(f"--keep must be at least 1, not {keep}")
+    from . import segment
+
+    existed = if_missing and segment.exists(name)
     p = Pool.create(
         name,
         parse_size(size),
@@ -247,11 +290,15 @@ def create(
         disk_max_entries=disk_max_entries,
         remote=remote,
         remote_cluster=remote_cluster,
+        keep=keep,
+        exist_ok=if_missing,
     )
     with p:
         st = p.stats()
     if as_json:
-        _print_json(st)
+        _print_json({**st, "created": not existed} if if_missing else st)
+    elif existed:
+        _say(f"pool {name} exists with this configuration; nothing to do")
     else:
         _say(
             f"created pool {name}: {_fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
@@ -389,6 +436,21 @@ def _prometheus(rows: list[dict[str, Any]]) -> str:
         for r in with_disk:
             v = r["disk"][key]
             out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
+    snap_metrics = [
+        ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
+        ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
+        ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
+         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch; alert when it gets old."),
+        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot."),
+    ]
+    with_snaps = [r for r in ok if r.get("snapshots")]
+    for metric, key, kind, help_ in snap_metrics if with_snaps else []:
+        name = f"cortex_cache_{metric}"
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_snaps:
+            v = r["snapshots"][key]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
     out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
     out.append("# TYPE cortex_cache_up gauge")
     for r in rows:
@@ -403,33 +465,73 @@ def _others_attached(name: str) -> list[int]:
     return [p for p in segment.attached_pids(name) if p != os.getpid()]
 
 
+def _add_operating(row: dict[str, Any]) -> None:
+    """What status adds to a pool's stats: who has it mapped, and its snapshots."""
+    from . import persist as snap
+    from . import procs
+
+    row["attached_pids"] = _others_attached(row["name"])
+    row["attached"] = [procs.describe(p) for p in row["attached_pids"]]
+    row["snapshots"] = snap.snapshot_usage(row["name"])
+
+
+def _show_attached(procs_: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{a['pid']} ({a['command'] or '?'}, uid {a['uid'] if a['uid'] is not None else '?'})"
+                     for a in procs_) or "none"
+
+
 @cache.command()
 def status(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="Pool name (default: every pool).", show_default=False),
     as_json: bool = JSON_OPT,
-    fmt: Format = typer.Option(Format.table, "--format", metavar="FORMAT", help="table, json, or prometheus (text exposition format)."),
+    fmt: Optional[Format] = typer.Option(None, "--format", metavar="FORMAT", help="table (default), json, or prometheus (text exposition format)."),
+    watch: Optional[float] = typer.Option(None, "--watch", metavar="SECONDS", help="Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME."),
+    count: Optional[int] = typer.Option(None, "--count", min=1, metavar="N", help="With --watch: stop after N lines."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Show usage, entries, counters and policy of one pool or all pools.
 
+    A pool that is missing exits 66, except with --format prometheus, which
+    prints cortex_cache_up{pool="NAME"} 0 for it (a scrape must not come back
+    empty).
+
     Example: cortex cache status llama --json
     """
     from . import segment
+    from .errors import PoolNotFound
     from .pool import Pool
 
-    if as_json:
-        fmt = Format.json
+    if as_json and fmt not in (None, Format.json):
+        raise UsageError(f"--json and --format {fmt.value} contradict each other: give one")
+    fmt = Format.json if as_json else (fmt or Format.table)
+    if count is not None and watch is None:
+        raise UsageError("--count goes with --watch")
+    if watch is not None:
+        if name is None:
+            raise UsageError("--watch needs a pool NAME")
+        if fmt is Format.prometheus:
+            raise UsageError("--watch prints rates as a table or JSON lines, not prometheus")
+        if not watch > 0:
+            raise UsageError(f"--watch needs a positive number of seconds, not {watch}")
+        _watch(name, watch, count, fmt is Format.json)
+        return
     if name is not None:
-        with Pool.open(name, lock_timeout=5) as p:
-            st = p.stats()
-        st["status"] = "ok"
-        st["attached_pids"] = _others_attached(name)
+        try:
+            with Pool.open(name, lock_timeout=5) as p:
+                st = p.stats()
+        except PoolNotFound as e:
+            if fmt is not Format.prometheus:
+                raise
+            st = {"name": name, "status": "gone", "error": str(e)}
+        else:
+            st["status"] = "ok"
+            _add_operating(st)
         rows = [st]
     else:
         rows = [_pool_summary(n) for n in segment.list_names()]
         for r in rows:
             if r["status"] == "ok":
-                r["attached_pids"] = _others_attached(r["name"])
+                _add_operating(r)
     if fmt is Format.json:
         _print_json(rows[0] if name is not None else {"pools": rows})
         return
@@ -458,10 +560,12 @@ def status(
         t.add_row("hits / misses", f"{r['hits']} / {r['misses']} (hit ratio {r['hit_ratio']:.3f})")
         t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
         t.add_row("evictions", f"{r['evictions']} ({_fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
-        t.add_row("attached", ", ".join(map(str, r["attached_pids"])) or "none")
+        t.add_row("attached", _show_attached(r["attached"]))
         t.add_row("owner / mode", f"uid {r['uid']} gid {r['gid']}, {r['mode']}")
         t.add_row("created", _fmt_time(r["created"]))
         t.add_row("last snapshot", _fmt_time(r["last_snapshot"]) + (f" ({_fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
+        sn = r["snapshots"]
+        t.add_row("snapshots", f"{sn['count']}, {_fmt_size(sn['bytes'])} in {sn['directory']}")
         if r["repairs"]:
             t.add_row("repairs", str(r["repairs"]))
         d = r.get("disk")
@@ -487,6 +591,33 @@ def status(
                       f"dropped, {_fmt_size(rm['bytes_written'])} written, {_fmt_size(rm['bytes_read'])} read")
             t.add_row("remote errors", str(rm["errors"]) + (f" (last: {rm['last_error']})" if rm.get("last_error") else ""))
         _print_table(t, con)
+
+
+def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None:
+    from . import watch as w
+    from .pool import Pool
+
+    header = f"{'time':8} {'puts/s':>9} {'gets/s':>9} {'hit%':>6} {'evict/s':>8} {'spill/s':>8} {'promo/s':>8} {'disk w/s':>9} {'disk r/s':>9} {'entries':>8} {'used':>9}"
+    n = 0
+    with Pool.open(name, lock_timeout=5) as p:
+        try:
+            for r in w.watch(p, interval, count):
+                if as_json:
+                    _print_json({"pool": name, **r})
+                else:
+                    if n % 20 == 0:
+                        sys.stdout.write(header + "\n")
+                    hit = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}"
+                    sys.stdout.write(
+                        f"{time.strftime('%H:%M:%S')} {r['puts_per_s']:9.1f} {r['gets_per_s']:9.1f} {hit:>6} "
+                        f"{r['evictions_per_s']:8.1f} {r['spills_per_s']:8.1f} {r['promotions_per_s']:8.1f} "
+                        f"{_fmt_size(r['disk_write_bytes_per_s']):>9} {_fmt_size(r['disk_read_bytes_per_s']):>9} "
+                        f"{r['entries']:8d} {_fmt_size(r['used_bytes']):>9}\n"
+                    )
+                sys.stdout.flush()
+                n += 1
+        except KeyboardInterrupt:  # the way to stop it: not an error
+            pass
 
 
 @cache.command()
@@ -524,6 +655,7 @@ def delete(
         raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
     tier = _disk_tier_of(name)
     segment.unlink(name)
+    _say(f"deleted pool {name}")
     if tier is None:
         return
     if force:
@@ -604,7 +736,8 @@ def put(
 def get(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
-    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout ('-': stdout)."),
+    peek: bool = typer.Option(False, "--peek", help="Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
@@ -617,6 +750,8 @@ def get(
     from .pool import Pool
 
     fd = -1
+    if output == "-":
+        output = None
     if output is not None:
         # Create the output first, so a bad path changes nothing in the pool.
         try:
@@ -635,7 +770,7 @@ def get(
             raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
     try:
         with Pool.open(name, lock_timeout=10) as p:
-            value = p.get(key)
+            value = p.peek(key) if peek else p.get(key)
         if value is None:
             raise KeyNotFound(f"no key {key!r} in pool {name!r}")
     except BaseException:
@@ -720,7 +855,7 @@ def evict(
     percent: Optional[float] = typer.Option(None, "--percent", metavar="PERCENT", help="Evict this percentage of the stored bytes, by policy."),
     nbytes: Optional[str] = typer.Option(None, "--bytes", metavar="SIZE", help="Evict at least this many value bytes, by policy (e.g. 1G)."),
     expired: bool = typer.Option(False, "--expired", help="Evict expired entries only."),
-    key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key (repeatable)."),
+    key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key; repeat the option for more keys (--key a --key b)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
     tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
@@ -728,6 +863,8 @@ def evict(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Evict entries now and report what was freed.  Give exactly one selector.
+
+    Several keys: repeat the option, --key a --key b.
 
     Example: cortex cache evict llama --percent 25
     """
@@ -808,7 +945,7 @@ def _run_with_progress(description: str, fn):
 def persist(
     name: str = NAME_ARG,
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory (default 3)."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -844,7 +981,8 @@ def persist(
 def restore(
     name: str = NAME_ARG,
     input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
-    replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically."),
+    replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)."),
     mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
@@ -852,15 +990,17 @@ def restore(
     """Rebuild a pool from a snapshot, verified whole before anything changes.
 
     The pool is built under a temporary name and appears only when complete:
-    a missing pool is created with the snapshot's size and policy; an
-    existing one is only replaced with --replace, by an atomic swap (other
+    a missing pool is created with the snapshot's whole configuration
+    (size, policy, retention) and its tiers attached again (the disk tier's
+    records that check out are found again, the remote tier is used again);
+    an existing one is only replaced with --replace, by an atomic swap (other
     processes see the old pool or the new one, never a mix; processes
     attached to the old one keep it until they reopen).  A snapshot whose
     entries do not all fit exits 73 and changes nothing.  Expired entries
     are not restored.  A damaged, truncated or foreign file exits 65; a
     FIFO or device exits 2.
 
-    Example: cortex cache restore llama --input /backup/llama.ccsnap --replace
+    Example: cortex cache restore llama --if-missing
     """
     from . import persist as snap
 
@@ -869,9 +1009,15 @@ def restore(
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
     pool, report = _run_with_progress(
         f"restore {name}",
-        lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb,
+        lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
                                 mode=_parse_mode(mode) if mode is not None else None),
     )
+    if pool is None:  # --if-missing, and the pool is there
+        if as_json:
+            _print_json(report)
+        else:
+            _say(f"pool {name} exists; nothing restored")
+        return
     pool.close()
     secs = report["seconds"]
     report["gbps"] = round(report["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0
@@ -883,6 +1029,75 @@ def restore(
             f"from {report['path']} in {secs:.2f}s"
             + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
         )
+        for tier, what in report["tiers"].items():
+            _say(f"{tier} tier: {what}")
+
+
+@cache.command()
+def snapshots(
+    name: str = NAME_ARG,
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """List every snapshot of a pool in the snapshot directory, oldest first.
+
+    Shows each file's time, size and entries, and which one NAME.ccsnap (what
+    restore reads by default) names.  Reads only the files' headers.
+
+    Example: cortex cache snapshots llama
+    """
+    from . import persist as snap
+    from . import segment
+
+    segment.validate_name(name)
+    rows = snap.list_snapshots(name)
+    if as_json:
+        _print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows})
+        return
+    if not rows:
+        _say(f"no snapshots of {name} in {snap.snapshot_dir()}", stderr=True)
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("TIME", "AGE", "SIZE", "ENTRIES", "LATEST", "PATH"):
+        t.add_column(col, justify="right" if col in ("SIZE", "ENTRIES") else "left")
+    for r in rows:
+        if "error" in r:
+            t.add_row("-", "-", "-", "-", "", f"{r['path']} ({r['error']})")
+            continue
+        t.add_row(_fmt_time(r["time"]), _fmt_age(r["time"]), _fmt_size(r["bytes"]), str(r["entries"]),
+                  "yes" if r["latest"] else "", r["path"])
+    _print_table(t)
+
+
+@cache.command()
+def doctor(
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Check this host's set-up; exit 1 if something is wrong, each finding with what to do.
+
+    Looks at /dev/shm (size against the pools, huge pages), the snapshot and
+    disk-tier directories (owner, mode, free space), the remote tiers
+    (redis-py installed, server answering), restore staging segments left
+    behind, and which `cortex` a cron job would run.  Changes nothing.
+
+    Example: cortex cache doctor
+    """
+    from . import doctor as doc
+
+    running = sys.argv[0] if os.path.basename(sys.argv[0]) == "cortex" else None
+    findings = doc.diagnose(running=os.path.abspath(running) if running else None)
+    bad = [f for f in findings if not f["ok"]]
+    if as_json:
+        _print_json({"ok": not bad, "findings": findings})
+    else:
+        for f in findings:
+            line = f"{'ok  ' if f['ok'] else 'FAIL'} {f['message']}"
+            sys.stdout.write(line + (f"\n     fix: {f['fix']}" if f["fix"] else "") + "\n")
+    if bad:
+        raise typer.Exit(EX_PROBLEM)
 
 
 # ---------------------------------------------------------------- entry point
@@ -890,6 +1105,21 @@ def restore(
 
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
+
+
+def _error(msg: str, code: int, as_json: bool) -> None:
+    """An error: one line on stderr; with --json a JSON document {"time", "error", "exit"}."""
+    if as_json:
+        sys.stderr.write(json.dumps({"time": _now_iso(), "error": msg, "exit": code}, separators=(",", ":")) + "\n")
+    else:
+        sys.stderr.write(f"cortex: error: {msg}\n")
+
+
+def _usage_words(msg: str) -> str:
+    """The parser's message in our words: no validation-library phrasing ("Input should be ...")."""
+    msg = _one_line(msg)
+    return re.sub(r"Input should be (greater|less) than or equal to (\S+)", r"must be at \1 \2", msg).replace(
+        "at greater", "at least").replace("at less", "at most")
 
 
 def _is_usage_error(e: BaseException) -> bool:
@@ -901,6 +1131,22 @@ def _is_usage_error(e: BaseException) -> bool:
 
 
 COMPLETE_VAR = "_CORTEX_COMPLETE"
+
+
+def _watch_default(args: list[str]) -> list[str]:
+    """`--watch` takes an optional SECONDS (like `redis-cli --stat`): supply 1 where none follows."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a == "--":  # what follows is data (a KEY), not options
+            return out + args[i + 1 :]
+        if a == "--watch":
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            try:
+                float(nxt)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                out.append("1")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -919,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in options:
         debug = True
         args.remove("--debug")
+    as_json = "--json" in options  # errors, too, are JSON then (on stderr)
+    args = _watch_default(args)
     code = 0
     try:
         rc = typer.main.get_command(app).main(
@@ -937,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"cortex: error: {_one_line(str(e))}\n")
+        _error(f"{_one_line(str(e))}", e.exit_code, as_json)
         code = e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("cortex: interrupted\n")
@@ -955,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"cortex: error: I/O error writing output: {e.strerror or e}\n")
+        _error(f"I/O error writing output: {e.strerror or e}", EX_IOERR, as_json)
         _drop_stdout()
         code = EX_IOERR
     except Exception as e:
@@ -964,14 +1212,17 @@ def main(argv: list[str] | None = None) -> int:
             return EX_USAGE
         if _is_usage_error(e):
             # The parser's own errors (unknown option, bad choice): one line, exit 2.
-            sys.stderr.write(f"cortex: error: {_one_line(e.format_message())} (see --help)\n")  # type: ignore[attr-defined]
+            _error(f"{_usage_words(e.format_message())} (see --help)", EX_USAGE, as_json)  # type: ignore[attr-defined]
             return EX_USAGE
         # Anything else is a bug: say so in one line, traceback with --debug.
         if debug:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
+        if as_json:
+            _error(f"internal error: {_one_line(f'{type(e).__name__}: {e}')}", EX_SOFTWARE, True)
+        else:
+            sys.stderr.write(f"cortex: internal error: {_one_line(f'{type(e).__name__}: {e}')} (rerun with --debug for a traceback)\n")
         code = EX_SOFTWARE
     return code
 

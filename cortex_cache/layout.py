@@ -168,7 +168,10 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("remote_dropped", "<u8", 600),  # writes dropped: queue full, or abandoned at close
     ("remote_bytes_written", "<u8", 608),
     ("remote_bytes_read", "<u8", 616),
-    # 624..1023 reserved (zero).
+    # Operating (persist.py).  Taken from the reserved bytes without a version
+    # bump: zero, what every older segment holds there, means "the default".
+    ("snapshot_keep", "<u4", 624),  # snapshots of the pool persist keeps; 0 = DEFAULT_KEEP
+    # 628..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -451,6 +454,7 @@ H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
               "disk_errors", "disk_evictions")
 )
 H_REMOTE_FLAGS = _word(HEADER_FIELDS, "remote_flags", 4)
+H_SNAPSHOT_KEEP = _word(HEADER_FIELDS, "snapshot_keep", 4)
 (H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_ERRORS, H_REMOTE_CORRUPT, H_REMOTE_SENT,
  H_REMOTE_WRITTEN, H_REMOTE_DROPPED, H_REMOTE_BYTES_WRITTEN, H_REMOTE_BYTES_READ) = (
     _word(HEADER_FIELDS, n, 8)

@@ -1,10 +1,10 @@
 """Atomic, checksummed snapshots of a pool: write (persist) and read (restore).
 
-Snapshot format, version 1.  All integers little-endian::
+Snapshot format, version 2 (version 1 is still read).  All integers little-endian::
 
     file header  FILE_HEAD (320 bytes)
       0   8s  magic b"CRTXSNAP"
-      8   u32 version (1)
+      8   u32 version (2; 1 has no configuration block)
       12  u32 header size (320)
       16  f64 created (wall clock of the persist)
       24  u64 pool data size      32  u64 block size     40  u64 max entries
@@ -12,8 +12,12 @@ Snapshot format, version 1.  All integers little-endian::
       64  u64 lfu period
       72  64s pool name (NUL padded)
       136 u64 x 8 counters: seq, hits, misses, puts, deletes, evictions, expirations, bytes evicted
-      200 112 bytes reserved (zero)
+      200 u32 configuration block length (version 2; 0 in version 1)
+      204 108 bytes reserved (zero)
       312 u64 xxh3_64 of bytes 0..311
+    configuration block (version 2): that many bytes of UTF-8 JSON, the rest of
+      the pool's configuration (config.encode: reserve, keep, disk tier, remote
+      tier), covered by the file checksum
     records, one per live entry: REC_HEAD (104 bytes), key, value
       0   4s  magic b"CREC"       4  u32 key length      8  u32 flags (bit 0: str key)
       12  u32 reserved            16 u64 value length
@@ -65,6 +69,7 @@ from .errors import (
     StorageIOError,
     UsageError,
 )
+from . import config
 from .layout import MAX_KEY_BYTES, Geometry
 from .policy_names import POLICY_IDS
 
@@ -72,14 +77,15 @@ if TYPE_CHECKING:
     from .pool import Pool
 
 MAGIC = b"CRTXSNAP"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions this code restores
 REC_MAGIC = b"CREC"
 END_MAGIC = b"CRTXEND\0"
 SUFFIX = ".ccsnap"
 SNAPSHOT_DIR_ENV = "CORTEX_CACHE_SNAPSHOT_DIR"
 DEFAULT_KEEP = 3
 
-FILE_HEAD = struct.Struct("<8sIId QQQ IIII Q 64s 8Q 112x")
+FILE_HEAD = struct.Struct("<8sIId QQQ IIII Q 64s 8Q I 108x")
 HEAD_CHECK = struct.Struct("<Q")
 REC_HEAD = struct.Struct("<4sIII Q ddd QQQ q Q Q")
 REC_CHECK = struct.Struct("<Q")
@@ -106,14 +112,28 @@ def snapshot_dir() -> Path:
     return Path(state) / "cortex-cache" / "snapshots"
 
 
+def namespaced(name: str) -> str:
+    """The stem of what pool `name` owns on disk (snapshots, default disk tier).
+
+    Namespaced like the segment: under another CORTEX_CACHE_SHM_PREFIX than
+    the default, the prefix comes first, so two deployments with a pool of
+    the same name never share (or rotate away) each other's files.  Under the
+    default prefix the stem is the bare name, as it always was.
+    """
+    from . import segment
+
+    p = segment.prefix()
+    return name if p == segment.DEFAULT_PREFIX else p + name
+
+
 def latest_path(name: str, directory: Path | None = None) -> Path:
     """The stable name of pool `name`'s newest snapshot in the snapshot directory."""
-    return (directory or snapshot_dir()) / f"{name}{SUFFIX}"
+    return (directory or snapshot_dir()) / f"{namespaced(name)}{SUFFIX}"
 
 
 def _timestamped(name: str, directory: Path, now: float) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
-    return directory / f"{name}-{stamp}{SUFFIX}"
+    return directory / f"{namespaced(name)}-{stamp}{SUFFIX}"
 
 
 def _os_error(e: OSError, what: str) -> CortexCacheError:
@@ -157,7 +177,9 @@ def persist(
 
     With `path`, write exactly that file.  Without, write a timestamped file in
     the snapshot directory, point `<name>.ccsnap` at it and keep the newest
-    `keep` (default 3) timestamped snapshots of the pool.  Raises PersistBusy
+    timestamped snapshots of the pool: as many as the pool keeps
+    (`Pool.snapshot_keep`, default 3).  A `keep` given here is stored with
+    the pool first, so every later persist keeps as many.  Raises PersistBusy
     (exit 75) if another persist of this pool is running, PermissionDenied,
     StorageIOError (disk full, I/O error); on any error the previous snapshot
     is untouched and no temp file is left.
@@ -178,7 +200,9 @@ def persist(
         if not lock.try_acquire():  # another process persists (or restores) this pool
             raise busy
         try:
-            return _persist_locked(pool, path, keep, progress)
+            if keep is not None:
+                pool.set_snapshot_keep(keep)
+            return _persist_locked(pool, path, progress)
         finally:
             lock.release()
     finally:
@@ -186,7 +210,7 @@ def persist(
             _running.discard(pool.name)
 
 
-def _persist_locked(pool, path, keep, progress) -> PersistResult:
+def _persist_locked(pool, path, progress) -> PersistResult:
     t0 = time.perf_counter()
     now = time.time()
     if path is None:
@@ -203,7 +227,7 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
         safefs.make_dir(directory, pool._seg.stat().st_mode & 0o777, "snapshot directory")
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
-    _clean_stale_temps(directory, pool.name, target.name)
+    _clean_stale_temps(directory, namespaced(pool.name), target.name)
     tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -228,7 +252,7 @@ def _persist_locked(pool, path, keep, progress) -> PersistResult:
             raise _os_error(e, f"writing {str(target)!r}") from None
         raise
     if path is None:
-        _prune(pool.name, directory, DEFAULT_KEEP if keep is None else keep)
+        _prune(pool.name, directory, pool.snapshot_keep or DEFAULT_KEEP)
     pool._locked(pool._note_snapshot, now)
     return PersistResult(target, entries, nbytes, time.perf_counter() - t0, skipped)
 
@@ -300,12 +324,14 @@ def _write_snapshot(pool: "Pool", f, now: float, progress) -> tuple[int, int, in
         file_hash.update(data)
 
     cfg = pool._locked(pool._snapshot_config)
+    block = config.encode(pool._locked(pool.configuration))
     head = FILE_HEAD.pack(
         MAGIC, VERSION, FILE_HEAD.size + HEAD_CHECK.size, now,
         cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
-        cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS],
+        cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS], len(block),
     )
     out(head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)))
+    out(block)
     # Live entries at the start, oldest insert first; entries put later are
     # not part of this snapshot, entries deleted meanwhile are skipped.
     order = pool._locked(lambda: _live_in_insert_order(pool))
@@ -347,7 +373,9 @@ def _live_in_insert_order(pool: "Pool") -> np.ndarray:
 
 
 def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> None:
-    """Remove temp files that a killed persist of this pool left (we hold its persist lock)."""
+    """Remove temp files that a killed persist of this pool left (we hold its persist lock).
+
+    `pool_name` is the namespaced stem of the pool's files."""
     tmp = r"\.tmp-[0-9a-f]{12}$"
     patterns = [
         re.compile(r"^\." + re.escape(target_name) + tmp),  # an explicit --output
@@ -389,11 +417,69 @@ def _fsync_dir(directory: Path) -> None:
 def snapshots_of(name: str, directory: Path | None = None) -> list[Path]:
     """Timestamped snapshots of pool `name` in the directory, oldest first."""
     directory = directory or snapshot_dir()
-    pattern = re.compile(r"^" + re.escape(name) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
+    pattern = re.compile(r"^" + re.escape(namespaced(name)) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
     try:
         return sorted(p for p in directory.iterdir() if pattern.match(p.name))
     except FileNotFoundError:
         return []
+
+
+def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, Any]]:
+    """Every snapshot of pool `name` in the snapshot directory, oldest first.
+
+    Each: path, time (of the persist), bytes (file size), entries, value_bytes,
+    latest (what `NAME.ccsnap` names), and configuration (the remote URL
+    redacted); a file that cannot be read has "error" instead of the figures.
+    Only headers and trailers are read: this is cheap and never touches a pool.
+    """
+    from .errors import SnapshotNotFound
+
+    directory = directory or snapshot_dir()
+    latest = latest_path(name, directory)
+    try:
+        latest_ino = latest.stat().st_ino
+    except OSError:
+        latest_ino = None
+    out = []
+    for path in snapshots_of(name, directory):
+        row: dict[str, Any] = {"path": str(path)}
+        try:
+            st = path.stat()
+            row["bytes"] = st.st_size
+            row["latest"] = st.st_ino == latest_ino
+            with Snapshot(path, verify=False) as snap:
+                h = snap.header
+                row.update(time=h.created, entries=snap.entries, value_bytes=snap.value_bytes, version=h.version,
+                           size_bytes=h.size, policy=h.policy,
+                           configuration=config.redacted(h.config) if h.config else None)
+        except SnapshotNotFound:
+            continue  # rotated away meanwhile
+        except (CortexCacheError, OSError) as e:
+            row["error"] = str(e)
+        out.append(row)
+    return out
+
+
+def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """Count and total bytes of pool `name`'s snapshots, and the latest one's time and bytes (None: none).
+
+    From the directory listing alone (no file is read): cheap enough for every `status`.
+    """
+    directory = directory or snapshot_dir()
+    files = snapshots_of(name, directory)
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    try:
+        st = latest_path(name, directory).stat()
+        last_time, last_bytes = st.st_mtime, st.st_size
+    except OSError:
+        last_time = last_bytes = None
+    return {"directory": str(directory), "count": len(files), "bytes": total, "latest_time": last_time,
+            "latest_bytes": last_bytes}
 
 
 def _prune(name: str, directory: Path, keep: int) -> None:
@@ -419,6 +505,10 @@ class SnapshotHeader:
     lfu_period: int
     name: str
     counters: dict[str, int]
+    version: int = VERSION
+    # The rest of the configuration (config.decode); a version 1 file has
+    # none: no tiers, default retention.
+    config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -522,10 +612,11 @@ class Snapshot:
             raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot")
         fields = FILE_HEAD.unpack_from(mv, 0)
         (_, version, hsize, created, size, bsize, max_entries, policy, flags, mode, _r, lfu_period, name,
-         *counters) = fields
-        if version != VERSION:
+         *counters, config_len) = fields
+        if version not in READS:
             raise SnapshotCorrupt(
-                f"snapshot {str(self.path)!r} has format version {version}; this cortex_cache reads version {VERSION}"
+                f"snapshot {str(self.path)!r} has format version {version}; this cortex_cache reads versions "
+                + ", ".join(map(str, READS))
             )
         (check,) = HEAD_CHECK.unpack_from(mv, FILE_HEAD.size)
         if hsize != FILE_HEAD.size + HEAD_CHECK.size or check != xxhash.xxh3_64_intdigest(mv[: FILE_HEAD.size]):
@@ -537,8 +628,17 @@ class Snapshot:
             pool_name = name.rstrip(b"\0").decode()
         except (CortexCacheError, UnicodeDecodeError):
             raise self._corrupt("impossible pool configuration") from None
+        self.records_off = FILE_HEAD.size + HEAD_CHECK.size
+        cfg = None
+        if version >= 2:
+            if config_len > min(config.MAX_CONFIG_BYTES, self.size - self.records_off - TRAILER.size):
+                raise self._corrupt("impossible configuration length")
+            cfg = config.decode(bytes(mv[self.records_off : self.records_off + config_len]), str(self.path))
+            self.records_off += config_len
+        elif config_len:
+            raise self._corrupt("header checksum mismatch")
         return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
-                              lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)))
+                              lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)), version, cfg)
 
     def _verify(self) -> None:
         end = self.size - TRAILER.size
@@ -564,7 +664,7 @@ class Snapshot:
         (with `values=False`, all but the values' own checksums).  A `hasher`
         (xxh3_64) is fed every byte before the trailer, for `check_trailer`."""
         mv = self._mv
-        pos = FILE_HEAD.size + HEAD_CHECK.size
+        pos = self.records_off
         end = self.size - TRAILER.size
         self._seen_bytes = 0
         if hasher is not None:
@@ -601,7 +701,8 @@ def restore(
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
     mode: int | None = None,
-) -> tuple["Pool", dict[str, Any]]:
+    if_missing: bool = False,
+) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot; return (pool, report).
 
     The pool is built under a temporary name and appears under its real name
@@ -609,64 +710,133 @@ def restore(
     checked out: other processes see no pool (or the old one) until then,
     and a restore killed at any point leaves no trace but a staging segment
     the next restore sweeps.  A missing pool is created with the snapshot's
-    size and policy; an existing one is refused (PoolExists) unless
-    `replace`, which builds the new pool with the existing one's size,
-    policy and tiers and swaps it in by an atomic rename (its disk tier is
-    emptied afterwards).  Processes attached to a replaced pool keep the old
-    one, as after a delete, until they open it again.
+    whole configuration: its disk tier is attached again (the records still
+    on disk that check out are found again; a tier that is gone is made
+    anew), and so are its remote tier and its retention.  An existing one is
+    refused (PoolExists) unless `replace`, which builds the new pool with the
+    existing one's size, policy and tiers and swaps it in by an atomic
+    rename (its disk tier is emptied afterwards; a remote tier is left as it
+    is: other hosts share it).  Processes attached to a replaced pool keep
+    the old one, as after a delete, until they open it again.  The report's
+    "tiers" says what happened to each tier.
 
-    `mode`: the new segment's permission bits (default 0600; with `replace`,
-    the replaced pool's); PermissionDenied (77) if it would let more users
-    read the data than the snapshot file does.  Raises NoSpace (73), and
-    changes nothing, when the entries do not all fit.  Expired entries are
-    skipped.  `path` None means the stable latest snapshot of `name` in the
-    snapshot directory, which must be ours (safefs).
+    `if_missing`: a pool that exists is left alone, and (None, a report with
+    "skipped": True) returned.  `mode`: the new segment's permission bits
+    (default 0600; with `replace`, the replaced pool's); PermissionDenied
+    (77) if it would let more users read the data than the snapshot file
+    does.  Raises NoSpace (73), and changes nothing, when the entries do not
+    all fit.  Expired entries are skipped.  `path` None means the stable
+    latest snapshot of `name` in the snapshot directory, which must be ours
+    (safefs).
     """
     from . import segment
     from .errors import PoolExists
-    from .pool import Pool
 
+    if replace and if_missing:
+        raise UsageError("--if-missing and --replace contradict each other: give one")
     private = path is None
     if path is None:
         if name is None:
             raise UsageError("restore needs a snapshot path or a pool name")
         path = latest_path(segment.validate_name(name))
-        check_snapshot_dir(path.parent, mode if mode is not None else 0o600)
+    if name is not None:
+        segment.validate_name(name)
+        if if_missing and segment.exists(name):
+            return None, _skipped(name, path)
+    if private:
+        check_snapshot_dir(Path(path).parent, mode if mode is not None else 0o600)
     if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
         raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
     t0 = time.perf_counter()
-    if name is not None:
-        segment.validate_name(name)
     with Snapshot(path, verify=False, private=private) as snap:
         h = snap.header
         target = name or segment.validate_name(h.name)
         if segment.exists(target):
+            if if_missing:
+                return None, _skipped(target, path)
             if not replace:
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
             pool, report = _replace(target, snap, mode, progress, clock)
+            report["tiers"] = _tiers_kept(pool)
         else:
-            new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
-            _sweep_stale_staging()
-            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
-            pool = Pool.create(
-                staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
-                mode=new_mode, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
-                prefault=False,
-            )
-            try:
-                report = _fill_pool(pool, snap, snap.header.counters, progress, xxhash.xxh3_64())
-                pool._hdr["name"] = target.encode()
-                segment.publish(staging, target)
-            except BaseException:
-                _discard(pool, staging)
-                raise
-            pool.close()
-            Pool.unlink(staging)
-            pool = Pool.open(target, clock=clock)
+            pool, report = _restore_new(snap, target, mode, progress, clock)
     report["seconds"] = round(time.perf_counter() - t0, 6)
     report["path"] = str(Path(path))
     report["pool"] = target
+    report["skipped"] = False
     return pool, report
+
+
+def _skipped(name: str, path) -> dict[str, Any]:
+    return {"pool": name, "path": str(Path(path)), "skipped": True, "entries": 0, "bytes": 0,
+            "expired_skipped": 0, "seconds": 0.0, "tiers": {}}
+
+
+def _tiers_kept(pool: "Pool") -> dict[str, str]:
+    """What restore --replace did to an existing pool's tiers (it keeps the pool's configuration)."""
+    out = {}
+    if pool.disk_path is not None:
+        out["disk"] = f"emptied: {pool.disk_path} now holds only what memory spills from the snapshot"
+    st = pool.stats()
+    if st["remote"] is not None:
+        out["remote"] = f"left as it is: {st['remote']['url']} is shared with other hosts (evict --tier remote empties it)"
+    return out
+
+
+def _restore_new(snap: Snapshot, target: str, mode: int | None, progress, clock) -> tuple["Pool", dict[str, Any]]:
+    """Create pool `target` from the snapshot's whole configuration, under a staging name first."""
+    from . import segment
+    from .pool import Pool
+
+    h = snap.header
+    cfg = h.config or {"reserve": True, "keep": None, "disk": None, "remote": None}
+    disk, remote = cfg["disk"], cfg["remote"]
+    tier_kw: dict[str, Any] = {}
+    tiers: dict[str, str] = {}
+    if disk is not None:
+        from .disklog import DiskLog
+
+        # An existing tier keeps its own capacity (its records are found again); a missing one is made anew.
+        there = DiskLog.exists(disk["path"])
+        tier_kw = {"disk_path": disk["path"], "disk_size": None if there else disk["size"], "disk_write": disk["write"],
+                   "disk_o_direct": disk["o_direct"], "disk_max_entries": disk["max_entries"]}
+    if remote is not None:
+        from .remote import redact, redis_missing
+
+        why = redis_missing()
+        if why:
+            from .errors import ServiceUnavailable
+
+            raise ServiceUnavailable(f"the snapshot's pool has a remote tier ({redact(remote['url'])}): {why}")
+    new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
+    _sweep_stale_staging()
+    staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+    pool = Pool.create(
+        staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+        mode=new_mode, multi_threaded=bool(h.flags & 1), lfu_period=h.lfu_period, clock=clock,
+        prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], **tier_kw,
+    )
+    try:
+        if disk is not None:
+            d = pool.stats()["disk"]
+            tiers["disk"] = (f"attached {disk['path']}: {d['entries']} entries found on it" if tier_kw["disk_size"] is None
+                             else f"made anew in {disk['path']} (it was gone)")
+        report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
+        pool._hdr["name"] = target.encode()
+        if remote is not None:
+            # Set under the real name only: the staging handle must never talk to the server.
+            pool._set_remote(remote["url"], remote["cluster"])
+            tiers["remote"] = f"attached {redact(remote['url'])}" + (" (cluster)" if remote["cluster"] else "")
+        if pool._tier is not None and pool._tier.log is not None:
+            pool._tier.log.set_owner(segment.shm_path(target))
+        segment.publish(staging, target)
+    except BaseException:
+        _discard(pool, staging)
+        raise
+    pool.close()
+    Pool.unlink(staging)
+    report["tiers"] = tiers
+    return Pool.open(target, clock=clock), report
 
 
 def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
@@ -775,10 +945,10 @@ def _replace(target: str, snap: "Snapshot", mode: int | None, progress, clock) -
 
 
 def _tier_header(pool: "Pool") -> dict[str, Any]:
-    """The header fields that name a pool's disk and remote tiers (copied onto its replacement)."""
+    """The header fields that name a pool's disk and remote tiers, and its retention (copied onto its replacement)."""
     h = pool._hdr[0]
     return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
-            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url")}
+            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url", "snapshot_keep")}
 
 
 STAGING_PREFIX = "restoring-"
@@ -848,4 +1018,5 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
         lock.release()
 
 
-__all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of"]
+__all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
+           "list_snapshots", "snapshot_usage", "namespaced"]

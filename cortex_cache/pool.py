@@ -38,9 +38,11 @@ from .errors import (
     KeyNotFound,
     PoolBusy,
     PoolClosed,
+    PoolExists,
     PoolFull,
     PoolNotFound,
     SegmentCorrupt,
+    ServiceUnavailable,
     UsageError,
     ValueTooLarge,
 )
@@ -48,7 +50,7 @@ from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, VictimCache, policy_
 from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ, H_USED_BLOCKS,
-    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS,
+    H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, H_SNAPSHOT_KEEP,
     DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, REMOTE_CLUSTER, REMOTE_ON,
     P32, P64, P_PID, P_SLOT, P_START,
     FLAG_MULTI_THREADED,
@@ -356,6 +358,8 @@ class Pool:
         disk_max_entries: int | None = None,
         remote: str | None = None,
         remote_cluster: bool = False,
+        keep: int | None = None,
+        exist_ok: bool = False,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -375,11 +379,25 @@ class Pool:
 
         Remote tier: `remote` is a Valkey/Redis URL (redis://, rediss://,
         unix://, with password and database in it; `remote_cluster` for a
-        cluster); see remote.py.
+        cluster); see remote.py.  redis-py must be installed (the `remote`
+        extra): ServiceUnavailable (69) if it is not.
+
+        `keep`: how many snapshots `persist` keeps of this pool (stored with
+        it; default 3).  `exist_ok`: a pool of this name that exists is opened
+        and returned if it is configured as asked (what the call gives
+        explicitly, defaults for the rest of size, block size, policy and
+        index); PoolExists naming each difference if not.
         """
         segment.validate_name(name)
         nbytes = parse_size(size)
         bsize = parse_size(block_size)
+        if keep is not None and not 1 <= keep < 2**32:
+            raise UsageError(f"keep must be at least 1, not {keep}")
+        if exist_ok and segment.exists(name):
+            return cls._open_as_asked(
+                name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
+                disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
+            )
         if policy not in POLICIES:
             raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
         if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
@@ -388,9 +406,12 @@ class Pool:
         if lfu_period is not None and lfu_period < 1:
             raise UsageError("lfu_period must be at least 1")
         if remote is not None:
-            from .remote import check_url
+            from .remote import check_url, redis_missing
 
             check_url(remote)
+            why = redis_missing()
+            if why:
+                raise ServiceUnavailable(f"pool {name!r} cannot have a remote tier: {why}")
         elif remote_cluster:
             raise UsageError("remote_cluster needs a remote URL")
         if tier not in ("cpu", "disk"):
@@ -415,11 +436,16 @@ class Pool:
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
             seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
-        except BaseException:
+        except BaseException as e:
             if log is not None:
                 log.close()
                 if made_tier:
                     DiskLog.destroy(dpath)
+            if exist_ok and isinstance(e, PoolExists):  # another process created it meanwhile
+                return cls._open_as_asked(
+                    name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
+                    disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
+                )
             raise
         init_lock = RecordLock(seg.fd)
         pool = None
@@ -429,6 +455,8 @@ class Pool:
             if reserve and prefault:
                 seg.prefault()
             cls._initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period)
+            if keep is not None:
+                np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]["snapshot_keep"] = keep
             if remote is not None:
                 h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
                 h["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if remote_cluster else 0)
@@ -472,6 +500,92 @@ class Pool:
     def disk_path(self) -> str | None:
         """Directory of this pool's disk tier, or None without one."""
         return self._tier.path if self._tier is not None else None
+
+    @classmethod
+    def _open_as_asked(cls, name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path,
+                       disk_size, disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock,
+                       lock_timeout) -> "Pool":
+        """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
+        from .config import require_same
+
+        geo = Geometry.compute(nbytes, bsize, max_entries)
+        want: dict[str, Any] = {"size": geo.data_size, "block_size": geo.block_size, "max_entries": geo.n_slots,
+                                "policy": policy, "mode": mode, "multi_threaded": multi_threaded}
+        if keep is not None:
+            want["keep"] = keep
+        if tier == "disk" or disk_path is not None:
+            d: dict[str, Any] = {"path": check_disk_path(disk_path if disk_path is not None else default_disk_path(name)),
+                                 "write": disk_write, "o_direct": disk_o_direct}
+            if disk_size is not None:
+                from .disklog import DiskLog
+
+                d["size"] = DiskLog.capacity_for(parse_size(disk_size))
+            if disk_max_entries is not None:
+                d["max_entries"] = disk_max_entries
+            want["disk"] = d
+        else:
+            want["disk"] = None
+        want["remote"] = {"url": remote, "cluster": remote_cluster} if remote is not None else None
+        pool = cls.open(name, clock=clock, lock_timeout=lock_timeout)
+        try:
+            require_same(pool, want)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    def configuration(self) -> dict[str, Any]:
+        """Everything the pool was created with, as `create` takes it (the remote URL whole).
+
+        Keys: size, block_size, max_entries, policy, mode, multi_threaded,
+        reserve, lfu_period, keep (None: the default), disk (None, or path,
+        size, write, o_direct, max_entries) and remote (None, or url, cluster).
+        `config.redacted()` gives the form to show.
+        """
+        h = self._hdr[0]
+        flags = int(h["flags"])
+        dflags, rflags = int(h["disk_flags"]), int(h["remote_flags"])
+        disk = None
+        if dflags & DISK_ON:
+            disk = {
+                "path": bytes(h["disk_path"]).decode("utf-8", "surrogateescape"),
+                "size": int(h["disk_size"]),
+                "write": "through" if dflags & DISK_WRITE_THROUGH else "back",
+                "o_direct": bool(dflags & DISK_O_DIRECT),
+                "max_entries": int(h["n_dslots"]),
+            }
+        remote = None
+        if rflags & REMOTE_ON:
+            remote = {"url": bytes(h["remote_url"]).decode("utf-8", "replace"), "cluster": bool(rflags & REMOTE_CLUSTER)}
+        return {
+            "size": self.geometry.data_size,
+            "block_size": self._bs,
+            "max_entries": self._n_slots,
+            "policy": self.policy,
+            "mode": int(h["mode"]) & 0o777,
+            "multi_threaded": bool(flags & FLAG_MULTI_THREADED),
+            "reserve": bool(flags & FLAG_RESERVED),
+            "lfu_period": int(h["lfu_period"]),
+            "keep": self.snapshot_keep,
+            "disk": disk,
+            "remote": remote,
+        }
+
+    def _set_remote(self, url: str, cluster: bool) -> None:
+        """Record a remote tier in the header (restore: for handles opened later, not this one)."""
+        self._hdr["remote_url"] = url.encode()
+        self._hdr["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if cluster else 0)
+
+    @property
+    def snapshot_keep(self) -> int | None:
+        """How many snapshots `persist` keeps of this pool; None: the default (3)."""
+        return int(self._hu32[H_SNAPSHOT_KEEP]) or None
+
+    def set_snapshot_keep(self, keep: int) -> None:
+        """Store how many snapshots `persist` keeps of this pool (for every later persist, from any process)."""
+        if not 1 <= keep < 2**32:
+            raise UsageError(f"keep must be at least 1, not {keep}")
+        self._hu32[H_SNAPSHOT_KEEP] = keep
 
     @staticmethod
     def _initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period) -> None:
@@ -1198,6 +1312,31 @@ class Pool:
             if value is None and self._remote is not None:
                 value = self._from_remote(kb, kh)
             return default if value is None else value
+        j, i, off, vlen = r
+        try:
+            return self._mv[off : off + vlen].tobytes()
+        finally:
+            self._locked(self._unpin, j, i)
+
+    def peek(self, key: str | bytes, default: Any = None) -> bytes | Any:
+        """The value under `key` in memory, read without disturbing the pool.
+
+        Unlike `get`, counts no hit or miss, leaves the entry's place in the
+        eviction order (access time and count) as it was, expires nothing and
+        does not look in, or promote from, the tiers below memory.
+        """
+        kb, _ = key_bytes(key)
+        kh = xxh3_64_intdigest(kb)
+
+        def find() -> Any:
+            i = self._find(kb, kh)
+            if i < 0 or self._expired(i):
+                return None
+            return self._pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i]
+
+        r = self._locked(find)
+        if r is None:
+            return default
         j, i, off, vlen = r
         try:
             return self._mv[off : off + vlen].tobytes()
@@ -1963,10 +2102,11 @@ class Pool:
 
 
 def default_disk_path(name: str) -> str:
-    """Where `--tier disk` puts a pool's tier when no path is given: next to the snapshot directory."""
-    from .persist import snapshot_dir
+    """Where `--tier disk` puts a pool's tier when no path is given: next to the snapshot directory,
+    namespaced by CORTEX_CACHE_SHM_PREFIX like the segment (persist.namespaced)."""
+    from .persist import namespaced, snapshot_dir
 
-    return str(snapshot_dir().parent / "disk" / name)
+    return str(snapshot_dir().parent / "disk" / namespaced(name))
 
 
 def _open_or_make_tier(path: str, size: int | None, default_size: int, o_direct: bool, name: str, mode: int = 0o600):

@@ -66,3 +66,19 @@ def alive_checker():
 
 
 __all__ = ["start_time", "me", "alive", "alive_checker"]
+
+
+def describe(pid: int) -> dict[str, object]:
+    """pid, command name and uid of a process (as `fuser -v` shows them); None where /proc hides them."""
+    out: dict[str, object] = {"pid": pid, "command": None, "uid": None}
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            out["command"] = f.read().strip().decode("utf-8", "replace")
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    out["uid"] = int(line.split()[1])
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return out

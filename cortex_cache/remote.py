@@ -85,6 +85,15 @@ def check_url(url: str) -> str:
     return url
 
 
+def redis_missing() -> str | None:
+    """Why this process cannot talk to a server (redis-py not installed), or None."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "redis-py is not installed: pip install 'cortex-cache[remote]'"
+    return None
+
+
 def _why(e: Exception) -> str:
     msg = str(e)
     if "IPv6" in msg:
@@ -201,10 +210,7 @@ class RemoteTier:
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
-        try:
-            import redis  # noqa: F401
-        except ImportError:
-            self.unavailable = "redis-py is not installed: pip install 'cortex-cache[remote]'"
+        self.unavailable = redis_missing()
 
     # ------------------------------------------------------------------ connection
 

@@ -114,6 +114,7 @@ def test_quiet_keeps_data_json_and_errors(new_pool, pool_name, cleanup, tmp_path
     prom = ok(cli("cache", "status", name, "--format", "prometheus", "-q")).stdout.decode()
     assert f'cortex_cache_entries{{pool="{name}"}} 2' in prom
     doc = json.loads(ok(cli("cache", "evict", name, "--key", "k2", "--json", "-q")).stdout)
+    assert isinstance(doc.pop("time"), str)  # every --json document says when it was made
     assert doc == {"pool": name, "tier": "memory", "entries": 1, "bytes": 3}
     created = f"{pool_name}-json"
     cleanup.append(created)
@@ -201,7 +202,7 @@ def test_help_loads_neither_numpy_nor_torch():
         """
     )
     doc = json.loads(out.stdout)
-    assert len(doc["helps"]) == 13, doc
+    assert len(doc["helps"]) == 15, doc
     for argv, (rc, n) in doc["helps"].items():
         assert rc == 0 and n > 100, (argv, rc, n)
     assert doc["loaded"] == []
@@ -312,7 +313,8 @@ def bash_complete(lines: list[str], env: dict | None = None) -> list[list[str]]:
 
 
 POLICIES = ["fifo", "lfu", "lru", "priority", "size", "ttl"]
-COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore"])
+COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore",
+                   "snapshots", "doctor"])
 
 # (command line as typed, the candidates offered: exactly these)
 SHELL_CASES = [
@@ -342,7 +344,7 @@ def test_bash_completion():
     for (line, want), have in zip(SHELL_CASES, got):
         assert have == sorted(want), (line, have)
     rest = got[len(SHELL_CASES):]
-    assert rest[0] == ["--debug", "--help", "--quiet", "-q"]
+    assert rest[0] == ["--debug", "--help", "--quiet", "--version", "-q"]
     assert rest[1] == POLICIES  # --policy=<TAB>
     assert rest[2] == ["scripts"] and rest[3] == ["scripts"]  # file arguments
     assert rest[4] == []  # after --, the next word is the KEY
@@ -356,7 +358,9 @@ def _pools_and_snapshots(new_pool, tmp_path) -> tuple[str, str, dict]:
     snaps = tmp_path / "snaps"
     snaps.mkdir()
     gone = a.rsplit("-", 1)[0] + "-gone"
-    for f in (f"{b}.ccsnap", f"{gone}.ccsnap", f"{gone}-20260101T010203.123456Z.ccsnap"):
+    sp = os.environ["CORTEX_CACHE_SHM_PREFIX"]  # not the default: file names start with it
+    for f in (f"{sp}{b}.ccsnap", f"{sp}{gone}.ccsnap", f"{sp}{gone}-20260101T010203.123456Z.ccsnap",
+              f"other.{gone}x.ccsnap"):  # another deployment's snapshot: not offered
         (snaps / f).write_bytes(b"x")
     return a, b, {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps), "gone": gone}
 
@@ -610,28 +614,35 @@ def test_man_page_renders_without_warnings(width):
 
 
 def test_readme_has_a_usage_example_per_command():
-    readme = (REPO / "README.md").read_text()
-    usage = readme.split("### Usage", 1)[1].split("\n## ", 1)[0]
+    """docs/cli.md (linked from the README) has a real session for every command."""
+    page = (REPO / "docs" / "cli.md").read_text()
+    usage = page.split("## Usage", 1)[1].split("\n## ", 1)[0]
     for cmd in COMMANDS:
-        section = usage.split(f"#### {cmd}\n", 1)
+        section = usage.split(f"### {cmd}\n", 1)
         assert len(section) == 2, f"no usage subsection for {cmd}"
-        body = section[1].split("\n#### ", 1)[0]
-        assert re.search(rf"^\$ cortex (-q )?cache {cmd}\b", body, re.M), f"no `$ cortex cache {cmd}` example under #### {cmd}"
+        body = section[1].split("\n### ", 1)[0]
+        assert re.search(rf"^\$ cortex (-q )?cache {cmd}\b", body, re.M), f"no `$ cortex cache {cmd}` example under ### {cmd}"
 
 
-def test_readme_usage_output_is_real(tmp_path):
-    """Rerun every `$ ...` line of the README's console blocks, in order; the output must be what the README shows."""
-    readme = (REPO / "README.md").read_text()
-    commands = gen_docs.console_commands(readme)
-    shown = gen_docs.console_outputs(readme)
-    assert sum(map(len, commands)) >= 20
+def test_pages_with_sessions():
+    pages = [p.relative_to(REPO).as_posix() for p in gen_docs.session_pages()]
+    assert "README.md" in pages and "docs/cli.md" in pages, pages
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in gen_docs.session_pages()])
+def test_readme_usage_output_is_real(tmp_path, page):
+    """Rerun every `$ ...` line of a page's console blocks, in order; the output must be what the page shows."""
+    text = (REPO / page).read_text()
+    commands = gen_docs.console_commands(text)
+    shown = gen_docs.console_outputs(text)
+    assert sum(map(len, commands)) >= 5
     got = gen_docs.run_console(commands, tmp_path / "work", os.environ["CORTEX_CACHE_SHM_PREFIX"] + "readme.")
     differ = []
     for cmds, want_block, got_block in zip(commands, shown, got):
         for cmd, want, have in zip(cmds, want_block, got_block):
             if gen_docs.normalize(want) != gen_docs.normalize(have):
-                differ.append(f"$ {cmd}\n--- README\n{want}--- now\n{have}")
-    assert not differ, "README output is stale (python scripts/gen_docs.py --readme):\n" + "\n".join(differ)
+                differ.append(f"$ {cmd}\n--- {page}\n{want}--- now\n{have}")
+    assert not differ, f"{page} output is stale (python scripts/gen_docs.py --readme):\n" + "\n".join(differ)
 
 
 def test_readme_normalize_keeps_what_matters():
@@ -639,6 +650,7 @@ def test_readme_normalize_keeps_what_matters():
     n = gen_docs.normalize
     assert n("persisted 1 entries in 0.01s (1.20 GB/s)") == n("persisted 1 entries in 3.50s (0.07 GB/s)")
     assert n("created  2026-01-01 10:00:00") == n("created 2027-02-02 11:11:11")
+    assert n('{"time":"2026-12-01T06:17:24.770Z","ok":true}') == n('{"time":"2027-01-01T00:00:00.000Z","ok":true}')
     assert n("llama-20261129T175048.267719Z.ccsnap") == n("llama-20270101T000000.000000Z.ccsnap")
     assert n("evicted 1 entries, 293.0KiB (300000 bytes)") != n("evicted 2 entries, 293.0KiB (300000 bytes)")
     assert n("entries 2 of 4096") != n("entries 2 of 4095")

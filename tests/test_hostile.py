@@ -142,7 +142,7 @@ def test_a_planted_latest_snapshot_is_never_restored(make_pool, tmp_path, pool_n
     theirs = src.persist(tmp_path / "theirs.ccsnap")
     snaps = tmp_path / "snaps"
     snaps.mkdir(mode=0o700)
-    planted = snaps / f"{pool_name}.ccsnap"
+    planted = snaps / f"{os.environ['CORTEX_CACHE_SHM_PREFIX']}{pool_name}.ccsnap"  # namespaced by the prefix
     if plant == "symlink":
         planted.symlink_to(theirs)
     else:

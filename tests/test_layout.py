@@ -35,7 +35,7 @@ FROZEN_HEADER = [
     ("remote_hits", "<u8", 544), ("remote_misses", "<u8", 552), ("remote_promotions", "<u8", 560),
     ("remote_errors", "<u8", 568), ("remote_corrupt", "<u8", 576), ("remote_sent", "<u8", 584),
     ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
-    ("remote_bytes_read", "<u8", 616), ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
+    ("remote_bytes_read", "<u8", 616), ("snapshot_keep", "<u4", 624), ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
     ("state", "<u4"), ("pins", "<u4"), ("key_len", "<u4"), ("flags", "<u4"), ("owner_pid", "<u4"),

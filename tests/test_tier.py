@@ -560,7 +560,7 @@ def test_cli_create_status_keys_evict_delete_with_a_tier(tmp_path, pool_name):
     env = {"CORTEX_CACHE_SNAPSHOT_DIR": str(tmp_path / "state" / "snapshots")}
     r = cli("cache", "create", pool_name, "--size", "1M", "--tier", "disk", "--disk-size", "16M", env=env)
     assert r.returncode == 0, r.stderr
-    default_dir = tmp_path / "state" / "disk" / pool_name
+    default_dir = tmp_path / "state" / "disk" / (os.environ["CORTEX_CACHE_SHM_PREFIX"] + pool_name)  # namespaced
     assert b"disk tier: 16.0MiB in " + str(default_dir).encode() in r.stdout
     assert (default_dir / "cortex-tier.meta").stat().st_mode & 0o777 == 0o600
     assert default_dir.stat().st_mode & 0o777 == 0o700

@@ -1,0 +1,126 @@
+"""A pool's whole configuration: what a snapshot carries and `create --if-missing` compares.
+
+The segment header holds every setting (geometry, policy, flags, the tiers);
+`configuration()` reads them into one plain dict, the form a snapshot stores
+(as JSON, see persist.py) and `Pool.create(..., exist_ok=True)` compares a
+request against.  The remote URL is kept whole here (a snapshot is private,
+mode 0600, like the segment that holds it already); `redacted()` is the form
+to show.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from .errors import PoolExists, SnapshotCorrupt
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+# Bounds on what a snapshot's configuration block may hold (it is read from a file).
+MAX_CONFIG_BYTES = 16 << 10
+
+
+def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The configuration fit to print: the remote URL's password hidden."""
+    from .remote import redact
+
+    out = dict(cfg)
+    if out.get("remote"):
+        out["remote"] = {**out["remote"], "url": redact(out["remote"]["url"])}
+    return out
+
+
+def encode(cfg: dict[str, Any]) -> bytes:
+    """The tier and operating part of a configuration, as a snapshot stores it."""
+    part = {k: cfg[k] for k in ("reserve", "keep", "disk", "remote")}
+    return json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse and check a snapshot's configuration block; SnapshotCorrupt if it is not one."""
+
+    def bad(why: str) -> SnapshotCorrupt:
+        return SnapshotCorrupt(f"snapshot {where!r} is damaged: configuration {why}")
+
+    try:
+        cfg = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise bad("is not JSON") from None
+    if not isinstance(cfg, dict):
+        raise bad("is not an object")
+    out: dict[str, Any] = {"reserve": bool(cfg.get("reserve", True)), "keep": None, "disk": None, "remote": None}
+    keep = cfg.get("keep")
+    if keep is not None:
+        if not isinstance(keep, int) or not 1 <= keep < 2**32:
+            raise bad(f"has an impossible keep {keep!r}")
+        out["keep"] = keep
+    disk = cfg.get("disk")
+    if disk is not None:
+        if not isinstance(disk, dict):
+            raise bad("has a bad disk tier")
+        ok = (
+            isinstance(disk.get("path"), str) and disk["path"].startswith("/")
+            and isinstance(disk.get("size"), int) and disk["size"] > 0
+            and disk.get("write") in ("back", "through")
+            and isinstance(disk.get("o_direct"), bool)
+            and isinstance(disk.get("max_entries"), int) and 1 <= disk["max_entries"] < 2**31 - 1
+        )
+        if not ok:
+            raise bad("has a bad disk tier")
+        out["disk"] = {k: disk[k] for k in ("path", "size", "write", "o_direct", "max_entries")}
+    remote = cfg.get("remote")
+    if remote is not None:
+        if not (isinstance(remote, dict) and isinstance(remote.get("url"), str)
+                and isinstance(remote.get("cluster"), bool)):
+            raise bad("has a bad remote tier")
+        out["remote"] = {"url": remote["url"], "cluster": remote["cluster"]}
+    return out
+
+
+def differences(pool: "Pool", want: dict[str, Any]) -> list[str]:
+    """What differs between `pool` and a create request (`want`: only what the request fixes)."""
+    have = pool.configuration()
+    out = []
+    for key in ("size", "block_size", "max_entries", "policy", "mode", "multi_threaded", "keep"):
+        if key in want and want[key] != have[key]:
+            out.append(f"{key.replace('_', '-')} {_show(key, have[key])} (asked {_show(key, want[key])})")
+    wd, hd = want.get("disk", "any"), have["disk"]
+    if wd != "any":
+        if (wd is None) != (hd is None):
+            out.append("a disk tier" + (" (asked none)" if wd is None else " none (asked one)"))
+        elif wd is not None and hd is not None:
+            for key in ("path", "size", "write", "o_direct", "max_entries"):
+                if key in wd and wd[key] != hd[key]:
+                    out.append(f"disk-{key.replace('_', '-')} {_show(key, hd[key])} (asked {_show(key, wd[key])})")
+    wr, hr = want.get("remote", "any"), have["remote"]
+    if wr != "any":
+        if (wr is None) != (hr is None):
+            out.append("a remote tier" + (" (asked none)" if wr is None else " none (asked one)"))
+        elif wr is not None and hr is not None and wr != hr:
+            from .remote import redact
+
+            out.append(f"remote {redact(hr['url'])}{' (cluster)' if hr['cluster'] else ''} "
+                       f"(asked {redact(wr['url'])}{' (cluster)' if wr['cluster'] else ''})")
+    return out
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "mode":
+        return f"{value:04o}"
+    if key in ("size", "block_size") and isinstance(value, int):
+        from .units import format_size
+
+        return f"{format_size(value)} ({value} bytes)"
+    return str(value)
+
+
+def require_same(pool: "Pool", want: dict[str, Any]) -> None:
+    """PoolExists (exit 73) naming every difference, if `pool` is not configured as asked."""
+    diff = differences(pool, want)
+    if diff:
+        raise PoolExists(f"pool {pool.name!r} exists with another configuration: " + "; ".join(diff))
+
+
+__all__ = ["redacted", "encode", "decode", "differences", "require_same", "MAX_CONFIG_BYTES"]
