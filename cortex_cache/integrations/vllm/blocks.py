@@ -1,0 +1,317 @@
+"""Whole KV blocks of one engine layout in a pool: keys, the header, store and load, faults as misses.
+
+No vLLM here: the connector and the tier describe their layout and hand
+this module byte rows (torch uint8 tensors on the CPU or a CUDA device).
+
+Keys.  A block's key names its whole prefix::
+
+    digest_i = SHA-256 chain over the prompt's token ids, one link per block
+               (kv.chunk_digests with chunk_tokens = the engine's block size
+               and a tag naming model, KV layout and any cache salt / LoRA)
+    key_i    = namespace + model + "/" + rank + "/" + hex(digest_i)
+
+The chain is ours, not vLLM's block hashes: vLLM's are reproducible across
+processes only with a cryptographic `prefix_caching_hash_algo` and the same
+PYTHONHASHSEED in every process (xxhash seeds itself at random per process),
+and `sha256` hashes a pickle of Python objects.  Ours depend on the tokens
+and the tag alone, so any engine process, restart or host computes them.
+
+Each value is a 64-byte header and then the block's bytes::
+
+    0  4s  magic b"CXVB"         4 u16 version (1)     6 u16 reserved
+    8  16s fingerprint: the first 16 bytes of SHA-256 of the writer's layout
+           (model tag, dtype, layers, heads, head size, block size, physical
+           block shape, rank) -- see `fingerprint`
+    24 16s the first 16 bytes of this block's chain digest (the key's own)
+    40 u64 payload bytes         48 u32 block tokens   52 .. 63 zero
+
+A value whose header is not exactly the one this reader would have written
+for that key -- another layout or rank, another key's bytes, anything else
+-- is a miss ("foreign"), never loaded; with `verify` a value whose bytes no
+longer match the pool's checksum is a miss too ("corrupt"), and is deleted.  Every fault
+(pool missing or unusable, pool full, foreign, corrupt, an entry gone
+between lookup and load) is counted in `stats` and logged once per kind;
+nothing raises into the engine.
+
+Copies go through cortex_cache.gpu (`store`, `load`): on CUDA they are
+asynchronous copies between the device and pinned pool memory; on the CPU
+the same calls are plain copies.  The code does not branch on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from ... import gpu
+from ...errors import CortexCacheError, KeyNotFound
+from ...kv import chunk_digests
+from ..pools import open_or_create
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ...pool import Pool
+
+HEADER = struct.Struct("<4sHH16s16sQI12x")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 64
+MAGIC = b"CXVB"
+VERSION = 1
+
+logger = logging.getLogger("cortex_cache.integrations.vllm")
+
+STAT_NAMES = ("lookups", "hit_blocks", "loaded", "stored", "missing", "foreign", "corrupt", "store_failed",
+              "unavailable", "error")
+
+
+def prefix_digests(tokens: Any, block_tokens: int, tag: bytes) -> list[bytes]:
+    """The chain digest of every whole block of `tokens` (see the module doc)."""
+    return chunk_digests(tokens, block_tokens, tag)
+
+
+def fingerprint(*parts: object) -> bytes:
+    """16 bytes naming a writer's layout: SHA-256 over the parts, NUL-separated."""
+    return hashlib.sha256(b"\0".join(str(p).encode() for p in parts)).digest()[:16]
+
+
+class Faults:
+    """Counters of what went wrong (each one a miss for the engine); each kind is logged once."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self._logged: set[str] = set()
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.stats[kind] = self.stats.get(kind, 0) + n
+
+    def fault(self, kind: str, detail: object, n: int = 1) -> None:
+        self.count(kind, n)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("%s: %s: %s (served as a miss; further %s faults are only counted)",
+                           self.who, kind, detail, kind)
+
+
+class PoolRef:
+    """The pool an adapter names: opened on first use, and again after it failed (at most every `retry_s`).
+
+    A pool that is missing when the engine starts is a miss until someone
+    creates it; one deleted under a running engine keeps serving from the
+    mapping this process holds (that is how shared memory works).
+    """
+
+    def __init__(self, name: str, params: dict[str, Any], faults: Faults, retry_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self._params = params
+        self._faults = faults
+        self._retry_s = retry_s
+        self._clock = clock
+        self._pool: "Pool | None" = None
+        self._next_try = 0.0
+
+    def get(self) -> "Pool | None":
+        if self._pool is not None:
+            return self._pool
+        now = self._clock()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self._retry_s
+        try:
+            self._pool = open_or_create(self.name, self._params)
+        except CortexCacheError as e:
+            self._faults.fault("unavailable", e)
+        return self._pool
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+class BlockStore:
+    """One rank's blocks of one layout in a pool: which are there, store rows, load rows."""
+
+    def __init__(self, pool: PoolRef, faults: Faults, *, namespace: str, model: str, rank: str,
+                 fingerprint: bytes, payload_bytes: int, block_tokens: int, verify: bool = True) -> None:
+        self.pool = pool
+        self.faults = faults
+        self.prefix = f"{namespace}{model}/{rank}/"
+        self.payload_bytes = payload_bytes
+        self.block_tokens = block_tokens
+        self.verify = verify
+        self._fixed = HEADER.pack(MAGIC, VERSION, 0, fingerprint, bytes(16), payload_bytes, block_tokens)
+
+    def key(self, digest: bytes) -> str:
+        return self.prefix + digest.hex()
+
+    def header(self, digest: bytes) -> bytes:
+        return self._fixed[:24] + digest[:16] + self._fixed[40:]
+
+    def staging(self, n: int, device: Any) -> "torch.Tensor":
+        """Rows for `save`: `[n, HEADER_SIZE + payload_bytes]` uint8 on `device`; fill `[:, HEADER_SIZE:]`."""
+        import torch
+
+        return torch.empty((n, HEADER_SIZE + self.payload_bytes), dtype=torch.uint8, device=device)
+
+    def absent(self, digests: Sequence[bytes]) -> list[int]:
+        """Indices of the digests whose keys the pool does not hold (its index only: no I/O)."""
+        pool = self.pool.get()
+        if pool is None:
+            return []  # nowhere to store them
+        try:
+            return [i for i, d in enumerate(digests) if self.key(d) not in pool]
+        except Exception as e:  # a pool that breaks under us stores nothing
+            self.faults.fault("error", e)
+            return []
+
+    def present(self, digests: Sequence[bytes]) -> int:
+        """How many leading digests' keys the pool holds (its index only: never reads a value or the disk)."""
+        pool = self.pool.get()
+        if pool is None:
+            return 0
+        n = 0
+        try:
+            for d in digests:
+                if self.key(d) not in pool:
+                    break
+                n += 1
+        except Exception as e:
+            self.faults.fault("error", e)
+        return n
+
+    def save(self, digests: Sequence[bytes], rows: "torch.Tensor") -> int:
+        """Store `rows` (from `staging`, payload filled) under `digests`' keys; how many were stored.
+
+        The headers are written here.  The entries become visible together,
+        checksummed, when every copy has landed; a process killed before
+        leaves nothing visible.  A full pool (or any fault) stores none of them.
+        """
+        n = len(digests)
+        if n == 0:
+            return 0
+        pool = self.pool.get()
+        if pool is None:
+            self.faults.count("store_failed", n)
+            return 0
+        import torch
+
+        heads = np.frombuffer(bytearray(b"".join(self.header(d) for d in digests)), np.uint8).reshape(n, HEADER_SIZE)
+        try:
+            rows[:, :HEADER_SIZE].copy_(torch.from_numpy(heads))
+            gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0))).wait()
+        except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
+            self.faults.fault("store_failed", e, n)
+            return 0
+        self.faults.count("stored", n)
+        return n
+
+    def _check(self, ev: Any, digest: bytes) -> str:
+        """'' if the view holds the block this reader would have written under `digest`, else the fault."""
+        mv = ev.memoryview
+        if mv.nbytes != HEADER_SIZE + self.payload_bytes or bytes(mv[:HEADER_SIZE]) != self.header(digest):
+            return "foreign"
+        if self.verify and not ev.verify():
+            return "corrupt"
+        return ""
+
+    def load(self, digests: Sequence[bytes], out: "torch.Tensor") -> int:
+        """Copy the leading blocks of `digests` that are there and sound into `out[:k]`; return k.
+
+        `out`: `[len(digests), payload_bytes]` uint8 on any device.  Stops
+        at the first block missing, foreign or corrupt (each counted).
+        """
+        pool = self.pool.get()
+        if pool is None:
+            if digests:
+                self.faults.count("missing", len(digests))
+            return 0
+        import torch
+
+        views: list = []
+        keys: list[str] = []
+        try:
+            for d in digests:
+                key = self.key(d)
+                try:
+                    ev = pool.view(key)  # pinned until released: eviction cannot reuse it mid-copy
+                except KeyNotFound:
+                    self.faults.fault("missing", f"{key} left the pool between lookup and load")
+                    break
+                why = self._check(ev, d)
+                if why:
+                    ev.release()
+                    self.faults.fault(why, f"{key} in pool {pool.name!r}")
+                    if why == "corrupt":
+                        # Damaged bytes help no one: drop them, so the next
+                        # look-up is a miss and the block is stored afresh.
+                        pool.delete(key)
+                    break
+                views.append(ev)
+                keys.append(key)
+            if keys:
+                gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
+                         out=out[: len(keys)], offset=HEADER_SIZE).wait()
+        except Exception as e:
+            self.faults.fault("error", e)
+            return 0
+        finally:
+            for ev in views:
+                ev.release()
+        self.faults.count("loaded", len(keys))
+        return len(keys)
+
+
+class PagedLayers:
+    """An engine's paged KV cache as byte rows: one tensor per layer, blocks along its first axis.
+
+    Each layer is `[num_blocks * r, *block_shape]` (r > 1 when the attention
+    kernel splits an engine block into r kernel blocks); a block's row is
+    every layer's `[r, *block_shape]` in order, in logical (not physical)
+    element order, so two processes with the same layout agree byte for byte.
+    """
+
+    def __init__(self, layers: "Sequence[torch.Tensor]", num_blocks: int) -> None:
+        first = layers[0]
+        if first.shape[0] % num_blocks:
+            raise ValueError(f"a layer of {first.shape[0]} blocks is not {num_blocks} engine blocks")
+        for t in layers:
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError("the KV cache layers differ in shape, dtype or device")
+        self.views = [t.unflatten(0, (num_blocks, first.shape[0] // num_blocks)) for t in layers]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.layer_bytes = int(np.prod(self.views[0].shape[1:])) * first.element_size()
+        self.payload_bytes = self.layer_bytes * len(layers)
+        self.shape = f"{str(self.dtype).removeprefix('torch.')}:{len(layers)}x{tuple(self.views[0].shape[1:])}"
+
+    def _ids(self, block_ids: Sequence[int]) -> "torch.Tensor":
+        import torch
+
+        return torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+
+    def gather(self, block_ids: Sequence[int], rows: "torch.Tensor", offset: int = HEADER_SIZE) -> None:
+        """Copy those blocks into `rows[:, offset:]` (`[len(block_ids), >= offset + payload_bytes]` uint8)."""
+        import torch
+
+        ids, n, lb = self._ids(block_ids), len(block_ids), self.layer_bytes
+        for i, v in enumerate(self.views):
+            a = offset + i * lb
+            rows[:, a : a + lb].copy_(v.index_select(0, ids).reshape(n, -1).view(torch.uint8))
+
+    def scatter(self, block_ids: Sequence[int], data: "torch.Tensor") -> None:
+        """Write `data` (`[len(block_ids), payload_bytes]` uint8, any device) into those blocks."""
+        ids, lb = self._ids(block_ids), self.layer_bytes
+        data = data.to(self.device, non_blocking=True)
+        for i, v in enumerate(self.views):
+            v.index_copy_(0, ids, data[:, i * lb : (i + 1) * lb].view(self.dtype).unflatten(1, v.shape[1:]))
+
+
+__all__ = ["BlockStore", "PagedLayers", "Faults", "PoolRef", "HEADER_SIZE", "prefix_digests", "fingerprint"]

