@@ -21,6 +21,10 @@ benchmark's full output.
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
   lmcache   the LMCache adapter against LMCache's own server-less L2 adapters
             (only with CORTEX_BENCH_LMCACHE_PYTHON: scripts/lmcache_venv.sh)
+  sglang    the SGLang HiCache backend against SGLang's `file` backend, and the
+            Mooncake trace's hit rate through it (only with
+            CORTEX_BENCH_SGLANG_PYTHON: scripts/sglang_venv.sh; the trace from
+            CORTEX_BENCH_MOONCAKE_TRACE)
   gpu       host<->device staging (only where CUDA is available)
 
 LMCache's CPU backend is a peer in `peers` too when CORTEX_BENCH_LMCACHE_PYTHON
@@ -41,7 +45,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "gpu", "startup"]
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "sglang",
+         "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -60,6 +65,8 @@ def run_one(name: str, quick: bool, outdir: Path) -> tuple[dict | None, str, flo
             (log.strip().splitlines() or ["no output"])[-1][:200]
         if name == "lmcache" and not os.environ.get("CORTEX_BENCH_LMCACHE_PYTHON"):
             why = "set CORTEX_BENCH_LMCACHE_PYTHON to a Python with LMCache (scripts/lmcache_venv.sh)"
+        if name == "sglang" and not os.environ.get("CORTEX_BENCH_SGLANG_PYTHON"):
+            why = "set CORTEX_BENCH_SGLANG_PYTHON to a Python with SGLang (scripts/sglang_venv.sh)"
         return None, why, secs
     return json.loads(path.read_text()), log, secs
 
@@ -191,6 +198,22 @@ def rows_lmcache(d: dict) -> list:
     return rows
 
 
+def rows_sglang(d: dict) -> list:
+    t = d["throughput"]
+    rows = []
+    for name, r in t["results"].items():
+        ratio = t["ratios_vs_file"].get(name, {}).get("get")
+        rows.append((f"{t['page_bytes'] >> 10} KiB pages, {name}: set / get GB/s",
+                     f"{r['set_gbps']['median']:.2f} / {r['get_gbps']['median']:.2f}",
+                     "file backend get" if ratio else "", ratio, None))
+    h = d.get("hit_rate")
+    if h:
+        rows.append((f"hit rate, {h['trace']} via the backend", f"{h['memory_disk']['hit_rate']:.3f} with disk",
+                     f"{h['memory_only']['hit_rate']:.3f} memory only",
+                     h["memory_disk"]["hit_rate"] / max(h["memory_only"]["hit_rate"], 1e-9), None))
+    return rows
+
+
 def rows_gpu(d: dict) -> list:
     bw = d["bandwidth"]
     return [
@@ -207,8 +230,9 @@ def rows_startup(d: dict) -> list:
              "python -c pass", r["x_python"], None) for r in d["rows"]]
 
 
-EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling, "eviction": rows_eviction,
-           "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv, "lmcache": rows_lmcache, "gpu": rows_gpu,
+EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling,
+           "eviction": rows_eviction, "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv,
+           "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
            "startup": rows_startup}
 
 

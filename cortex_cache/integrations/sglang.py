@@ -1,0 +1,640 @@
+"""SGLang HiCache backend: a cortex pool as SGLang's shared storage tier (L3), sglang 0.5.x.
+
+SGLang's hierarchical cache keeps KV pages on the GPU, then in a host-memory
+pool private to each instance, then in a storage backend ("L3") that
+instances may share.  This backend makes a cortex pool that L3: every SGLang
+process on the host reads the pages any of them wrote, at memory speed,
+bounded by the pool's size and policy, checksummed, surviving restarts
+(`persist`/`restore`) and spilling to the pool's disk tier (or its Valkey/Redis tier).
+
+Load it through SGLang's `dynamic` storage backend::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config \\
+      '{"backend_name": "cortex", "module_path": "cortex_cache.integrations.sglang",
+        "class_name": "CortexHiCacheStorage", "interface_v1": 1, "pool": "qwen"}'
+
+SGLang's factory builds `CortexHiCacheStorage(storage_config, kwargs)`, then
+calls `register_mem_pool_host(host_pool)`; its controller threads call
+`batch_exists`, `batch_get_v1`/`batch_set_v1` (the zero-copy interface, with
+"interface_v1": 1) or the older `get`/`set`/`batch_get`/`batch_set`/`exists`.
+
+Extra-config keys (besides SGLang's own, listed in `_SGLANG_KEYS`):
+  pool        pool name (required)
+  create      create the pool if it does not exist (default false); then:
+  size        its size (required with create), block_size (default 64K),
+  policy      eviction policy (default lru),
+  disk_path, disk_size, disk_write   a disk tier under it
+  (the pool parameters every adapter takes: integrations/pools.py)
+  namespace   prefix of the pool keys (default "sglang/")
+  verify      check every loaded page against its checksum (default true)
+  workers     threads that copy and checksum the pages of a v1 batch in
+              parallel (default: up to 4, one per CPU; copies and checksums
+              release the GIL)
+
+Keys.  A page is stored under
+`<namespace><model>/mha/tp<rank>of<size>/<format>/<page hash>` (an MHA shard
+is one tensor-parallel rank's heads) or `<namespace><model>/mla/<format>/<page
+hash>` (MLA KV is the same on every rank, so ranks share it); `.pp<r>of<n>`,
+`.cp<r>of<n>` and `.dcp<r>of<n>` follow the shard when those are in use.
+`<format>` is 8 hex digits of the page format below (instances whose host
+pools differ keep apart rather than replace each other's pages);
+`<page hash>` is SGLang's own (a SHA-256 chain over the page's tokens).
+
+Each value is a 64-byte header and then the page's bytes::
+
+    0  4s magic b"CXSG"   4 u16 version (1)   6 u16 reserved
+    8  16s format: first 16 bytes of SHA-256 of the layout tag (model, MHA/MLA,
+           shard, host pool class, layout, dtype, geometry, page size, and
+           "v1" or "flat": which interface's byte order the page is in)
+    24 16s first 16 bytes of BLAKE2b(pool key)   40 u64 payload bytes   48..63 zero
+
+A page whose header is not this backend's format and key (another model,
+layout or interface; a value copied under another key; anything else) is a
+miss, counted in `stats["foreign"]`.  With `verify` a loaded page is checked
+against the checksum the pool took when it was stored; a page damaged in
+place is wiped from SGLang's buffer and is a miss (`stats["corrupt"]`).
+
+The v1 path copies each page once, straight between SGLang's host pool and
+the pool's shared memory: `host_pool.get_page_buffer_meta(indices)` names
+the page's pieces (one K and one V run per page in the page-first layouts,
+one per layer in layer-first), each checked to lie inside the host pool's
+buffers before it is touched.  The legacy path stores the host pool's flat
+data page (`get_data_page(index, flat=True)`).
+
+Nothing on the data path raises: SGLang's controller threads treat an
+exception as fatal.  A missing pool (not made yet, deleted, being
+re-created), a full one, a damaged or foreign page, a peer killed while
+writing: each is a miss or a failed store, counted in `stats` and logged
+once per kind.  A pool deleted under a running SGLang is let go (so its
+memory is freed) and the pool of that name is attached again once it
+exists, checked at most once a second.  Importing this module does not
+import SGLang (nor torch); the class is made on first access.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import xxhash
+
+from .. import segment
+from ..errors import KeyNotFound, UsageError
+from ..pool import Pool
+from .pools import POOL_PARAMS, open_or_create
+
+logger = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<4sHH16s16sQ16x")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 64
+MAGIC = b"CXSG"
+VERSION = 1
+DEFAULT_NAMESPACE = "sglang/"
+_PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
+_PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the calling thread alone
+# Keys of the extra config that SGLang itself reads (or pops before we see them).
+_SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
+                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
+_REATTACH_EVERY = 1.0  # seconds between tries to attach a missing pool
+_GEOMETRY = ("layer_num", "start_layer", "end_layer", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
+             "qk_rope_head_dim", "kv_cache_dim", "dcp_size", "dcp_rank")
+_HOST_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
+_COUNTERS = ("stored", "already_stored", "store_failed", "hits", "misses", "foreign", "corrupt", "unavailable",
+             "errors")
+
+
+class _Attachment:
+    """The pool of one name, let go when it is deleted and attached again once it exists.
+
+    Every data-path call holds a lease on the handle it uses; a handle whose
+    pool was deleted is closed once its last lease ends (other threads may
+    still be copying out of its mapping).
+    """
+
+    def __init__(self, name: str, params: dict) -> None:
+        self.name = name
+        self._params = params
+        self._lock = threading.Lock()
+        self._pool: Pool | None = None
+        self._ino = 0
+        self._leases: dict[int, int] = {}  # id(pool) -> calls using it
+        self._retired: dict[int, Pool] = {}
+        self._next_try = 0.0
+        self.last_error = ""
+
+    def _segment_ino(self) -> int:
+        try:
+            return os.stat(segment.shm_path(self.name)).st_ino
+        except OSError:
+            return 0
+
+    def _current(self) -> Pool | None:
+        if self._pool is not None and self._segment_ino() != self._ino:
+            self._retire(self._pool)  # deleted (or deleted and made again) under us
+        if self._pool is None and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + _REATTACH_EVERY
+            before = self._segment_ino()
+            try:
+                pool = open_or_create(self.name, self._params)
+            except Exception as e:  # missing, damaged, no permission: tried again later
+                self.last_error = f"{type(e).__name__}: {e}"
+                return None
+            after = self._segment_ino()
+            if not after or (before and before != after):  # replaced while we opened it: look again later
+                pool.close()
+                self.last_error = "the pool was being replaced"
+                return None
+            self._pool, self._ino, self.last_error = pool, after, ""
+        return self._pool
+
+    def _retire(self, pool: Pool) -> None:
+        self._pool = None
+        if self._leases.get(id(pool), 0):
+            self._retired[id(pool)] = pool
+        else:
+            pool.close()
+
+    @contextmanager
+    def use(self) -> Iterator[Pool | None]:
+        """The pool to use for one call (None while there is none), held open until the call ends."""
+        with self._lock:
+            pool = self._current()
+            if pool is not None:
+                self._leases[id(pool)] = self._leases.get(id(pool), 0) + 1
+        try:
+            yield pool
+        finally:
+            if pool is not None:
+                with self._lock:
+                    left = self._leases[id(pool)] - 1
+                    if left:
+                        self._leases[id(pool)] = left
+                    else:
+                        del self._leases[id(pool)]
+                        if self._retired.pop(id(pool), None) is not None:
+                            pool.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._retire(self._pool)
+            self._next_try = float("inf")
+
+
+class _Layout:
+    """What a registered host pool's pages look like, for one interface's byte order."""
+
+    def __init__(self, tag: bytes, page_bytes: int, pieces: int) -> None:
+        self.tag = tag
+        self.fingerprint = hashlib.sha256(tag).digest()[:16]
+        self.page_bytes = page_bytes  # payload: the page's bytes
+        self.pieces = pieces  # runs of host memory per page (v1)
+
+
+_BYTE_ARRAYS: dict[int, Any] = {}
+
+
+def _host_bytes(ptr: int, n: int) -> np.ndarray:
+    """n bytes of this process's memory at ptr, as a writable uint8 array (no copy)."""
+    t = _BYTE_ARRAYS.get(n)
+    if t is None:
+        t = _BYTE_ARRAYS[n] = ctypes.c_ubyte * n
+    return np.frombuffer(t.from_address(ptr), np.uint8)
+
+
+class CortexHiCache:
+    """The backend's logic; `CortexHiCacheStorage` is this plus SGLang's `HiCacheStorage` base."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        unknown = sorted(set(extra) - set(_PARAMS) - set(_SGLANG_KEYS))
+        if unknown:
+            raise UsageError(f"unknown hicache-storage-backend-extra-config keys {', '.join(unknown)}: "
+                             f"valid are {', '.join(_PARAMS)}")
+        name = extra.get("pool")
+        if not name or not isinstance(name, str):
+            raise UsageError('hicache-storage-backend-extra-config needs "pool": the name of a cortex pool')
+        segment.validate_name(name)
+        if extra.get("create") and extra.get("size") is None:
+            raise UsageError('hicache-storage-backend-extra-config "create" needs "size" (e.g. "16G")')
+        self.namespace = str(extra.get("namespace", DEFAULT_NAMESPACE))
+        self.verify = bool(extra.get("verify", True))
+        workers = extra.get("workers", min(4, os.cpu_count() or 1))
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise UsageError(f'hicache-storage-backend-extra-config "workers" must be a positive integer, '
+                             f'not {workers!r}')
+        self._copiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"cortex-hicache-{name}") \
+            if workers > 1 else None
+        self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self.storage_config = storage_config
+        self.model = str(getattr(storage_config, "model_name", None) or "default")
+        self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        self.shard_prefix = f"{self.namespace}{self.model}/{self._shard()}/"
+        self.key_prefix = self.shard_prefix  # + the page format, once the host pool is registered
+        self.stats = dict.fromkeys(_COUNTERS, 0)
+        self._stats_lock = threading.Lock()
+        self._logged: set[str] = set()
+        self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._pgs: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                                      "backup_bandwidth": []}
+        self.mem_pool_host: Any = None
+        self._v1: _Layout | None = None
+        self._flat: _Layout | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._attachment = _Attachment(name, extra)
+        with self._attachment.use() as pool:
+            if pool is None:
+                self._log_once("unavailable", f"cortex pool {name!r} is not available yet "
+                               f"({self._attachment.last_error}); SGLang runs without it and attaches "
+                               "once it exists")
+
+    def _shard(self) -> str:
+        c = self.storage_config
+        shard = "mla" if self.is_mla else f"mha/tp{c.tp_rank}of{c.tp_size}"
+        for part, rank, size in (("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank", "attn_cp_size"),
+                                 ("dcp", "dcp_rank", "dcp_size")):
+            n = int(getattr(c, size, 1) or 1)
+            if n > 1:
+                shard += f".{part}{getattr(c, rank)}of{n}"
+        return shard
+
+    # ------------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the host pool's page format; pages are stored and loaded through it."""
+        self.mem_pool_host = mem_pool_host
+        host = mem_pool_host
+        base = [f"cortex-sglang/{VERSION}", self.model, self._shard(), type(host).__name__,
+                str(getattr(host, "layout", "")), str(getattr(host, "dtype", "")).removeprefix("torch."),
+                f"page{host.page_size}"]
+        base += [f"{a}={getattr(host, a)}" for a in _GEOMETRY if isinstance(getattr(host, a, None), int)]
+        self._ranges = _buffer_ranges(host)
+        self._v1 = self._flat = None
+        try:
+            import torch
+
+            page = int(getattr(host, "logical_page_size", host.page_size))
+            ptrs, sizes = host.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+            if ptrs and self._ranges:
+                self._v1 = _Layout("\0".join([*base, "v1", ",".join(map(str, sizes))]).encode(),
+                                   sum(sizes), len(sizes))
+        except Exception as e:
+            self._log_once("errors", f"host pool {type(host).__name__} has no zero-copy page buffers "
+                           f"({type(e).__name__}: {e}); batch_get_v1/batch_set_v1 will miss")
+        try:
+            nbytes = host.get_dummy_flat_data_page().nbytes
+            self._flat = _Layout("\0".join([*base, "flat", str(nbytes)]).encode(), nbytes, 1)
+        except Exception as e:
+            self._log_once("errors", f"host pool {type(host).__name__} has no flat data pages "
+                           f"({type(e).__name__}: {e}); get/set will miss")
+
+        used = self._exists_layout
+        if used is not None:
+            # Instances whose host pools differ in layout or geometry keep apart
+            # instead of replacing each other's pages.
+            self.key_prefix = f"{self.shard_prefix}{used.fingerprint[:4].hex()}/"
+
+    @property
+    def _exists_layout(self) -> _Layout | None:
+        return self._v1 if self.interface_v1 else self._flat
+
+    # ------------------------------------------------------------------ counting and logging
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[what] += n
+
+    def _log_once(self, what: str, message: str) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.warning("cortex HiCache backend: %s (further ones are counted in get_stats(), not logged)",
+                           message)
+
+    def _fault(self, what: str, n: int, message: str) -> None:
+        self._count(what, n)
+        self._log_once(what, message)
+
+    # ------------------------------------------------------------------ keys and headers
+
+    def _key(self, page_hash: str) -> str:
+        return self.key_prefix + page_hash
+
+    def _header(self, layout: _Layout, pkey: str) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, 0, layout.fingerprint,
+                           hashlib.blake2b(pkey.encode(), digest_size=16).digest(), layout.page_bytes)
+
+    def _ours(self, view: memoryview, layout: _Layout, pkey: str) -> bool:
+        return view.nbytes == HEADER_SIZE + layout.page_bytes and bytes(view[:HEADER_SIZE]) == self._header(
+            layout, pkey)
+
+    def _present(self, pool: Pool, layout: _Layout, page_hash: str) -> bool:
+        pkey = self._key(page_hash)
+        try:
+            with pool.view(pkey) as src:
+                if self._ours(src, layout, pkey):
+                    return True
+        except KeyNotFound:
+            return False
+        self._count("foreign")
+        return False
+
+    # ------------------------------------------------------------------ v1: zero copy over the host pool
+
+    def _pieces(self, layout: _Layout, host_indices: Any, n_pages: int) -> list[list[tuple[int, int]]] | None:
+        """Each page's runs of host memory (address, bytes), checked against the host pool's buffers."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != n_pages * layout.pieces or len(sizes) != len(ptrs):
+            return None
+        pages = []
+        for i in range(n_pages):
+            run = list(zip(ptrs[i * layout.pieces : (i + 1) * layout.pieces],
+                           sizes[i * layout.pieces : (i + 1) * layout.pieces]))
+            if sum(n for _, n in run) != layout.page_bytes or not all(self._inside(p, n) for p, n in run):
+                return None
+            pages.append(run)
+        return pages
+
+    def _inside(self, ptr: int, n: int) -> bool:
+        return any(lo <= ptr and ptr + n <= hi for lo, hi in self._ranges)
+
+    def batch_set_v1(self, keys: list, host_indices: Any, extra_info: Any = None) -> list:
+        n = len(keys)
+        start = time.perf_counter()
+        layout = self._v1
+        try:
+            with self._attachment.use() as pool:
+                if pool is None or layout is None:
+                    self._unavailable(n, layout)
+                    return [False] * n
+                pages = self._pieces(layout, host_indices, n)
+                if pages is None:
+                    self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
+                    return [False] * n
+                out = self._map(lambda k, run: self._set_pieces(pool, layout, k, run), keys, pages, layout)
+        except Exception as e:  # never into SGLang's thread
+            self._fault("errors", n, f"batch_set_v1: {type(e).__name__}: {e}")
+            return [False] * n
+        self._record("backup", sum(out), layout.page_bytes, start)
+        return out
+
+    def _set_pieces(self, pool: Pool, layout: _Layout, page_hash: str, run: list[tuple[int, int]]) -> bool:
+        if self._present(pool, layout, page_hash):
+            self._count("already_stored")
+            return True
+        pkey = self._key(page_hash)
+        try:
+            w = pool.reserve_write(pkey, HEADER_SIZE + layout.page_bytes)
+        except Exception as e:  # full (everything pinned), too large, lock trouble
+            self._fault("store_failed", 1, f"cannot store a page in pool {pool.name!r}: {type(e).__name__}: {e}")
+            return False
+        try:
+            mv = w.memoryview
+            mv[:HEADER_SIZE] = self._header(layout, pkey)
+            h = xxhash.xxh3_64(mv[:HEADER_SIZE])
+            off = HEADER_SIZE
+            for ptr, nbytes in run:
+                dst = np.frombuffer(mv, np.uint8, nbytes, off)
+                np.copyto(dst, _host_bytes(ptr, nbytes))  # GIL released
+                h.update(dst)  # the pool's checksum, taken while the piece is still in the CPU cache
+                del dst
+                off += nbytes
+            del mv
+            w.commit(h.intdigest())
+        except BaseException:
+            w.abort()
+            raise
+        self._count("stored")
+        return True
+
+    def batch_get_v1(self, keys: list, host_indices: Any, extra_info: Any = None) -> list:
+        """Load each page into its host slots; True for the leading run of hits only (all SGLang uses).
+
+        One thread stops at the first miss; copy threads load the whole batch at once."""
+        n = len(keys)
+        start = time.perf_counter()
+        out = [False] * n
+        layout = self._v1
+        try:
+            with self._attachment.use() as pool:
+                if pool is None or layout is None:
+                    self._unavailable(n, layout)
+                    return out
+                pages = self._pieces(layout, host_indices, n)
+                if pages is None:
+                    self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
+                    return out
+                if self._parallel(n, layout):
+                    got = self._map(lambda k, run: self._get_pieces(pool, layout, k, run), keys, pages, layout)
+                else:  # one page after another, stopping at the first miss
+                    got = []
+                    for page_hash, run in zip(keys, pages):
+                        got.append(self._get_pieces(pool, layout, page_hash, run))
+                        if not got[-1]:
+                            break
+                lead = got.index(False) if False in got else len(got)
+                out[:lead] = [True] * lead
+        except Exception as e:  # never into SGLang's thread
+            self._fault("errors", 1, f"batch_get_v1: {type(e).__name__}: {e}")
+            return out
+        self._record("prefetch", sum(out), layout.page_bytes, start)
+        return out
+
+    def _parallel(self, n: int, layout: _Layout) -> bool:
+        return self._copiers is not None and n > 1 and n * layout.page_bytes >= _PARALLEL_BYTES
+
+    def _map(self, fn: Any, keys: list, pages: list, layout: _Layout) -> list:
+        """fn over the pages of a batch: on the copy threads when it moves enough bytes to pay for them."""
+        if self._parallel(len(keys), layout):
+            return list(self._copiers.map(fn, keys, pages))  # type: ignore[union-attr]
+        return [fn(k, run) for k, run in zip(keys, pages)]
+
+    def _get_pieces(self, pool: Pool, layout: _Layout, page_hash: str, run: list[tuple[int, int]]) -> bool:
+        pkey = self._key(page_hash)
+        try:
+            ev = pool.view(pkey)
+        except KeyNotFound:
+            self._count("misses")
+            return False
+        with ev as src:
+            if not self._ours(src, layout, pkey):
+                self._count("foreign")
+                return False
+            h = xxhash.xxh3_64(src[:HEADER_SIZE]) if self.verify else None
+            off = HEADER_SIZE
+            for ptr, nbytes in run:
+                dst = _host_bytes(ptr, nbytes)
+                np.copyto(dst, np.frombuffer(src, np.uint8, nbytes, off))
+                if h is not None:
+                    h.update(dst)  # what SGLang got, checked while still in the CPU cache
+                off += nbytes
+            if h is not None and h.intdigest() != ev.checksum:
+                for ptr, nbytes in run:
+                    _host_bytes(ptr, nbytes)[:] = 0  # nothing of a damaged page is left to SGLang
+                self._fault("corrupt", 1, f"page {pkey!r} failed its checksum (damaged in place)")
+                return False
+        self._count("hits")
+        return True
+
+    def _unavailable(self, n: int, layout: _Layout | None) -> None:
+        if layout is None:
+            self._fault("unavailable", n, "no host pool registered (or its pages are not supported)")
+        else:
+            self._fault("unavailable", n, f"cortex pool {self._attachment.name!r} is not available "
+                        f"({self._attachment.last_error or 'deleted'}); pages miss until it exists again")
+
+    def _record(self, kind: str, pages: int, page_bytes: int, start: float) -> None:
+        if self._metrics and pages:
+            took = max(time.perf_counter() - start, 1e-9)
+            with self._stats_lock:
+                self._pgs[f"{kind}_pgs"].append(pages)
+                self._pgs[f"{kind}_bandwidth"].append(pages * page_bytes / took / 1e9)
+
+    # ------------------------------------------------------------------ lookups
+
+    def batch_exists(self, keys: list, extra_info: Any = None) -> int:
+        """How many leading pages are stored (and ours); stops at the first that is not."""
+        try:
+            with self._attachment.use() as pool:
+                layout = self._exists_layout
+                if pool is None or layout is None:
+                    self._unavailable(len(keys), layout)
+                    return 0
+                for i, page_hash in enumerate(keys):
+                    if not self._present(pool, layout, page_hash):
+                        return i
+                return len(keys)
+        except Exception as e:
+            self._fault("errors", 1, f"batch_exists: {type(e).__name__}: {e}")
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------------ the older interface: flat pages
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Load page `key` into `target_location` (a flat page tensor, else a new one); it, or None."""
+        try:
+            with self._attachment.use() as pool:
+                layout = self._flat
+                if pool is None or layout is None:
+                    self._unavailable(1, layout)
+                    return None
+                dst = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                buf = _tensor_bytes(dst)
+                if buf is None or buf.nbytes != layout.page_bytes:
+                    self._fault("errors", 1, "get() was given a buffer that is not one flat host page")
+                    return None
+                ptr = buf.ctypes.data
+                return dst if self._get_pieces(pool, layout, key, [(ptr, buf.nbytes)]) else None
+        except Exception as e:
+            self._fault("errors", 1, f"get: {type(e).__name__}: {e}")
+            return None
+
+    def batch_get(self, keys: list, target_locations: Any = None, target_sizes: Any = None) -> list:
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store the flat page tensor `value` (a host pool's `get_data_page(i, flat=True)`) under `key`."""
+        try:
+            with self._attachment.use() as pool:
+                layout = self._flat
+                if pool is None or layout is None:
+                    self._unavailable(1, layout)
+                    return False
+                buf = _tensor_bytes(value)
+                if buf is None or buf.nbytes != layout.page_bytes:
+                    self._fault("store_failed", 1, "set() was given a value that is not one flat host page")
+                    return False
+                return self._set_pieces(pool, layout, key, [(buf.ctypes.data, buf.nbytes)])
+        except Exception as e:
+            self._fault("errors", 1, f"set: {type(e).__name__}: {e}")
+            return False
+
+    def batch_set(self, keys: list, values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        return all(self.set(k, v) for k, v in zip(keys, values or []))
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def clear(self) -> bool:
+        """Remove this instance's pages (this model, shard and page format) from the pool."""
+        try:
+            with self._attachment.use() as pool:
+                if pool is None:
+                    return False
+                for k in pool.keys(prefix=self.key_prefix):
+                    pool.delete(k)
+                return True
+        except Exception as e:
+            self._fault("errors", 1, f"clear: {type(e).__name__}: {e}")
+            return False
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages and GB/s per batch since the last call); counters are in `stats`."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:
+            return None
+        m = StorageMetrics()
+        with self._stats_lock:
+            for name, values in self._pgs.items():
+                getattr(m, name).extend(values)
+                values.clear()
+        return m
+
+    def close(self) -> None:
+        if self._copiers is not None:
+            self._copiers.shutdown()
+        self._attachment.close()
+
+
+def _tensor_bytes(t: Any) -> np.ndarray | None:
+    """A CPU tensor's bytes as a uint8 array over its memory (None for anything else)."""
+    if t is None or not hasattr(t, "data_ptr") or getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
+        return None
+    if not t.is_contiguous():
+        return None
+    return _host_bytes(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _buffer_ranges(host: Any) -> list[tuple[int, int]]:
+    """Address ranges of the host pool's CPU buffers: the only memory the v1 path will touch."""
+    ranges = []
+    for name in _HOST_BUFFERS:
+        try:
+            value = getattr(host, name, None)
+        except Exception:
+            continue
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if hasattr(t, "data_ptr") and getattr(t, "device", None) is not None and t.device.type == "cpu" \
+                    and t.is_contiguous() and t.numel():
+                ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    return ranges
+
+
+def __getattr__(name: str) -> Any:
+    # SGLang's factory wants a subclass of its HiCacheStorage: made on first
+    # access, so importing this module needs no SGLang.
+    if name != "CortexHiCacheStorage":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    cls = type("CortexHiCacheStorage", (CortexHiCache, HiCacheStorage),
+               {"__module__": __name__, "__doc__": "A cortex pool as SGLang's HiCache storage (see the module doc)."})
+    globals()[name] = cls
+    return cls
+
+
+__all__ = ["CortexHiCache", "CortexHiCacheStorage", "HEADER_SIZE"]
