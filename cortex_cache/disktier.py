@@ -531,6 +531,28 @@ class DiskTier:
         return n
 
 
+def live_owner(path: str, owner: str) -> str | None:
+    """The /dev/shm path of a live pool other than `owner` whose tier `path` is, or None.
+
+    A tier that cannot be opened (missing, damaged, not ours) is None here:
+    whoever opens it next reports why."""
+    from .errors import CortexCacheError
+
+    if not DiskLog.exists(path):
+        return None
+    try:
+        log = DiskLog.open(path)
+    except (CortexCacheError, OSError):
+        return None
+    try:
+        was = log.owner()
+    finally:
+        log.close()
+    if was and was != owner and was.startswith("/dev/shm/") and os.path.exists(was):
+        return was
+    return None
+
+
 def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: bool,
                      owner: str, mode: int = 0o600) -> tuple[DiskLog, bool]:
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made).
@@ -580,7 +602,7 @@ def check_disk_path(path: str | os.PathLike) -> str:
 
 
 __all__ = ["DiskTier", "DiskHit", "Spill", "SPILLING", "key_hash2", "default_disk_entries", "open_log", "check_disk_path",
-           "open_or_make_log", "analyse_index"]
+           "open_or_make_log", "live_owner", "analyse_index"]
 
 
 def analyse_index(tier: DiskTier, fix: bool) -> list[str]:

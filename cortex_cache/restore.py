@@ -18,6 +18,7 @@ import xxhash
 from . import safefs, segment
 from .core import COPY_IN_LOCK, Core
 from .disklog import DiskLog
+from .disktier import live_owner
 from .errors import (
     CortexCacheError,
     NoSpace,
@@ -136,6 +137,12 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     disk, remote = cfg["disk"], cfg["remote"]
     tier_kw: dict[str, Any] = {}
     tiers: dict[str, str] = {}
+    busy = disk is not None and live_owner(disk["path"], segment.shm_path(target))
+    if busy:
+        # A copy restored beside the live pool that owns the tier (a clone, a check of the snapshot):
+        # the tier stays that pool's, and the copy lives in memory alone.
+        tiers["disk"] = f"not attached: {disk['path']} is the disk tier of a live pool ({busy}); restored into memory only"
+        disk = None
     if disk is not None:
         # An existing tier keeps its own capacity (its records are found again); a missing one is made anew.
         there = DiskLog.exists(disk["path"])

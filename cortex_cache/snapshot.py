@@ -224,7 +224,12 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
         if target.is_dir():
             raise UsageError(f"{str(target)!r} is a directory; give a file name")
     if path is None:  # our own directory: make it (private), and refuse one others could plant files in
-        safefs.make_dir(directory, core.seg.stat().st_mode & 0o777, "snapshot directory")
+        # Every pool of this user shares it, so it is made private whatever this pool's mode: a group
+        # pool that made it 0770 would lock every private pool out of it.  A directory the operator
+        # opened to the group is still accepted for a group pool.
+        if not os.path.lexists(directory):
+            safefs.make_dir(directory, 0o600, "snapshot directory")
+        safefs.check_dir(directory, core.seg.stat().st_mode & 0o777, "snapshot directory")
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, namespaced(core.name), target.name)

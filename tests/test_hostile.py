@@ -119,6 +119,18 @@ def test_tier_directories_are_private_or_group_shared_as_the_mode_says(make_pool
     del p
 
 
+def test_a_group_pool_persisting_first_leaves_the_snapshot_directory_private(make_pool, monkeypatch, tmp_path):
+    snaps = tmp_path / "snaps"
+    monkeypatch.setenv("CORTEX_CACHE_SNAPSHOT_DIR", str(snaps))
+    shared = make_pool("1M", mode=0o660)
+    private = make_pool("1M")
+    shared.put("k", b"v")
+    private.put("k", b"w")
+    shared.persist()
+    assert stat.S_IMODE(os.stat(snaps).st_mode) == 0o700
+    assert private.persist().parent == snaps  # the private pool is not locked out of its own directory
+
+
 @root_only
 def test_a_snapshot_directory_others_control_is_refused(make_pool, tmp_path, pool_name):
     p = make_pool("1M")

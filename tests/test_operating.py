@@ -94,6 +94,23 @@ def test_restore_of_a_tier_that_is_gone_makes_it_anew(pool_name, cleanup, tmp_pa
         assert p.get("a") == b"x" * 100 and p.disk_path == str(disk)
 
 
+def test_a_copy_restored_beside_the_live_pool_leaves_its_disk_tier_alone(pool_name, cleanup, tmp_path):
+    """Restoring a tiered pool's snapshot under another name while the pool lives: a copy in memory only."""
+    copy = pool_name + "-copy"
+    cleanup.extend([pool_name, copy])
+    disk = tmp_path / "tier"
+    with Pool.create(pool_name, "64K", block_size="4K", disk_path=disk, disk_size="1M") as p:
+        for i in range(8):
+            p.put(f"k{i}", bytes([i]) * 3000)
+        snapshot = p.persist(tmp_path / "s.ccsnap")
+        out = _json(cli("cache", "restore", copy, "--input", str(snapshot), "--json"))
+        assert "not attached" in out["tiers"]["disk"] and out["entries"] == len(p)
+        with Pool.open(copy) as q:
+            assert q.disk_path is None
+            assert all(q.get(k) == p.get(k) for k in p.keys())
+        assert p.disk_path == str(disk) and p.stats()["disk"]["entries"] >= 0
+
+
 def test_remote_tier_comes_back_with_restore_and_is_shown_redacted(pool_name, cleanup):
     pytest.importorskip("redis")
     cleanup.append(pool_name)
