@@ -482,10 +482,11 @@ class Pool:
         return out
 
     def put_many(self, items: Any, *, ttl: float | None = None, priority: int = 0) -> list[Exception | None]:
-        """Store many (key, value) pairs (a dict or an iterable of pairs) as `put` would, in order.
+        """Store many (key, value) pairs (a dict or an iterable of pairs) as `put` would.
 
-        Small values (up to 256 KiB) go in in one lock hold; larger ones are
-        reserved in one, copied outside it, and sealed in one.  Returns, per
+        Small values (up to 256 KiB) go in first, in one lock hold; larger
+        ones are then reserved in one, copied outside it, and sealed in one
+        (with a disk tier, key by key).  Returns, per
         pair, None when stored or the error that key met (PoolFull,
         ValueTooLarge, UsageError for a bad key or value).
         """
