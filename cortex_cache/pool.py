@@ -828,12 +828,22 @@ class Pool:
 
     def _evict_memory(self, kbs, pb, all, expired, percent, target, spill) -> tuple[int, int]:
         core = self.core
-        spill = spill and self.tiers.disk is not None
+        tiers = self.tiers
+        spill = spill and tiers.disk is not None
+
+        def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
+            # Set under the lock: each record is written before its entry leaves memory (tiers.py).
+            tiers.spill_in_place = spill
+            try:
+                return fn(*args)
+            finally:
+                tiers.spill_in_place = False
+
         if kbs is not None:
-            return core.locked(core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in kbs], spill)
+            return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in kbs], spill)
         if expired or all or pb is not None:
-            return core.locked(core.evict_matching, expired, pb, spill)
-        return core.locked(core.evict_amount, percent, target, spill)
+            return core.locked(in_place, core.evict_matching, expired, pb, spill)
+        return core.locked(in_place, core.evict_amount, percent, target, spill)
 
     # ------------------------------------------------------------------ stats, snapshots, verify
 
