@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
 from .errors import UsageError
-from .layout import MAX_KEY_BYTES
+from .layout import MAX_KEY_BYTES, SLOT_FLAG_STR_KEY
 
 
 def as_byte_view(value: Any) -> memoryview:
@@ -57,5 +60,41 @@ def key_bytes(key: str | bytes | bytearray | memoryview) -> tuple[bytes, bool]:
     return kb, is_str
 
 
-__all__ = ["as_byte_view", "key_bytes"]
+def put_args(core: Any, kb: bytes, is_str: bool, nbytes: int, ttl: Any, priority: Any) -> tuple[int, int, int]:
+    """Check the arguments every put shares (key already made bytes): (key hash, slot flags, blocks).
+
+    `core` is the pool's Core (core.py), which knows how many blocks `nbytes` takes.
+    """
+    if ttl is not None and not ttl > 0:
+        raise UsageError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    if priority.__class__ is not int and not isinstance(priority, (int, np.integer)) or not (
+        -(2**63) <= priority < 2**63
+    ):
+        raise UsageError(f"priority must be a 64-bit integer, not {priority!r}")
+    nblk = core.blocks_or_raise(nbytes)
+    return xxh3_64_intdigest(kb), SLOT_FLAG_STR_KEY if is_str else 0, nblk
+
+
+def writable_bytes(out: Any) -> memoryview:
+    """`out` as a writable, flat memoryview of bytes (UsageError if it is not one)."""
+    try:
+        omv = memoryview(out)
+    except TypeError:
+        raise UsageError("get_into needs a writable buffer (bytearray, numpy array, ...)") from None
+    if omv.readonly:
+        raise UsageError("get_into needs a writable buffer, not a read-only one")
+    if omv.format != "B" or omv.ndim != 1:
+        if not omv.c_contiguous:
+            raise UsageError("get_into needs a contiguous buffer")
+        omv = omv.cast("B")
+    return omv
+
+
+def show_key(key: object) -> str:
+    """A key as an error message shows it (repr, cut to 80 characters)."""
+    s = repr(key)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+__all__ = ["as_byte_view", "key_bytes", "put_args", "show_key", "writable_bytes"]
 

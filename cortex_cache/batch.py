@@ -1,0 +1,225 @@
+"""The batched calls behind Pool.put_many, get_many_into, view_many, release_many, contains_many, delete_many.
+
+An engine asks for a request's chunks together.  Each batched call does the
+bookkeeping of all its keys in one lock hold and copies outside it; the
+guarantees are the single-key calls' (a pinned entry cannot be reused under a
+copy; a kill at any point leaves reservations and pins that the next lock
+holder reclaims).  A key that fails gets its error in the result list; the
+call itself raises only for a bad argument (before anything changed) or a
+damaged pool, after undoing its pins.
+
+Each function takes the pool's layers (`core`: core.py, `tiers`: tiers.py)
+that `Pool` (pool.py) holds; `Pool`'s methods are thin wrappers over these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from xxhash import xxh3_64_intdigest
+
+from .core import COPY_IN_LOCK, Core, Pinned
+from .errors import CortexCacheError, KeyNotFound, PoolBusy, UsageError
+from .handles import EntryView
+from .layout import SLOT_FLAG_STR_KEY
+from .tiers import Tiers, copy_hashing
+from .values import as_byte_view, key_bytes, put_args, writable_bytes
+
+
+def encoded(keys: Any) -> list[tuple[bytes, int]]:
+    """(key bytes, key hash) of every key; UsageError for a bad one."""
+    out = []
+    for k in keys:
+        kb = key_bytes(k)[0]
+        out.append((kb, xxh3_64_intdigest(kb)))
+    return out
+
+
+def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: int) -> list[Exception | None]:
+    """Pool.put_many: small values in one lock hold, then large ones reserved, copied and sealed."""
+    pairs = list(items.items() if isinstance(items, dict) else items)
+    put_args(core, b"", False, 0, ttl, priority)  # the batch-wide arguments: raise before storing anything
+    results: list[Exception | None] = [None] * len(pairs)
+    small: list[tuple[int, bytes, int, int, memoryview, int]] = []
+    large: list[tuple[int, bytes, int, int, memoryview, int]] = []
+    prio = int(priority)
+    for n, (key, value) in enumerate(pairs):
+        try:
+            kb, is_str = key_bytes(key)
+            vb = as_byte_view(value)
+            kh, flags, nblk = put_args(core, kb, is_str, vb.nbytes, ttl, prio)
+        except CortexCacheError as e:
+            results[n] = e
+            continue
+        (small if tiers.disk is None and vb.nbytes <= COPY_IN_LOCK else large).append(
+            (n, kb, kh, flags, vb, nblk))
+    if small:
+        def put_all() -> None:
+            for n, kb, kh, flags, vb, nblk in small:
+                try:
+                    core.put_small(kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, prio)
+                except CortexCacheError as e:  # PoolFull: the metadata is consistent, go on
+                    results[n] = e
+        core.locked(put_all)
+    if large and tiers.disk is None:
+        put_large_many(core, large, results, ttl, prio)
+    elif large:
+        for n, kb, kh, flags, vb, nblk in large:  # the disk tier's path, key by key
+            try:
+                tiers.put(kb, kh, flags, vb, nblk, ttl, prio)
+            except CortexCacheError as e:
+                results[n] = e
+    if tiers.remote is not None:
+        for (key, value), err in zip(pairs, results):
+            if err is None:
+                kb, is_str = key_bytes(key)
+                tiers.remote.put(kb, value if value.__class__ is bytes else as_byte_view(value),
+                                 SLOT_FLAG_STR_KEY if is_str else 0, ttl)
+    return results
+
+
+def put_large_many(core: Core, large: list, results: list, ttl: float | None, prio: int) -> None:
+    """Reserve every large value in one lock hold, copy them outside it, seal them in one."""
+
+    def reserve_all() -> list[tuple[int, int, int]]:
+        got = []
+        for n, kb, kh, flags, vb, nblk in large:
+            try:
+                got.append((n, *core.reserve(kb, kh, flags, vb.nbytes, nblk)))
+            except CortexCacheError as e:
+                results[n] = e
+        return got
+
+    reserved = core.locked(reserve_all)
+    by_n = {t[0]: t for t in large}
+    sums: list[int] = []
+    try:
+        for n, i, off in reserved:
+            sums.append(copy_hashing(core.mv, off, by_n[n][4]))
+    except BaseException:
+        core.locked(lambda: [core.abort(i) for _, i, _ in reserved])
+        raise
+
+    def seal_all() -> None:
+        for (n, i, _), checksum in zip(reserved, sums):
+            _, kb, kh, _, _, _ = by_n[n]
+            if core.is_writing(i):
+                core.seal(i, kb, kh, checksum, ttl, prio)
+            else:  # a repair took the reservation back (its owner looked dead)
+                results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
+
+    core.locked(seal_all)
+
+
+def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | None | Exception]:
+    """Pool.get_many_into: memory hits pinned in one lock hold, copied, unpinned in one; misses key by key."""
+    enc = encoded(keys)
+    omvs = [writable_bytes(o) for o in outs]
+    if len(omvs) != len(enc):
+        raise UsageError(f"get_many_into needs one buffer per key ({len(enc)} keys, {len(omvs)} buffers)")
+    below = tiers.disk is not None or tiers.remote is not None
+    got = core.locked(core.pin_many, enc, [m.nbytes for m in omvs], not below)
+    results: list[int | None | Exception] = list(got)
+    pinned = []
+    try:
+        for n, r in enumerate(got):
+            if r.__class__ is Pinned:
+                pinned.append(r)
+                _, _, off, vlen = r
+                omvs[n][:vlen] = core.mv[off : off + vlen]
+                results[n] = vlen
+    finally:
+        if pinned:
+            core.locked(core.unpin_batch, pinned)
+    if below:
+        for n, r in enumerate(got):
+            if r is None:
+                try:
+                    results[n] = read_into(core, tiers, enc[n], omvs[n])
+                except CortexCacheError as e:
+                    results[n] = e
+    return results
+
+
+def read_into(core: Core, tiers: Tiers, enc: tuple[bytes, int], omv: memoryview) -> int | None:
+    """One key's value (memory, else the tiers below) copied into `omv`: its length, or None if absent."""
+    kb, kh = enc
+    return finish_read_into(core, tiers, kb, kh, tiers.settled(tiers.read, kb, kh, omv), omv)
+
+
+def finish_read_into(core: Core, tiers: Tiers, kb: bytes, kh: int, r: Any, omv: memoryview) -> int | None:
+    """Finish a read into `omv` given what `Core.read`/`Tiers.read` returned (`r`): the length copied
+    (an int: copied under the lock; a Pinned entry: copied now, then unpinned), or the value brought from
+    below; None if absent."""
+    if r.__class__ is int:
+        return r
+    if r.__class__ is Pinned:
+        pin, slot, off, n = r
+        try:
+            omv[:n] = core.mv[off : off + n]
+        finally:
+            core.locked(core.unpin, pin, slot)
+        return n
+    value = tiers.from_below(kb, kh, r, omv.nbytes)
+    if value is None:
+        return None
+    omv[: len(value)] = value
+    return len(value)
+
+
+def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], EntryView],
+              keys: Any) -> list[EntryView | None | Exception]:
+    """Pool.view_many: memory hits pinned in one lock hold (added to the handle's `views`); misses through
+    `view_one` (Pool.view), which brings them in from below."""
+    keys = list(keys)
+    enc = encoded(keys)
+    below = tiers.disk is not None or tiers.remote is not None
+    got = core.locked(core.pin_many, enc, None, not below)
+    results: list[EntryView | None | Exception] = []
+    for n, r in enumerate(got):
+        if r.__class__ is Pinned:
+            ev = EntryView(core, views, r, core.checksum(r.slot))
+            views.add(ev)
+            results.append(ev)
+        elif r is None and below:
+            try:
+                results.append(view_one(keys[n]))
+            except KeyNotFound:
+                results.append(None)
+            except CortexCacheError as e:
+                results.append(e)
+        else:
+            results.append(r)
+    return results
+
+
+def release_many(core: Core, views: Any) -> None:
+    """Pool.release_many: unpin every EntryView among `views` in one lock hold."""
+    pinned = [p for p in (v.drop_memoryview() for v in views if isinstance(v, EntryView)) if p is not None]
+    if pinned and not core.closed:
+        core.locked(core.unpin_batch, pinned)
+
+
+def contains_many(core: Core, tiers: Tiers, keys: Any) -> list[bool]:
+    """Pool.contains_many: one lock hold for all; a bad key is simply not there."""
+    enc = []
+    for k in keys:
+        try:
+            enc.append(key_bytes(k)[0])
+        except UsageError:
+            enc.append(None)
+    return core.locked(lambda: [kb is not None and tiers.contains(kb, xxh3_64_intdigest(kb)) for kb in enc])
+
+
+def delete_many(core: Core, tiers: Tiers, keys: Any) -> list[bool]:
+    """Pool.delete_many: every tier in one lock hold; the remote copies deleted in the background."""
+    enc = encoded(keys)
+    found = core.locked(lambda: [tiers.delete(kb, kh) for kb, kh in enc])
+    if tiers.remote is not None:
+        for kb, _ in enc:
+            tiers.remote.delete(kb)
+    return found
+
+
+__all__ = ["contains_many", "delete_many", "encoded", "get_many_into", "put_many", "read_into", "finish_read_into", "release_many",
+           "view_many"]
