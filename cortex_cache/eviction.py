@@ -26,10 +26,11 @@ always reclaimed before any policy victim.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from .errors import UsageError
 from .layout import (
     CANDIDATES,
     H_CAND_COUNT,
@@ -43,6 +44,7 @@ from .layout import (
     SEALED,
 )
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
+from .units import parse_size
 
 INF = math.inf
 
@@ -367,4 +369,18 @@ class VictimCache:
         return True
 
 
-__all__ = ["Policy", "POLICIES", "POLICY_IDS", "POLICY_HELP", "DEFAULT_POLICY", "policy_by_id", "VictimCache"]
+def check_selector(percent: Any, nbytes: Any, expired: bool, keys: Any, prefix: Any, all: bool,
+                   names: tuple[str, ...] | None = None) -> int | None:
+    """Check that exactly one eviction selector is given (the CLI's rule too: `names` spells its options);
+    return the byte target of `nbytes`."""
+    chosen = [percent is not None, nbytes is not None, bool(expired), keys is not None, prefix is not None, bool(all)]
+    if sum(chosen) != 1:
+        if names:
+            raise UsageError(f"give exactly one of {', '.join(names)}")
+        raise UsageError("evict needs exactly one of: percent, nbytes, expired, keys, prefix, all")
+    if percent is not None and not 0 < percent <= 100:
+        raise UsageError(f"percent must be in (0, 100], not {percent!r}")
+    return parse_size(nbytes) if nbytes is not None else None
+
+
+__all__ = ["Policy", "POLICIES", "POLICY_IDS", "POLICY_HELP", "DEFAULT_POLICY", "policy_by_id", "VictimCache", "check_selector"]

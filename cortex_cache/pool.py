@@ -31,7 +31,7 @@ from .errors import (
     ServiceUnavailable,
     UsageError,
 )
-from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS
+from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
 from .layout import (
     DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, FLAG_MULTI_THREADED, FLAG_RESERVED, HEADER_DTYPE, REMOTE_CLUSTER,
     REMOTE_ON,
@@ -755,30 +755,11 @@ class Pool:
             tier = "memory"
         count = freed = 0
         if tier in ("memory", "all"):
-            count, freed = self._evict_memory(kbs, pb, all, expired, percent, target, spill=tier == "memory")
+            count, freed = tiers.evict_memory(kbs, pb, all, expired, percent, target, spill=tier == "memory")
         if tier in ("disk", "all"):
             c, b = tiers.evict_disk(kbs, pb, all, expired, percent, target)
             count, freed = count + c, freed + b
         return count, freed
-
-    def _evict_memory(self, kbs, pb, all, expired, percent, target, spill) -> tuple[int, int]:
-        core = self.core
-        tiers = self.tiers
-        spill = spill and tiers.disk is not None
-
-        def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
-            # Set under the lock: each record is written before its entry leaves memory (tiers.py).
-            tiers.spill_in_place = spill
-            try:
-                return fn(*args)
-            finally:
-                tiers.spill_in_place = False
-
-        if kbs is not None:
-            return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in kbs], spill)
-        if expired or all or pb is not None:
-            return core.locked(in_place, core.evict_matching, expired, pb, spill)
-        return core.locked(in_place, core.evict_amount, percent, target, spill)
 
     # ------------------------------------------------------------------ stats, snapshots, verify
 
@@ -830,20 +811,6 @@ class Pool:
         with `repair`, an entry whose bytes no longer match is dropped.
         """
         return _repair.verify(self.core, repair=repair, checksums=checksums, disk=self.tiers.disk)
-
-
-def check_selector(percent: Any, nbytes: Any, expired: bool, keys: Any, prefix: Any, all: bool,
-                   names: tuple[str, ...] | None = None) -> int | None:
-    """Check that exactly one eviction selector is given (the CLI's rule too: `names` spells its options);
-    return the byte target of `nbytes`."""
-    chosen = [percent is not None, nbytes is not None, bool(expired), keys is not None, prefix is not None, bool(all)]
-    if sum(chosen) != 1:
-        if names:
-            raise UsageError(f"give exactly one of {', '.join(names)}")
-        raise UsageError("evict needs exactly one of: percent, nbytes, expired, keys, prefix, all")
-    if percent is not None and not 0 < percent <= 100:
-        raise UsageError(f"percent must be in (0, 100], not {percent!r}")
-    return parse_size(nbytes) if nbytes is not None else None
 
 
 def default_disk_path(name: str) -> str:

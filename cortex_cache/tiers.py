@@ -400,6 +400,27 @@ class Tiers:
 
     # ------------------------------------------------------------------ eviction
 
+    def evict_memory(self, keys: list[bytes] | None, prefix: bytes | None, all: bool, expired: bool,
+                     percent: float | None, target: int | None, spill: bool) -> tuple[int, int]:
+        """Evict from memory now (Pool.evict's one selector); with `spill` and a disk tier, what has not
+        expired moves to disk as any eviction's does.  (entries, value bytes) freed."""
+        core = self.core
+        spill = spill and self.disk is not None
+
+        def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
+            # Set under the lock: each record is written before its entry leaves memory (see _spill).
+            self.spill_in_place = spill
+            try:
+                return fn(*args)
+            finally:
+                self.spill_in_place = False
+
+        if keys is not None:
+            return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in keys], spill)
+        if expired or all or prefix is not None:
+            return core.locked(in_place, core.evict_matching, expired, prefix, spill)
+        return core.locked(in_place, core.evict_amount, percent, target, spill)
+
     def evict_disk(self, keys: list[bytes] | None, prefix: bytes | None, all: bool, expired: bool,
                    percent: float | None, target: int | None) -> tuple[int, int]:
         """Remove entries from the disk tier by one selector (their records are killed); (entries, bytes)."""
