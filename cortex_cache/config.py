@@ -14,12 +14,48 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .errors import PoolExists, SnapshotCorrupt
+from .layout import (
+    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, FLAG_MULTI_THREADED, FLAG_RESERVED, REMOTE_CLUSTER, REMOTE_ON,
+)
 
 if TYPE_CHECKING:
+    from .core import Core
     from .pool import Pool
 
 # Bounds on what a snapshot's configuration block may hold (it is read from a file).
 MAX_CONFIG_BYTES = 16 << 10
+
+
+def read(core: "Core") -> dict[str, Any]:
+    """The configuration of the pool whose Core (core.py) is `core`, read from its header (Pool.configuration)."""
+    h = core.header[0]
+    flags = int(h["flags"])
+    dflags, rflags = int(h["disk_flags"]), int(h["remote_flags"])
+    disk = None
+    if dflags & DISK_ON:
+        disk = {
+            "path": bytes(h["disk_path"]).decode("utf-8", "surrogateescape"),
+            "size": int(h["disk_size"]),
+            "write": "through" if dflags & DISK_WRITE_THROUGH else "back",
+            "o_direct": bool(dflags & DISK_O_DIRECT),
+            "max_entries": int(h["n_dslots"]),
+        }
+    remote = None
+    if rflags & REMOTE_ON:
+        remote = {"url": bytes(h["remote_url"]).decode("utf-8", "replace"), "cluster": bool(rflags & REMOTE_CLUSTER)}
+    return {
+        "size": core.geometry.data_size,
+        "block_size": core.geometry.block_size,
+        "max_entries": core.geometry.n_slots,
+        "policy": core.policy,
+        "mode": int(h["mode"]) & 0o777,
+        "multi_threaded": bool(flags & FLAG_MULTI_THREADED),
+        "reserve": bool(flags & FLAG_RESERVED),
+        "lfu_period": int(h["lfu_period"]),
+        "keep": int(core.fields.snapshot_keep[0]) or None,
+        "disk": disk,
+        "remote": remote,
+    }
 
 
 def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -123,4 +159,4 @@ def require_same(pool: "Pool", want: dict[str, Any]) -> None:
         raise PoolExists(f"pool {pool.name!r} exists with another configuration: " + "; ".join(diff))
 
 
-__all__ = ["redacted", "encode", "decode", "differences", "require_same", "MAX_CONFIG_BYTES"]
+__all__ = ["read", "redacted", "encode", "decode", "differences", "require_same", "MAX_CONFIG_BYTES"]

@@ -18,7 +18,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from . import repair as _repair
-from . import batch, header, segment, snapshot
+from . import batch, config, header, segment, snapshot
 from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import DiskLog
 from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
@@ -33,8 +33,7 @@ from .errors import (
 )
 from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
 from .layout import (
-    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, FLAG_MULTI_THREADED, FLAG_RESERVED, HEADER_DTYPE, REMOTE_CLUSTER,
-    REMOTE_ON,
+    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, REMOTE_CLUSTER, REMOTE_ON,
     Geometry,
 )
 from .lock import RecordLock
@@ -278,8 +277,6 @@ class Pool:
                        disk_size, disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock,
                        lock_timeout) -> "Pool":
         """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
-        from .config import require_same
-
         geo = Geometry.compute(nbytes, bsize, max_entries)
         want: dict[str, Any] = {"size": geo.data_size, "block_size": geo.block_size, "max_entries": geo.n_slots,
                                 "policy": policy, "mode": mode, "multi_threaded": multi_threaded}
@@ -300,7 +297,7 @@ class Pool:
         want["remote"] = {"url": remote, "cluster": remote_cluster} if remote is not None else None
         pool = cls.open(name, clock=clock, lock_timeout=lock_timeout)
         try:
-            require_same(pool, want)
+            config.require_same(pool, want)
         except BaseException:
             pool.close()
             raise
@@ -314,34 +311,7 @@ class Pool:
         size, write, o_direct, max_entries) and remote (None, or url, cluster).
         `config.redacted()` gives the form to show.
         """
-        h = self.core.header[0]
-        flags = int(h["flags"])
-        dflags, rflags = int(h["disk_flags"]), int(h["remote_flags"])
-        disk = None
-        if dflags & DISK_ON:
-            disk = {
-                "path": bytes(h["disk_path"]).decode("utf-8", "surrogateescape"),
-                "size": int(h["disk_size"]),
-                "write": "through" if dflags & DISK_WRITE_THROUGH else "back",
-                "o_direct": bool(dflags & DISK_O_DIRECT),
-                "max_entries": int(h["n_dslots"]),
-            }
-        remote = None
-        if rflags & REMOTE_ON:
-            remote = {"url": bytes(h["remote_url"]).decode("utf-8", "replace"), "cluster": bool(rflags & REMOTE_CLUSTER)}
-        return {
-            "size": self.geometry.data_size,
-            "block_size": self.geometry.block_size,
-            "max_entries": self.geometry.n_slots,
-            "policy": self.policy,
-            "mode": int(h["mode"]) & 0o777,
-            "multi_threaded": bool(flags & FLAG_MULTI_THREADED),
-            "reserve": bool(flags & FLAG_RESERVED),
-            "lfu_period": int(h["lfu_period"]),
-            "keep": self.snapshot_keep,
-            "disk": disk,
-            "remote": remote,
-        }
+        return config.read(self.core)
 
     def record_remote(self, url: str, cluster: bool) -> None:
         """Record a remote tier in the header (restore: for handles opened later, not this one)."""
@@ -655,28 +625,7 @@ class Pool:
             raise UsageError(f"unknown tier {tier!r}: choose memory, disk, all or remote")
         if tier == "remote":
             return [e["key"] for e in self.remote_entries(prefix, limit)]
-        pb = key_bytes(prefix)[0] if prefix else b""
-        if tier != "memory":
-            mem = [] if tier == "disk" else self.keys(prefix, limit)
-            if limit is not None and len(mem) >= limit:
-                return mem
-            seen = set(mem)
-            more = [k for k in self.tiers.disk_keys(pb) if k not in seen]
-            out = mem + more
-            return out[:limit] if limit is not None else out
-        core = self.core
-
-        def collect() -> list[str | bytes]:
-            out: list[str | bytes] = []
-            for i in map(int, core.live_in_insert_order()):
-                if pb and not core.key_bytes(i).startswith(pb):
-                    continue
-                out.append(core.key_of(i))
-                if limit is not None and len(out) >= limit:
-                    break
-            return out
-
-        return core.locked(collect)
+        return self.tiers.keys(key_bytes(prefix)[0] if prefix else b"", limit, tier)
 
     def remote_entries(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """This pool's entries on the remote server (key, size, ttl_remaining), in key order.

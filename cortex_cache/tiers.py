@@ -381,6 +381,31 @@ class Tiers:
             return d.info(d.find(kh, key_hash2(kb), len(kb)))
         return None
 
+    def keys(self, pb: bytes, limit: int | None, tier: str) -> list[str | bytes]:
+        """Pool.keys for tier "memory" (live entries, oldest insert first, in one lock hold), "disk" or
+        "all" (memory, then disk-only keys), of those starting with `pb`."""
+        if tier != "memory":
+            mem = [] if tier == "disk" else self.keys(pb, limit, "memory")
+            if limit is not None and len(mem) >= limit:
+                return mem
+            seen = set(mem)
+            more = [k for k in self.disk_keys(pb) if k not in seen]
+            out = mem + more
+            return out[:limit] if limit is not None else out
+        core = self.core
+
+        def collect() -> list[str | bytes]:
+            out: list[str | bytes] = []
+            for i in map(int, core.live_in_insert_order()):
+                if pb and not core.key_bytes(i).startswith(pb):
+                    continue
+                out.append(core.key_of(i))
+                if limit is not None and len(out) >= limit:
+                    break
+            return out
+
+        return core.locked(collect)
+
     def disk_keys(self, pb: bytes = b"", with_slots: bool = False) -> list[Any]:
         """Keys on disk (read from the records, outside the lock) starting with `pb`, oldest written first."""
         d = self.disk
