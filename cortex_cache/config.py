@@ -1,7 +1,7 @@
 """A pool's whole configuration: what a snapshot carries and `create --if-missing` compares.
 
 The segment header holds every setting (geometry, policy, flags, the tiers);
-`configuration()` reads them into one plain dict, the form a snapshot stores
+`read()` (Pool.configuration) reads them into one plain dict, the form a snapshot stores
 (as JSON, see persist.py) and `Pool.create(..., exist_ok=True)` compares a
 request against.  The remote URL is kept whole here (a snapshot is private,
 mode 0600, like the segment that holds it already); `redacted()` is the form
@@ -20,6 +20,7 @@ from .layout import (
 
 if TYPE_CHECKING:
     from .core import Core
+    from .layout import Geometry
     from .pool import Pool
 
 # Bounds on what a snapshot's configuration block may hold (it is read from a file).
@@ -115,6 +116,31 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     return out
 
 
+def requested(geo: "Geometry", policy: str, mode: int, multi_threaded: bool, keep: int | None, disk_path: str | None,
+              disk_size: int | str | None, disk_write: str, disk_o_direct: bool, disk_max_entries: int | None,
+              remote: str | None, remote_cluster: bool) -> dict[str, Any]:
+    """What a create request fixes, in the form `differences` compares (`Pool.create(..., exist_ok=True)`):
+    `geo` the geometry it asks for, `disk_path` its checked disk tier directory (None: no disk tier)."""
+    want: dict[str, Any] = {"size": geo.data_size, "block_size": geo.block_size, "max_entries": geo.n_slots,
+                            "policy": policy, "mode": mode, "multi_threaded": multi_threaded}
+    if keep is not None:
+        want["keep"] = keep
+    if disk_path is not None:
+        d: dict[str, Any] = {"path": disk_path, "write": disk_write, "o_direct": disk_o_direct}
+        if disk_size is not None:
+            from .disklog import DiskLog
+            from .units import parse_size
+
+            d["size"] = DiskLog.capacity_for(parse_size(disk_size))
+        if disk_max_entries is not None:
+            d["max_entries"] = disk_max_entries
+        want["disk"] = d
+    else:
+        want["disk"] = None
+    want["remote"] = {"url": remote, "cluster": remote_cluster} if remote is not None else None
+    return want
+
+
 def differences(pool: "Pool", want: dict[str, Any]) -> list[str]:
     """What differs between `pool` and a create request (`want`: only what the request fixes)."""
     have = pool.configuration()
@@ -159,4 +185,4 @@ def require_same(pool: "Pool", want: dict[str, Any]) -> None:
         raise PoolExists(f"pool {pool.name!r} exists with another configuration: " + "; ".join(diff))
 
 
-__all__ = ["read", "redacted", "encode", "decode", "differences", "require_same", "MAX_CONFIG_BYTES"]
+__all__ = ["read", "redacted", "encode", "decode", "differences", "requested", "require_same", "MAX_CONFIG_BYTES"]

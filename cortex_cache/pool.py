@@ -3,7 +3,8 @@
 `Pool` is the public facade (docs/design.md, "Layers"): it checks arguments,
 turns keys into bytes and hashes, and calls the layers below -- the core
 (core.py: the mapped segment, its lock and its invariants), the tier
-orchestration (tiers.py: disk and remote tiers), snapshots (snapshot.py) and
+orchestration (tiers.py: disk and remote tiers), the batched calls
+(batch.py), the configuration (config.py), snapshots (snapshot.py) and
 repair (repair.py).  It holds no state of its own beyond its handles.
 """
 
@@ -278,23 +279,11 @@ class Pool:
                        lock_timeout) -> "Pool":
         """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
         geo = Geometry.compute(nbytes, bsize, max_entries)
-        want: dict[str, Any] = {"size": geo.data_size, "block_size": geo.block_size, "max_entries": geo.n_slots,
-                                "policy": policy, "mode": mode, "multi_threaded": multi_threaded}
-        if keep is not None:
-            want["keep"] = keep
+        dpath = None
         if tier == "disk" or disk_path is not None:
-            d: dict[str, Any] = {"path": check_disk_path(disk_path if disk_path is not None else default_disk_path(name)),
-                                 "write": disk_write, "o_direct": disk_o_direct}
-            if disk_size is not None:
-                from .disklog import DiskLog
-
-                d["size"] = DiskLog.capacity_for(parse_size(disk_size))
-            if disk_max_entries is not None:
-                d["max_entries"] = disk_max_entries
-            want["disk"] = d
-        else:
-            want["disk"] = None
-        want["remote"] = {"url": remote, "cluster": remote_cluster} if remote is not None else None
+            dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
+        want = config.requested(geo, policy, mode, multi_threaded, keep, dpath, disk_size, disk_write, disk_o_direct,
+                                disk_max_entries, remote, remote_cluster)
         pool = cls.open(name, clock=clock, lock_timeout=lock_timeout)
         try:
             config.require_same(pool, want)
