@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from . import procs, segment
-from .allocator import find_run, largest_run, run_around
+from .allocator import find_run, run_around
 from .chains import unchain
 from .errors import (
     BufferTooSmall,
@@ -42,7 +42,7 @@ from .errors import (
 )
 from .eviction import VictimCache, policy_by_id
 from .layout import (
-    CANDIDATES, FLAG_MULTI_THREADED, FLAG_RESERVED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
+    CANDIDATES, FLAG_MULTI_THREADED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
     P32, P64, P_PID, P_SLOT, P_START, PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY,
     VICTIM_COLUMNS, WRITING, ZOMBIE,
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
@@ -51,6 +51,7 @@ from .layout import (
     Geometry, blocks_for, key_cells,
 )
 from .lock import PoolLock, default_timeout as default_lock_timeout
+from .stats import memory_stats
 from .units import format_size
 
 # Values up to this size are put (and restored) in one lock hold: two extra lock
@@ -784,55 +785,8 @@ class Core:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The memory tier's usage and counters (lock held); `Pool.stats` adds the tiers'."""
-        h = self.header[0]
-        g = self.geometry
-        c = self.columns
-        sealed = c["state"] == SEALED
-        used = int(h["used_blocks"]) * g.block_size
-        value_bytes = int(c["value_len"][sealed].sum())
-        st = self.seg.stat()
-        last = float(h["last_snapshot"])
-        out = {
-            "name": self.name,
-            "format_version": int(h["version"]),
-            "policy": self.policy,
-            "multi_threaded": bool(int(h["flags"]) & FLAG_MULTI_THREADED),
-            "reserved": bool(int(h["flags"]) & FLAG_RESERVED),
-            "size_bytes": g.data_size,
-            "segment_bytes": g.segment_size,
-            "block_size": g.block_size,
-            "blocks_total": g.n_blocks,
-            "blocks_used": int(h["used_blocks"]),
-            "used_bytes": used,
-            "value_bytes": value_bytes,
-            # How well the blocks are used: value bytes per allocated byte (1.0 when every value
-            # fills its blocks; low when the block size is too large for the values), and the
-            # longest run of free blocks (the largest value that fits without an eviction).
-            "fill_ratio": value_bytes / used if used else 1.0,
-            "largest_free_bytes": largest_run(self.block_map) * g.block_size,
-            "key_arena_bytes": g.n_kcells * KEY_CELL,
-            "key_arena_used_bytes": int(h["used_kcells"]) * KEY_CELL,
-            "entries": int(h["n_entries"]),
-            "max_entries": g.n_slots,
-        }
-        out.update(hit_stats(h["hits"], h["misses"]))
-        out.update({
-            "puts": int(h["puts"]),
-            "deletes": int(h["deletes"]),
-            "evictions": int(h["evictions"]),
-            "expirations": int(h["expirations"]),
-            "bytes_evicted": int(h["bytes_evicted"]),
-            "repairs": int(h["repairs"]),
-            "pinned_entries": int(np.count_nonzero(c["pins"])),
-            "writing_entries": int(np.count_nonzero(c["state"] == WRITING)),
-            "created": float(h["created"]),
-            "last_snapshot": last if last > 0 else None,
-            "mode": f"{st.st_mode & 0o777:04o}",
-            "uid": st.st_uid,
-            "gid": st.st_gid,
-        })
-        return out
+        """The memory tier's usage and counters (lock held; stats.py); `Pool.stats` adds the tiers'."""
+        return memory_stats(self)
 
     # ------------------------------------------------------------------ pins
 
@@ -942,10 +896,4 @@ class Core:
         return freed
 
 
-def hit_stats(hits: int, misses: int) -> dict[str, Any]:
-    """`hits`, `misses` and `hit_ratio` of a tier (one rule for every tier's stats)."""
-    hits, misses = int(hits), int(misses)
-    return {"hits": hits, "misses": misses, "hit_ratio": hits / (hits + misses) if hits + misses else 0.0}
-
-
-__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "hit_stats"]
+__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK"]

@@ -47,7 +47,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .chains import build_chains, chain_members, unchain
-from .core import hit_stats
+from .stats import hit_stats
 from .disklog import DiskLog, Location
 from .layout import (
     DFREE, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, DLIVE, DPENDING, DSLOT_COLUMNS,

@@ -44,7 +44,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import xxhash
 
-from .core import hit_stats
+from .stats import hit_stats
 from .errors import UsageError
 from .layout import (
     SLOT_FLAG_STR_KEY,
