@@ -20,7 +20,8 @@ import typer
 from . import cli_io
 from .cli_render import (
     WATCH_HEADER, Output, console, fmt_size, json_key, keys_table, pools_table, print_json, print_status,
-    print_table, prometheus, run_with_progress, say, show_key, snapshots_table, watch_line,
+    print_table, prometheus, run_with_progress, say, say_created, say_restored, show_key, snapshots_table,
+    watch_line,
 )
 from .errors import EX_PROBLEM, KeyNotFound, UsageError
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
@@ -205,17 +206,7 @@ def create(
     elif existed:
         say(f"pool {name} exists with this configuration; nothing to do")
     else:
-        say(
-            f"created pool {name}: {fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
-            f"{fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
-        )
-        d = st["disk"]
-        if d is not None:
-            found = f", {d['entries']} entries found on it" if d["entries"] else ""
-            say(f"disk tier: {fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
-        r = st["remote"]
-        if r is not None:
-            say(f"remote tier: {r['url']}" + (" (cluster)" if r["cluster"] else ""))
+        say_created(name, st)
 
 
 @cache.command("list")
@@ -586,13 +577,7 @@ def restore(
     if as_json:
         print_json(report)
     else:
-        say(
-            f"restored {report['entries']} entries, {fmt_size(report['bytes'])} into {report['pool']} "
-            f"from {report['path']} in {secs:.2f}s"
-            + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
-        )
-        for tier, what in report["tiers"].items():
-            say(f"{tier} tier: {what}")
+        say_restored(report)
 
 
 @cache.command()

@@ -112,6 +112,35 @@ def json_key(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+# ---------------------------------------------------------------- confirmations
+
+
+def say_created(name: str, st: dict[str, Any]) -> None:
+    """`create`'s confirmation: the new pool's geometry and its tiers."""
+    say(
+        f"created pool {name}: {fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
+        f"{fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
+    )
+    d = st["disk"]
+    if d is not None:
+        found = f", {d['entries']} entries found on it" if d["entries"] else ""
+        say(f"disk tier: {fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
+    r = st["remote"]
+    if r is not None:
+        say(f"remote tier: {r['url']}" + (" (cluster)" if r["cluster"] else ""))
+
+
+def say_restored(report: dict[str, Any]) -> None:
+    """`restore`'s confirmation: what came back from where, and what each tier did."""
+    say(
+        f"restored {report['entries']} entries, {fmt_size(report['bytes'])} into {report['pool']} "
+        f"from {report['path']} in {report['seconds']:.2f}s"
+        + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
+    )
+    for tier, what in report["tiers"].items():
+        say(f"{tier} tier: {what}")
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -364,6 +393,6 @@ def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
 
 __all__ = [
     "Output", "console", "print_table", "now_iso", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
-    "show_key", "json_key", "pools_table", "show_attached", "print_status", "WATCH_HEADER", "watch_line",
-    "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
+    "show_key", "json_key", "say_created", "say_restored", "pools_table", "show_attached", "print_status",
+    "WATCH_HEADER", "watch_line", "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
 ]
