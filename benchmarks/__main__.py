@@ -121,6 +121,14 @@ def rows_pool(d: dict) -> list:
                      f"copy in {r['copy_in_gbps']:.2f}, out {r['copy_out_gbps']:.2f}",
                      r["get_gbps"] / r["copy_out_gbps"], None))
         rows.append((f"{size} put / get ops/s", f"{r['put_ops']:,.0f} / {r['get_ops']:,.0f}", "", None, None))
+    for b in d.get("batches", []):
+        size = f"{b['size'] // 1024} KiB"
+        rows.append((f"{size} view_many, batch of {b['batch']} (us/key)", f"{b['view_many_us_per_key']:.2f}",
+                     f"view one by one {b['view_us_per_key']:.2f}", b["view_many_vs_view"], b["view_many_us_per_key"] <= 2.0))
+        rows.append((f"{size} get_many_into / put_many (us/key)",
+                     f"{b['get_many_into_us_per_key']:.2f} / {b['put_many_us_per_key']:.2f}",
+                     f"one by one {b['get_into_us_per_key']:.2f} / {b['put_us_per_key']:.2f}",
+                     b["get_many_vs_get_into"], None))
     return rows
 
 

@@ -79,6 +79,48 @@ def bench_size(pool: Pool, size: int, rounds: int, budget_bytes: int) -> dict:
     }
 
 
+BATCH = 64
+
+
+def bench_batch(pool: Pool, size: int, rounds: int) -> dict:
+    """Batched calls against the same keys one call at a time (issue [T2 3/6]: batched view <= 2 us per key
+    in batches of 64), interleaved in each round; seconds per key."""
+    keys = [f"b{size}-{i}" for i in range(BATCH)]
+    src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    outs = [bytearray(size) for _ in keys]
+    pool.put_many([(k, src) for k in keys])
+    n = 50
+
+    def views_one() -> None:
+        for k in keys:
+            pool.view(k).release()
+
+    def views_many() -> None:
+        pool.release_many(pool.view_many(keys))
+
+    def gets_one() -> None:
+        for k, o in zip(keys, outs):
+            pool.get_into(k, o)
+
+    def puts_one() -> None:
+        for k in keys:
+            pool.put(k, src)
+
+    cases = {"view": views_one, "view_many": views_many, "get_into": gets_one,
+             "get_many_into": lambda: pool.get_many_into(keys, outs), "put": puts_one,
+             "put_many": lambda: pool.put_many([(k, src) for k in keys])}
+    res: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for k, fn in cases.items():
+            res[k].append(_time(fn, n) / BATCH)
+    pool.delete_many(keys)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {"size": size, "batch": BATCH, **{f"{k}_us_per_key": v * 1e6 for k, v in med.items()},
+            "view_many_vs_view": med["view"] / med["view_many"],
+            "get_many_vs_get_into": med["get_into"] / med["get_many_into"],
+            "put_many_vs_put": med["put"] / med["put_many"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -90,6 +132,7 @@ def main() -> int:
     pool = Pool.create(name, "1G", block_size="64K")
     try:
         rows = [bench_size(pool, s, rounds, budget) for s in SIZES]
+        batches = [bench_batch(pool, s, rounds) for s in (4 << 10, 64 << 10)]
     finally:
         pool.close()
         Pool.unlink(name)
@@ -100,6 +143,11 @@ def main() -> int:
               f"{r['put_gbps']:>9.1f} {r['put_vs_copy']:>9.2f} "
               f"{r['get_gbps']:>9.1f} {r['get_vs_copy']:>9.2f} {r['get_into_gbps']:>9.1f} "
               f"{r['get_into_vs_copy']:>9.2f} {r['put_ops']:>10.0f} {r['get_ops']:>10.0f}")
+    print(f"\nbatches of {BATCH} keys, us per key (one call per key / one batched call):")
+    for b in batches:
+        print(f"{b['size'] >> 10:>6}Ki view {b['view_us_per_key']:.2f}/{b['view_many_us_per_key']:.2f} "
+              f"get_into {b['get_into_us_per_key']:.2f}/{b['get_many_into_us_per_key']:.2f} "
+              f"put {b['put_us_per_key']:.2f}/{b['put_many_us_per_key']:.2f}")
     small = rows[0]
     big = [r for r in rows if r["size"] >= 1 << 20]
     targets = {
@@ -108,11 +156,12 @@ def main() -> int:
         ">=1MiB put >= 0.7x copy": all(r["put_vs_copy"] >= 0.7 for r in big),
         ">=1MiB get_into >= 0.7x copy": all(r["get_into_vs_copy"] >= 0.7 for r in big),
         ">=1MiB get >= 0.7x copy": all(r["get_vs_copy"] >= 0.7 for r in big),
+        "batched view <= 2 us/key (batches of 64)": all(b["view_many_us_per_key"] <= 2.0 for b in batches),
     }
     for t, ok in targets.items():
         print(f"target {t}: {'met' if ok else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "targets": targets}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "batches": batches, "targets": targets}, indent=2))
     return 0
 
 

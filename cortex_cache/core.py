@@ -881,6 +881,34 @@ class Core:
         return [Pinned(self.pin(i), i, self.value_offset(i), self._c_vlen[i])
                 for i in slots if self._c_state[i] == SEALED]
 
+    def pin_many(self, encoded: list[tuple[bytes, int]], rooms: list[int] | None, count_miss: bool) -> list[Any]:
+        """Pin the live entries of many keys in this one lock hold (the batched reads' bookkeeping).
+
+        Per key: a Pinned, None (absent), or the error for that key (BufferTooSmall when `rooms[n]` is
+        smaller than the value, PoolBusy when the pin records run out).  On any other error what was
+        pinned is unpinned before it propagates: a batch never leaves pins behind.
+        """
+        out: list[Any] = []
+        try:
+            for n, (kb, kh) in enumerate(encoded):
+                i = self.lookup_live(kb, kh) if count_miss else self.find_live(kb, kh)
+                if i < 0:
+                    out.append(None)
+                    continue
+                vlen = self._c_vlen[i]
+                if rooms is not None and rooms[n] < vlen:
+                    out.append(BufferTooSmall(f"buffer of {rooms[n]} bytes is too small for a value of {vlen} bytes"))
+                    continue
+                self.touch(i)
+                try:
+                    out.append(Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, vlen))
+                except PoolBusy as e:
+                    out.append(e)
+        except BaseException:
+            self.unpin_batch([p for p in out if p.__class__ is Pinned])
+            raise
+        return out
+
     def unpin_batch(self, pinned: list) -> None:
         """Unpin what `pin_batch` pinned, or any list of records with `pin` and `slot` (lock held)."""
         for p in pinned:

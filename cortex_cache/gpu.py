@@ -262,19 +262,18 @@ def load(
     dev = device_of(device)
     dt = as_dtype(dtype)
     shp = tuple(int(s) for s in shape)
-    views = []
-    try:
-        for k in keys:
-            views.append(pool.view(k))
-    except KeyNotFound:
-        for v in views:
-            v.release()
-        raise
+    keys = list(keys)
+    views = pool.view_many(keys)  # every key pinned in one lock hold
+    for k, v in zip(keys, views):
+        if v is None or isinstance(v, Exception):
+            pool.release_many(views)
+            if v is None:
+                raise KeyNotFound(f"no key {k!r} in pool {pool.name!r}")
+            raise v
     itemsize = torch.empty((), dtype=dt).element_size()
 
     def release() -> None:
-        for v in views:
-            v.release()
+        pool.release_many(views)
 
     try:
         srcs = []

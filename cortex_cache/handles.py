@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import weakref
+
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .core import Core, Pinned
@@ -17,7 +21,13 @@ class EntryView:
         self._views = views  # the pool handle's open views, which its close() releases
         self._pinned = pinned
         self.offset = pinned.offset  # of the value in the segment
-        self.memoryview: memoryview | None = core.mv[pinned.offset : pinned.offset + pinned.length].toreadonly()
+        # The memoryview is exported by a read-only array of our own: whatever is made from it (numpy
+        # arrays, slices) holds that array, so `release` can tell whether the memory is still used.
+        arr = core.value_array(pinned.offset, pinned.length)
+        arr.flags.writeable = False
+        self._arr: np.ndarray | None = arr
+        self._finaliser = weakref.finalize(arr, _unpin_late, core, pinned)
+        self.memoryview: memoryview | None = memoryview(arr)
         self.checksum = checksum  # xxh3_64 of the value taken at put: `verify()` compares against it
 
     def verify(self) -> bool:
@@ -44,16 +54,41 @@ class EntryView:
         """Leave this view's release to its holder: `pool.close()` will not release it (gpu.py's tensors)."""
         self._views.discard(self)
 
-    def release(self) -> None:
-        """Release the view and unpin the entry; safe to call twice."""
+    def drop_memoryview(self) -> Pinned | None:
+        """Give up the memoryview; the pin to release now, or None if already released or if an object
+        made from the memoryview still uses the memory (then the entry's last such user unpins it)."""
         mv, self.memoryview = self.memoryview, None
         if mv is None:
-            return
+            return None
         mv.release()
         self._views.discard(self)
+        arr, self._arr = self._arr, None
+        # A numpy array or slice made from the memoryview shares its buffer, hence holds `arr`:
+        # more references than this local and the call's argument mean one is alive.
+        if sys.getrefcount(arr) > 2:
+            return None  # the finaliser unpins when the last of them goes
+        self._finaliser.detach()
+        return self._pinned
+
+    def release(self) -> None:
+        """Release the view and unpin the entry; safe to call twice.
+
+        An array or slice made from the view's memoryview keeps the entry
+        pinned until it is gone itself (as `gpu.entry_tensor` does), so no
+        object can read memory the pool has reused."""
+        p = self.drop_memoryview()
         core = self._core
+        if p is not None and not core.closed:
+            core.locked(core.unpin, p.pin, p.slot)
+
+
+def _unpin_late(core: Core, pinned: Pinned) -> None:
+    """A released view's memory was still used by a derived object; that object is gone now."""
+    try:
         if not core.closed:
-            core.locked(core.unpin, self._pinned.pin, self._pinned.slot)
+            core.locked(core.unpin, pinned.pin, pinned.slot)
+    except Exception:
+        pass  # the pin goes with this process
 
 
 class EntryWriter:

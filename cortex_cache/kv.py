@@ -150,9 +150,10 @@ class KVCache:
         # A chunk is checksummed on a worker thread while the next one is
         # copied (xxhash releases the GIL); at most two wait to be committed.
         pending: list = []
+        present = self._present_many(keys)  # one lock hold for the whole request
         try:
             for i, key in enumerate(keys):
-                if self._present(key):
+                if present[i]:
                     continue
                 w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
                 pending.append((w, None))
@@ -188,11 +189,29 @@ class KVCache:
             self.refused += 1
         return ok
 
+    def _present_many(self, keys: list[str]) -> list[bool]:
+        """`_present` of many keys, pinned and released in one lock hold each."""
+        views = self.pool.view_many(keys)
+        try:
+            out = []
+            for ev in views:
+                if ev is None or isinstance(ev, Exception):
+                    out.append(False)
+                    continue
+                mv = ev.memoryview
+                ok = mv.nbytes == HEADER_SIZE + self.payload_bytes and self._ours(mv)
+                if not ok:
+                    self.refused += 1
+                out.append(ok)
+            return out
+        finally:
+            self.pool.release_many(views)
+
     def lookup(self, tokens: Any) -> int:
         """How many leading tokens of `tokens` have their KV cached (a multiple of chunk_tokens)."""
         n = 0
-        for key in self.keys(tokens):
-            if not self._present(key):
+        for ok in self._present_many(self.keys(tokens)):
+            if not ok:
                 break
             n += self.chunk_tokens
         return n
@@ -215,12 +234,12 @@ class KVCache:
                 keys = keys[: out.shape[2] // c]
         parts: list = []
         n = 0
-        for key in keys:
-            try:
-                ev = self.pool.view(key)
-            except KeyNotFound:
-                break
-            with ev as mv:
+        views = self.pool.view_many(keys)  # the request's chunks pinned in one lock hold
+        try:
+            for ev in views:
+                if ev is None or isinstance(ev, Exception):
+                    break
+                mv = ev.memoryview
                 if mv.nbytes != HEADER_SIZE + self.payload_bytes or not self._ours(mv):
                     self.refused += 1
                     break
@@ -230,7 +249,9 @@ class KVCache:
                 else:
                     parts.append(src.clone())
                 del src
-            n += c
+                n += c
+        finally:
+            self.pool.release_many(views)
         if out is None:
             dev = device_of(device) if device is not None else torch.device("cpu")
             if parts:

@@ -23,7 +23,9 @@ from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import DiskLog
 from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
 from .errors import (
+    CortexCacheError,
     KeyNotFound,
+    PoolBusy,
     PoolClosed,
     PoolExists,
     PoolFull,
@@ -40,7 +42,7 @@ from .layout import (
 from .lock import RecordLock
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
-from .tiers import Tiers
+from .tiers import Tiers, copy_hashing
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes
 
@@ -414,7 +416,10 @@ class Pool:
         if remote is not None:
             remote.close()  # lets queued writes finish (a few seconds at most)
         for v in list(self._views):
-            v.release()
+            try:
+                v.release()
+            except BufferError:
+                pass  # an array still reads it: the pin stays with this process (reaped when it exits)
         for hook in reversed(self._close_hooks):
             try:
                 hook()
@@ -542,16 +547,7 @@ class Pool:
         Raises BufferTooSmall if `out` is smaller than the value.
         """
         kb, _ = key_bytes(key)
-        try:
-            omv = memoryview(out)
-        except TypeError:
-            raise UsageError("get_into needs a writable buffer (bytearray, numpy array, ...)") from None
-        if omv.readonly:
-            raise UsageError("get_into needs a writable buffer, not a read-only one")
-        if omv.format != "B" or omv.ndim != 1:
-            if not omv.c_contiguous:
-                raise UsageError("get_into needs a contiguous buffer")
-            omv = omv.cast("B")
+        omv = _writable_bytes(out)
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
@@ -602,6 +598,222 @@ class Pool:
         """Wait until this handle's queued remote writes were sent; False on timeout (True without a remote)."""
         remote = self.tiers.remote
         return True if remote is None else remote.flush(timeout)
+
+    # ------------------------------------------------------------------ batches
+    #
+    # An engine asks for a request's chunks together.  Each batched call does
+    # the bookkeeping of all its keys in one lock hold and copies outside it;
+    # the guarantees are the single-key calls' (a pinned entry cannot be
+    # reused under a copy; a kill at any point leaves reservations and pins
+    # that the next lock holder reclaims).  A key that fails gets its error
+    # in the result list; the call itself raises only for a bad argument
+    # (before anything changed) or a damaged pool, after undoing its pins.
+
+    def _encoded(self, keys: Any) -> list[tuple[bytes, int]]:
+        out = []
+        for k in keys:
+            kb = key_bytes(k)[0]
+            out.append((kb, xxh3_64_intdigest(kb)))
+        return out
+
+    def put_many(self, items: Any, *, ttl: float | None = None, priority: int = 0) -> list[Exception | None]:
+        """Store many (key, value) pairs (a dict or an iterable of pairs) as `put` would.
+
+        Small values (up to 256 KiB) go in first, in one lock hold; larger
+        ones are then reserved in one, copied outside it, and sealed in one
+        (with a disk tier, key by key).  Returns, per
+        pair, None when stored or the error that key met (PoolFull,
+        ValueTooLarge, UsageError for a bad key or value).
+        """
+        pairs = list(items.items() if isinstance(items, dict) else items)
+        self._put_args(b"", False, 0, ttl, priority)  # the batch-wide arguments: raise before storing anything
+        results: list[Exception | None] = [None] * len(pairs)
+        small: list[tuple[int, bytes, int, int, memoryview, int]] = []
+        large: list[tuple[int, bytes, int, int, memoryview, int]] = []
+        tiers = self.tiers
+        core = self.core
+        prio = int(priority)
+        for n, (key, value) in enumerate(pairs):
+            try:
+                kb, is_str = key_bytes(key)
+                vb = as_byte_view(value)
+                kh, flags, nblk = self._put_args(kb, is_str, vb.nbytes, ttl, prio)
+            except CortexCacheError as e:
+                results[n] = e
+                continue
+            (small if tiers.disk is None and vb.nbytes <= COPY_IN_LOCK else large).append(
+                (n, kb, kh, flags, vb, nblk))
+        if small:
+            def put_all() -> None:
+                for n, kb, kh, flags, vb, nblk in small:
+                    try:
+                        core.put_small(kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, prio)
+                    except CortexCacheError as e:  # PoolFull: the metadata is consistent, go on
+                        results[n] = e
+            core.locked(put_all)
+        if large and tiers.disk is None:
+            self._put_large_many(large, results, ttl, prio)
+        elif large:
+            for n, kb, kh, flags, vb, nblk in large:  # the disk tier's path, key by key
+                try:
+                    tiers.put(kb, kh, flags, vb, nblk, ttl, prio)
+                except CortexCacheError as e:
+                    results[n] = e
+        if tiers.remote is not None:
+            for (key, value), err in zip(pairs, results):
+                if err is None:
+                    kb, is_str = key_bytes(key)
+                    tiers.remote.put(kb, value if value.__class__ is bytes else as_byte_view(value),
+                                     SLOT_FLAG_STR_KEY if is_str else 0, ttl)
+        return results
+
+    def _put_large_many(self, large: list, results: list, ttl: float | None, prio: int) -> None:
+        """Reserve every large value in one lock hold, copy them outside it, seal them in one."""
+        core = self.core
+
+        def reserve_all() -> list[tuple[int, int, int]]:
+            got = []
+            for n, kb, kh, flags, vb, nblk in large:
+                try:
+                    got.append((n, *core.reserve(kb, kh, flags, vb.nbytes, nblk)))
+                except CortexCacheError as e:
+                    results[n] = e
+            return got
+
+        reserved = core.locked(reserve_all)
+        by_n = {t[0]: t for t in large}
+        sums: list[int] = []
+        try:
+            for n, i, off in reserved:
+                sums.append(copy_hashing(core.mv, off, by_n[n][4]))
+        except BaseException:
+            core.locked(lambda: [core.abort(i) for _, i, _ in reserved])
+            raise
+
+        def seal_all() -> None:
+            for (n, i, _), checksum in zip(reserved, sums):
+                _, kb, kh, _, _, _ = by_n[n]
+                if core.is_writing(i):
+                    core.seal(i, kb, kh, checksum, ttl, prio)
+                else:  # a repair took the reservation back (its owner looked dead)
+                    results[n] = PoolBusy(f"pool {self.name!r}: the reservation for this key was reclaimed")
+
+        core.locked(seal_all)
+
+    def get_many_into(self, keys: Any, outs: Any) -> list[int | None | Exception]:
+        """Copy the values of many keys into the matching writable buffers of `outs`.
+
+        Returns, per key, the value's length, None if absent, or its error
+        (BufferTooSmall, PoolBusy).  Memory hits are pinned in one lock hold,
+        copied, and unpinned in one; misses are looked up below (disk, remote)
+        key by key.
+        """
+        enc = self._encoded(keys)
+        omvs = [_writable_bytes(o) for o in outs]
+        if len(omvs) != len(enc):
+            raise UsageError(f"get_many_into needs one buffer per key ({len(enc)} keys, {len(omvs)} buffers)")
+        core = self.core
+        tiers = self.tiers
+        below = tiers.disk is not None or tiers.remote is not None
+        got = core.locked(core.pin_many, enc, [m.nbytes for m in omvs], not below)
+        results: list[int | None | Exception] = list(got)
+        pinned = []
+        try:
+            for n, r in enumerate(got):
+                if r.__class__ is Pinned:
+                    pinned.append(r)
+                    _, _, off, vlen = r
+                    omvs[n][:vlen] = core.mv[off : off + vlen]
+                    results[n] = vlen
+        finally:
+            if pinned:
+                core.locked(core.unpin_batch, pinned)
+        if below:
+            for n, r in enumerate(got):
+                if r is None:
+                    try:
+                        results[n] = self._get_into_bytes(enc[n], omvs[n])
+                    except CortexCacheError as e:
+                        results[n] = e
+        return results
+
+    def _get_into_bytes(self, enc: tuple[bytes, int], omv: memoryview) -> int | None:
+        kb, kh = enc
+        tiers = self.tiers
+        core = self.core
+        r = tiers.settled(tiers.read, kb, kh, omv)
+        if r.__class__ is int:
+            return r
+        if r.__class__ is Pinned:
+            pin, slot, off, n = r
+            try:
+                omv[:n] = core.mv[off : off + n]
+            finally:
+                core.locked(core.unpin, pin, slot)
+            return n
+        value = tiers.from_below(kb, kh, r, omv.nbytes)
+        if value is None:
+            return None
+        omv[: len(value)] = value
+        return len(value)
+
+    def view_many(self, keys: Any) -> list[EntryView | None | Exception]:
+        """Zero-copy views of many keys, pinned in one lock hold: per key an EntryView, None if absent,
+        or its error (PoolBusy: out of pin records).  Release them with `release_many` (one lock hold)
+        or one by one."""
+        keys = list(keys)
+        enc = self._encoded(keys)
+        core = self.core
+        tiers = self.tiers
+        below = tiers.disk is not None or tiers.remote is not None
+        got = core.locked(core.pin_many, enc, None, not below)
+        results: list[EntryView | None | Exception] = []
+        views = self._views
+        for n, r in enumerate(got):
+            if r.__class__ is Pinned:
+                ev = EntryView(core, views, r, core.checksum(r.slot))
+                views.add(ev)
+                results.append(ev)
+            elif r is None and below:
+                try:
+                    results.append(self.view(keys[n]))
+                except KeyNotFound:
+                    results.append(None)
+                except CortexCacheError as e:
+                    results.append(e)
+            else:
+                results.append(r)
+        return results
+
+    def release_many(self, views: Any) -> None:
+        """Release many views (those of `view_many`; Nones and errors among them are skipped) in one lock
+        hold."""
+        pinned = [p for p in (v.drop_memoryview() for v in views if isinstance(v, EntryView)) if p is not None]
+        core = self.core
+        if pinned and not core.closed:
+            core.locked(core.unpin_batch, pinned)
+
+    def contains_many(self, keys: Any) -> list[bool]:
+        """Is each key live in memory or on disk?  One lock hold for all."""
+        enc = []
+        for k in keys:
+            try:
+                enc.append(key_bytes(k)[0])
+            except UsageError:
+                enc.append(None)
+        tiers = self.tiers
+        return self.core.locked(
+            lambda: [kb is not None and tiers.contains(kb, xxh3_64_intdigest(kb)) for kb in enc])
+
+    def delete_many(self, keys: Any) -> list[bool]:
+        """Remove many keys (from every tier) in one lock hold; per key, True if it was in memory or on disk."""
+        enc = self._encoded(keys)
+        tiers = self.tiers
+        found = self.core.locked(lambda: [tiers.delete(kb, kh) for kb, kh in enc])
+        if tiers.remote is not None:
+            for kb, _ in enc:
+                tiers.remote.delete(kb)
+        return found
 
     # ------------------------------------------------------------------ delete, membership
 
@@ -751,12 +963,22 @@ class Pool:
 
     def _evict_memory(self, kbs, pb, all, expired, percent, target, spill) -> tuple[int, int]:
         core = self.core
-        spill = spill and self.tiers.disk is not None
+        tiers = self.tiers
+        spill = spill and tiers.disk is not None
+
+        def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
+            # Set under the lock: each record is written before its entry leaves memory (tiers.py).
+            tiers.spill_in_place = spill
+            try:
+                return fn(*args)
+            finally:
+                tiers.spill_in_place = False
+
         if kbs is not None:
-            return core.locked(core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in kbs], spill)
+            return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in kbs], spill)
         if expired or all or pb is not None:
-            return core.locked(core.evict_matching, expired, pb, spill)
-        return core.locked(core.evict_amount, percent, target, spill)
+            return core.locked(in_place, core.evict_matching, expired, pb, spill)
+        return core.locked(in_place, core.evict_amount, percent, target, spill)
 
     # ------------------------------------------------------------------ stats, snapshots, verify
 
@@ -828,6 +1050,21 @@ def default_disk_path(name: str) -> str:
     """Where `--tier disk` puts a pool's tier when no path is given: next to the snapshot directory,
     namespaced by CORTEX_CACHE_SHM_PREFIX like the segment (snapshot.namespaced)."""
     return str(snapshot.snapshot_dir().parent / "disk" / snapshot.namespaced(name))
+
+
+def _writable_bytes(out: Any) -> memoryview:
+    """`out` as a writable, flat memoryview of bytes (UsageError if it is not one)."""
+    try:
+        omv = memoryview(out)
+    except TypeError:
+        raise UsageError("get_into needs a writable buffer (bytearray, numpy array, ...)") from None
+    if omv.readonly:
+        raise UsageError("get_into needs a writable buffer, not a read-only one")
+    if omv.format != "B" or omv.ndim != 1:
+        if not omv.c_contiguous:
+            raise UsageError("get_into needs a contiguous buffer")
+        omv = omv.cast("B")
+    return omv
 
 
 def _show_key(key: object) -> str:

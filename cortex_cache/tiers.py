@@ -58,6 +58,11 @@ class Tiers:
         self.remote = remote  # remote.RemoteTier or None
         self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
         self._spill_bytes = 0  # bytes copied aside in `_spills`
+        # An explicit eviction (`evict`) writes its records under the lock, before each entry leaves
+        # memory: a kill at any instant leaves the entry in one tier or the other (a spill copied
+        # aside is lost with its writer).  Evictions that make room for a put copy aside, to keep
+        # the lock short.
+        self.spill_in_place = False
         if disk is not None:
             core.on_evict = self._spill
             core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
@@ -172,7 +177,7 @@ class Tiers:
         c = core.columns
         args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
                 core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
-        if self._spill_bytes + vlen > SPILL_ASIDE:
+        if self.spill_in_place or self._spill_bytes + vlen > SPILL_ASIDE:
             # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
             # holding copies of it all.
             d.spill_now(*args)

@@ -157,6 +157,17 @@ while True:
         p.put(f"k{k}", make_value(k, i, 2000)); p.delete(f"k{rng.randrange(48)}")
     elif op == "evict":
         p.put(f"k{k}", make_value(k, i, 40_000)); p.evict(percent=rng.choice([5, 50]))
+    elif op == "put_many":
+        p.put_many([(f"k{j}", make_value(j, i, rng.choice([500, 5000, 300_000]))) for j in rng.sample(range(48), 8)])
+    elif op == "get_many":
+        ks = [f"k{j}" for j in rng.sample(range(48), 8)]
+        p.get_many_into(ks, [bytearray(300_000) for _ in ks])
+        vs = p.view_many(ks)                               # killed while holding pins, sometimes
+        p.release_many(vs)
+        p.delete_many(ks[:1])
+    elif op == "evict_all":
+        p.put(f"k{k}", make_value(k, i, 30_000))
+        p.evict(all=True)                                  # every entry moves memory -> disk
     elif op == "spill":
         p.put(f"k{k}", make_value(k, i, 30_000))          # a full pool: every put spills one
     elif op == "promote":
@@ -211,7 +222,7 @@ def _kill_at_random(op: str, name: str, seed: int, *extra: str) -> None:
             f.close()
 
 
-@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair"])
+@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair", "put_many", "get_many"])
 def test_sigkill_at_random_points_of_memory_operations(make_pool, op):
     p = make_pool("2M", block_size="16K")
     for k in range(48):
@@ -239,6 +250,20 @@ def test_sigkill_at_random_points_of_disk_tier_operations(make_pool, tmp_path, o
     finally:
         q.close()
         Pool.unlink(name)
+
+
+def test_sigkill_mid_evict_all_to_disk_loses_no_entry(make_pool, tmp_path):
+    # An entry moving memory -> disk must be readable in one tier or the other at every instant,
+    # whenever its mover is killed (issue 15).
+    p = make_pool("2M", block_size="4K", disk_path=tmp_path / "tier", disk_size="8M")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 30_000))
+    lost = []
+    for r in range(ROUNDS):
+        _kill_at_random("evict_all", p.name, 9000 + r)
+        _check_pool(p)
+        lost += [k for k in range(48) if p.get(f"k{k}") is None]
+    assert not lost, f"entries lost by killed evictions: {lost}"
 
 
 def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, tmp_path, pool_name):

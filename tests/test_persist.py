@@ -126,6 +126,30 @@ def test_restore_under_another_name_and_ttl_stays_absolute(make_pool, restored, 
     assert q.info("long")["expires"] == p.info("long")["expires"]
 
 
+def test_an_entry_that_expires_during_the_restore_is_not_a_restore_that_did_not_fit(
+        make_pool, restored, pool_name, tmp_path):
+    class Clock:
+        t = 1_000_000.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    p = make_pool("4M", block_size="4K", clock=clock)
+    p.put("brief", b"b", ttl=5)
+    for i in range(20):
+        p.put(f"k{i}", bytes([i]) * 100)
+    path = snap.persist(p, tmp_path / "x.ccsnap").path
+
+    def later(done: int, total: int) -> None:  # time passes while the restore runs: "brief" runs out
+        clock.t += 100
+
+    q, report = snap.restore(path, name=pool_name + "copy", clock=clock, progress=later)
+    restored.append(q)
+    assert {f"k{i}" for i in range(20)} == set(q.keys())
+    assert report["entries"] == 20
+
+
 def test_keep_rotates_and_the_latest_name_follows(make_pool, snapshot_dir):
     p = make_pool("1M", block_size="4K")
     paths = []

@@ -373,3 +373,154 @@ def test_close_unmaps_and_releases_the_fd(make_pool):
         q.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert mapped() == 1  # only `p` itself
+
+
+# ---------------------------------------------------------------- batched calls (every policy, both modes, tiers)
+
+
+def _pins(p) -> int:
+    return p.core.locked(lambda: int(p.core.columns["pins"].sum()))
+
+
+def test_batched_calls_answer_as_the_single_key_calls_do(pool):
+    from tests.helpers import check_value, make_value
+
+    values = {f"k{i}": make_value(i, 1, size) for i, size in enumerate([12, 4096, 5000, 70_000, 300_000, 20])}
+    res = pool.put_many(list(values.items()) + [(7, b"bad key"), ("huge", b"x" * (2 << 20))], ttl=60)
+    assert res[:6] == [None] * 6
+    assert isinstance(res[6], UsageError) and isinstance(res[7], ValueTooLarge)
+    keys = list(values) + ["absent"]
+    assert pool.contains_many(keys + [b"\xff", 3]) == [True] * 6 + [False, False, False]
+    outs = [bytearray(300_000) for _ in keys]
+    got = pool.get_many_into(keys, outs)
+    assert got == [len(v) for v in values.values()] + [None]
+    for k, n, out in zip(keys, got, outs):
+        if n:
+            assert check_value(bytes(out[:n]))[0] == int(k[1:])
+            assert bytes(out[:n]) == pool.get(k)
+    views = pool.view_many(keys)
+    assert views[-1] is None
+    assert [bytes(v.memoryview) for v in views[:-1]] == list(values.values())
+    assert all(v.memoryview.readonly for v in views[:-1])
+    assert _pins(pool) == 6
+    pool.release_many(views)
+    pool.release_many(views)  # twice is harmless
+    assert _pins(pool) == 0
+    assert pool.delete_many(["k0", "absent", "k3"]) == [True, False, True]
+    assert pool.contains_many(["k0", "k1", "k3"]) == [False, True, False]
+
+
+def test_a_batch_that_partly_fails_reports_per_key_and_leaves_no_pins_or_reservations(pool):
+    pool.put_many({"a": b"a" * 100, "b": b"b" * 50_000, "c": b"c" * 300_000})
+    got = pool.get_many_into(["a", "b", "c", "none"], [bytearray(100), bytearray(10), bytearray(300_000),
+                                                      bytearray(1)])
+    assert got[0] == 100 and isinstance(got[1], BufferTooSmall) and got[2] == 300_000 and got[3] is None
+    assert _pins(pool) == 0
+    with pytest.raises(UsageError):
+        pool.get_many_into(["a"], [b"read-only"])  # a bad argument raises before anything is pinned
+    with pytest.raises(UsageError):
+        pool.get_many_into(["a", "b"], [bytearray(100)])
+    with pytest.raises(UsageError):
+        pool.put_many({"x": b"1"}, priority=2**70)
+    assert "x" not in pool
+    # Everything pinned: the puts that find no room say PoolFull, the others go in.
+    views = pool.view_many(["a", "b", "c"])
+    res = pool.put_many({"f0": b"f" * 100_000, "f1": b"f" * 700_000, "f2": b"f" * 20_000})
+    assert res[0] is None and isinstance(res[1], PoolFull) and res[2] is None
+    assert pool.contains_many(["f1"]) == [False]
+    pool.release_many(views)
+    assert _pins(pool) == 0
+    assert pool.verify()["ok"]
+    assert pool.stats()["blocks_used"] * 4096 <= 1 << 20
+
+
+def test_a_view_s_derived_arrays_keep_its_entry_pinned_after_release(pool):
+    pool.put("k", b"old!" * 1000)
+    v = pool.view("k")
+    arr = np.frombuffer(v.memoryview, np.uint8)[:4]  # made from the memoryview, outliving the view
+    v.release()
+    assert _pins(pool) == 1  # the array still reads the entry: it stays pinned
+    pool.delete("k")
+    pool.put("k", b"new!" * 1000)  # cannot reuse the old blocks
+    assert arr.tobytes() == b"old!"
+    del arr
+    assert _pins(pool) == 0
+    assert pool.verify()["ok"]
+    with pool.view("k") as mv:
+        assert bytes(mv[:4]) == b"new!"
+    assert _pins(pool) == 0
+
+
+def test_batched_calls_from_many_threads_never_tear(pool):
+    import threading
+
+    from tests.helpers import check_value, make_value
+
+    if not pool.multi_threaded:
+        pytest.skip("a single-threaded handle is used from one thread at a time")
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for r in range(30):
+                keys = [f"k{(t * 7 + r + j) % 24}" for j in range(6)]
+                pool.put_many([(k, make_value(int(k[1:]), r, 3000 + 900 * (r % 5))) for k in keys])
+                outs = [bytearray(8000) for _ in keys]
+                for n, out in zip(pool.get_many_into(keys, outs), outs):
+                    if isinstance(n, int):
+                        check_value(bytes(out[:n]))
+                views = pool.view_many(keys)
+                for v in views:
+                    if v is not None and not isinstance(v, Exception):
+                        check_value(bytes(v.memoryview))
+                pool.release_many(views)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert _pins(pool) == 0
+    assert pool.verify()["ok"]
+
+
+BATCH_WRITER = """
+import sys
+from cortex_cache import Pool
+from tests.helpers import make_value
+p = Pool.open(sys.argv[1])
+for r in range(40):
+    p.put_many([(f"k{k}", make_value(k, r, 2000 + 3000 * ((r + k) % 4))) for k in range(16)])
+p.close()
+"""
+
+
+def test_batched_reads_across_processes_see_whole_values(pool):
+    from tests.helpers import check_value, spawn_py
+
+    child = spawn_py(BATCH_WRITER, pool.name)
+    keys = [f"k{k}" for k in range(16)]
+    seen = 0
+    try:
+        while child.poll() is None or seen == 0:
+            outs = [bytearray(12_000) for _ in keys]
+            for n, out in zip(pool.get_many_into(keys, outs), outs):
+                if isinstance(n, int):
+                    check_value(bytes(out[:n]))
+                    seen += 1
+            views = pool.view_many(keys)
+            for v in views:
+                if v is not None and not isinstance(v, Exception):
+                    check_value(bytes(v.memoryview))
+            pool.release_many(views)
+            if child.poll() is not None:
+                break
+    finally:
+        assert child.wait(60) == 0, child.stderr.read().decode()[-2000:]
+        for f in (child.stdin, child.stdout, child.stderr):
+            f.close()
+    assert _pins(pool) == 0
+    assert pool.verify()["ok"]

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CortexCacheError, KeyNotFound, UsageError
+from ..errors import CortexCacheError, UsageError
 from .pools import POOL_PARAMS, open_or_create
 
 HEADER = struct.Struct("<4sHH16sQ")
@@ -207,46 +207,50 @@ class CortexConnector:
         return good and (want is None or n == want)
 
     def _get(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:
-        outcomes = self._map(self._get_one, keys, mvs)
+        # The batch is pinned in one lock hold, copied (on the copy threads when large), and
+        # released in one.
+        views = self.pool.view_many([self.namespace + k for k in keys])
+        try:
+            outcomes = self._map(self._load_one, list(zip(keys, views)), mvs)
+        finally:
+            self.pool.release_many(views)
         for o in outcomes:
             self.stats[o] += 1
         return True, "", [o == "hits" for o in outcomes]
 
-    def _get_one(self, key: str, mv: Any) -> str:
-        """Load one value into LMCache's buffer; which counter it counts under."""
-        dst = np.frombuffer(memoryview(mv).cast("B"), np.uint8)
-        try:
-            ev = self.pool.view(self.namespace + key)
-        except KeyNotFound:
+    def _load_one(self, key_view: tuple[str, Any], mv: Any) -> str:
+        """Load one pinned value into LMCache's buffer; which counter it counts under."""
+        key, ev = key_view
+        if ev is None or isinstance(ev, Exception):
             return "misses"
-        with ev as src:
-            if not self._check(key, src, dst.nbytes):
-                return "foreign"
-            payload = np.frombuffer(src, np.uint8, dst.nbytes, HEADER_SIZE)
-            np.copyto(dst, payload)  # straight into LMCache's buffer, GIL released
-            del payload
-            if self.verify:
-                # Check what LMCache got, while it is still in the CPU cache:
-                # one pass over the pool's memory instead of two.
-                h = xxhash.xxh3_64(src[:HEADER_SIZE])
-                h.update(dst)
-                if h.intdigest() != ev.checksum:
-                    dst[:] = 0  # nothing of a damaged value is left in LMCache's buffer
-                    return "corrupt"
+        dst = np.frombuffer(memoryview(mv).cast("B"), np.uint8)
+        src = ev.memoryview
+        if not self._check(key, src, dst.nbytes):
+            return "foreign"
+        payload = np.frombuffer(src, np.uint8, dst.nbytes, HEADER_SIZE)
+        np.copyto(dst, payload)  # straight into LMCache's buffer, GIL released
+        del payload
+        if self.verify:
+            # Check what LMCache got, while it is still in the CPU cache:
+            # one pass over the pool's memory instead of two.
+            h = xxhash.xxh3_64(src[:HEADER_SIZE])
+            h.update(dst)
+            if h.intdigest() != ev.checksum:
+                dst[:] = 0  # nothing of a damaged value is left in LMCache's buffer
+                return "corrupt"
         return "hits"
 
     def _exists(self, keys: list[str], _mvs: None) -> tuple[bool, str, list[bool]]:
-        results = []
-        for key in keys:
-            try:
-                with self.pool.view(self.namespace + key) as src:
-                    results.append(self._check(key, src, None))
-            except KeyNotFound:
-                results.append(False)
+        views = self.pool.view_many([self.namespace + k for k in keys])
+        try:
+            results = [ev is not None and not isinstance(ev, Exception) and self._check(key, ev.memoryview, None)
+                       for key, ev in zip(keys, views)]
+        finally:
+            self.pool.release_many(views)
         return True, "", results
 
     def _delete(self, keys: list[str], _mvs: None) -> tuple[bool, str, list[bool]]:
-        results = [self.pool.delete(self.namespace + key) for key in keys]
+        results = self.pool.delete_many([self.namespace + key for key in keys])
         self.stats["deleted"] += sum(results)
         return True, "", results
 
