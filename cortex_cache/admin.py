@@ -1,0 +1,129 @@
+"""Pools by name, as an operator sees them: what `list`, `status` and `delete` do.
+
+A pool's figures, or the state of one that cannot be read (corrupt, of
+another format, not yours); who has it mapped and its snapshots; deleting
+it, or whatever squats on its name, and its disk tier.  The CLI calls these
+and only renders what they return.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import persist as snap
+from . import procs, segment
+from .disklog import DiskLog
+from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt
+from .pool import Pool
+
+
+def status_word(e: CortexCacheError) -> str:
+    """The state of a pool that could not be read, in one word or two."""
+    if isinstance(e, SegmentCorrupt):
+        return "corrupt"
+    if isinstance(e, PermissionDenied):
+        return "no permission"
+    if isinstance(e, PoolNotFound):
+        return "gone"
+    return "unavailable"
+
+
+def pool_summary(name: str) -> dict[str, Any]:
+    """Pool `name`'s stats with "status": "ok", or its name, state and error when it cannot be read."""
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            st = p.stats()
+        st["status"] = "ok"
+        return st
+    except CortexCacheError as e:
+        return {"name": name, "status": status_word(e), "error": str(e)}
+
+
+def all_pool_summaries() -> list[dict[str, Any]]:
+    """pool_summary of every pool under the current prefix."""
+    return [pool_summary(n) for n in segment.list_names()]
+
+
+def others_attached(name: str) -> list[int]:
+    """Pids that have the pool mapped, this process (which may just have read it) aside."""
+    return [p for p in segment.attached_pids(name) if p != os.getpid()]
+
+
+def add_operating_facts(row: dict[str, Any]) -> None:
+    """What status adds to a pool's stats: who has it mapped, and its snapshots."""
+    row["attached_pids"] = others_attached(row["name"])
+    row["attached"] = [procs.describe(p) for p in row["attached_pids"]]
+    row["snapshots"] = snap.snapshot_usage(row["name"])
+
+
+def pool_status(name: str, missing_ok: bool = False) -> dict[str, Any]:
+    """What `status NAME` shows: the pool's stats and operating facts, "status": "ok".  A missing pool
+    is PoolNotFound, or with `missing_ok` a row saying it is gone (a Prometheus scrape must not be empty)."""
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            st = p.stats()
+    except PoolNotFound as e:
+        if not missing_ok:
+            raise
+        return {"name": name, "status": "gone", "error": str(e)}
+    st["status"] = "ok"
+    add_operating_facts(st)
+    return st
+
+
+def all_pool_statuses() -> list[dict[str, Any]]:
+    """What `status` shows of every pool: pool_summary, with the operating facts of those that could be read."""
+    rows = all_pool_summaries()
+    for r in rows:
+        if r["status"] == "ok":
+            add_operating_facts(r)
+    return rows
+
+
+def disk_tier_of(name: str) -> str | None:
+    """The disk tier directory of pool `name` if it has one (None if it cannot be read)."""
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            return p.disk_path
+    except CortexCacheError:
+        return None
+
+
+@dataclass
+class Deleted:
+    """What delete_pool removed."""
+
+    squatter: str | None  # what squatted on the name instead of a pool ("a symlink"), removed; None for a pool
+    disk_tier: str | None  # the deleted pool's disk tier directory, still in place (remove_disk_tier removes it)
+
+
+def delete_pool(name: str, force: bool = False) -> Deleted:
+    """Remove pool `name`'s segment; its disk tier stays (a pool created again on it finds its entries).
+
+    Processes that have the pool mapped keep their mapping; without `force` such a pool is PoolBusy.
+    Something else on the name (a symlink, a directory...) is SegmentCorrupt, and removed with `force`."""
+    segment.validate_name(name)
+    if not segment.exists(name):
+        raise PoolNotFound(f"no pool named {name!r}")
+    squatter = segment.squatter_kind(name)
+    if squatter:  # a symlink, a directory...: not a pool, so nothing maps it and there is no tier
+        if not force:
+            raise SegmentCorrupt(f"{segment.shm_path(name)} is {squatter}, not a pool; `delete --force` removes it")
+        return Deleted(squatter=segment.remove_squatter(name), disk_tier=None)
+    users = others_attached(name)
+    if users and not force:
+        raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
+    tier = disk_tier_of(name)
+    segment.unlink(name)
+    return Deleted(squatter=None, disk_tier=tier)
+
+
+def remove_disk_tier(path: str) -> None:
+    """Remove a disk tier's files and directory (delete --force)."""
+    DiskLog.destroy(path)
+
+
+__all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "add_operating_facts",
+           "pool_status", "all_pool_statuses", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier"]

@@ -1,0 +1,398 @@
+"""How the CLI shows what a command found: the console, tables, JSON, Prometheus text.
+
+Everything a person or a scraper reads on stdout (and notes on stderr) is
+shaped here: one-line JSON documents with the time they were made, rich
+tables without trailing padding off a terminal, sizes, times and ages, keys
+escaped so each line names exactly one, the Prometheus exposition of
+`status`, the lines of `status --watch`, progress bars.  Commands (cli.py)
+decide what to show; this module decides how it looks.  Errors and exit
+codes live in cli_io.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable
+
+
+class Output:
+    """Process-wide output settings; cli.main() resets them for every run."""
+
+    quiet = False
+
+
+def console(stderr: bool = False):  # rich is imported by typer already
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Off a terminal rich assumes 80 columns and would cut names and keys:
+    # a pipe or file gets whole lines instead.
+    width = None if stream.isatty() else 1 << 16
+    # markup=False: our text holds brackets ("cortex-cache[remote]") that are no rich markup.
+    return Console(stderr=stderr, highlight=False, soft_wrap=width is not None, width=width, markup=False)
+
+
+def print_table(table, con=None) -> None:
+    """Print a rich table; off a terminal, without the padding rich leaves at line ends."""
+    con = con or console()
+    if con.is_terminal:
+        con.print(table)
+        return
+    with con.capture() as cap:
+        con.print(table)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
+
+
+def now_iso() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document on one line (fit for a log), with the time it was made (UTC, ISO 8601)."""
+    if isinstance(doc, dict):
+        doc = {"time": now_iso(), **doc}
+    sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+def say(msg: str, stderr: bool = False) -> None:
+    """A confirmation or note for a person: silenced by -q/--quiet."""
+    if not Output.quiet:
+        console(stderr=stderr).print(msg)
+
+
+def fmt_size(n: int | float) -> str:
+    from .units import format_size
+
+    return format_size(n)
+
+
+def fmt_time(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def fmt_age(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def show_key(k: str | bytes) -> str:
+    """A key as one line of text that names it exactly: printable characters as they are, a backslash
+    doubled, anything else (newlines, escape sequences, bytes that are not UTF-8) as \\xNN per byte."""
+    text = k if isinstance(k, str) else k.decode("utf-8", "surrogateescape")
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for c in text:
+        if c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append("".join(f"\\x{b:02x}" for b in c.encode("utf-8", "surrogateescape")))
+    return "".join(out)
+
+
+def json_key(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (an entry's info) with its key made JSON: shown as text, typed, and exact in hex if bytes."""
+    k = doc["key"]
+    doc["key"] = show_key(k)
+    doc["key_type"] = "str" if isinstance(k, str) else "bytes"
+    if not isinstance(k, str):
+        doc["key_hex"] = bytes(k).hex()
+    return doc
+
+
+# ---------------------------------------------------------------- confirmations
+
+
+def say_created(name: str, st: dict[str, Any]) -> None:
+    """`create`'s confirmation: the new pool's geometry and its tiers."""
+    say(
+        f"created pool {name}: {fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
+        f"{fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
+    )
+    d = st["disk"]
+    if d is not None:
+        found = f", {d['entries']} entries found on it" if d["entries"] else ""
+        say(f"disk tier: {fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
+    r = st["remote"]
+    if r is not None:
+        say(f"remote tier: {r['url']}" + (" (cluster)" if r["cluster"] else ""))
+
+
+def say_restored(report: dict[str, Any]) -> None:
+    """`restore`'s confirmation: what came back from where, and what each tier did."""
+    say(
+        f"restored {report['entries']} entries, {fmt_size(report['bytes'])} into {report['pool']} "
+        f"from {report['path']} in {report['seconds']:.2f}s"
+        + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
+    )
+    for tier, what in report["tiers"].items():
+        say(f"{tier} tier: {what}")
+
+
+# ---------------------------------------------------------------- tables
+
+
+def pools_table(rows: list[dict[str, Any]]):
+    """`list`: one line per pool, or its state when it could not be read."""
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("NAME", "SIZE", "USED", "ENTRIES", "POLICY", "MODE", "STATE"):
+        t.add_column(col, justify="right" if col in ("SIZE", "USED", "ENTRIES") else "left")
+    for r in rows:
+        if r["status"] != "ok":
+            t.add_row(r["name"], "-", "-", "-", "-", "-", r["status"])
+            continue
+        used = r["used_bytes"] / r["size_bytes"] * 100
+        t.add_row(r["name"], fmt_size(r["size_bytes"]), f"{used:.1f}%", str(r["entries"]), r["policy"], r["mode"], "ok")
+    return t
+
+
+def show_attached(procs_: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{a['pid']} ({a['command'] or '?'}, uid {a['uid'] if a['uid'] is not None else '?'})"
+                     for a in procs_) or "none"
+
+
+def print_status(rows: list[dict[str, Any]]) -> None:
+    """`status` as tables: one per pool, a line for one that could not be read."""
+    from rich.table import Table
+
+    con = console()
+    for r in rows:
+        if r["status"] != "ok":
+            con.print(f"{r['name']}: {r['status']} ({r['error']})")
+            continue
+        t = Table(title=f"pool {r['name']}", box=None, show_header=False, pad_edge=False, title_justify="left")
+        t.add_column("field", style="bold")
+        t.add_column("value")
+        used_pct = r["used_bytes"] / r["size_bytes"] * 100
+        t.add_row("size", f"{fmt_size(r['size_bytes'])} ({r['size_bytes']} bytes; segment {fmt_size(r['segment_bytes'])})")
+        t.add_row("used", f"{fmt_size(r['used_bytes'])} ({used_pct:.1f}%), values {fmt_size(r['value_bytes'])} "
+                  f"(fill {r['fill_ratio']:.3f})")
+        t.add_row("largest run", f"{fmt_size(r['largest_free_bytes'])} free")
+        t.add_row("entries", f"{r['entries']} of {r['max_entries']}")
+        t.add_row("blocks", f"{r['blocks_used']} / {r['blocks_total']} of {fmt_size(r['block_size'])}")
+        t.add_row("policy", r["policy"] + (", multi-threaded" if r["multi_threaded"] else ""))
+        t.add_row("hits / misses", f"{r['hits']} / {r['misses']} (hit ratio {r['hit_ratio']:.3f})")
+        t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
+        t.add_row("evictions", f"{r['evictions']} ({fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
+        t.add_row("attached", show_attached(r["attached"]))
+        t.add_row("owner / mode", f"uid {r['uid']} gid {r['gid']}, {r['mode']}")
+        t.add_row("created", fmt_time(r["created"]))
+        t.add_row("last snapshot", fmt_time(r["last_snapshot"]) + (f" ({fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
+        sn = r["snapshots"]
+        t.add_row("snapshots", f"{sn['count']}, {fmt_size(sn['bytes'])} in {sn['directory']}")
+        if r["repairs"]:
+            t.add_row("repairs", str(r["repairs"]))
+        d = r.get("disk")
+        if d is not None:
+            t.add_row("disk tier", f"{d['path']} (write-{d['write']}{', O_DIRECT' if d['o_direct'] else ''})")
+            if not d["available"]:
+                t.add_row("disk state", f"unavailable: {d['error']}")
+            else:
+                t.add_row("disk used", f"{d['entries']} of {d['max_entries']} entries, values {fmt_size(d['value_bytes'])} "
+                          f"of {fmt_size(d['capacity_bytes'])}")
+            t.add_row("disk hits / misses", f"{d['hits']} / {d['misses']} (hit ratio {d['hit_ratio']:.3f})")
+            t.add_row("disk written / read", f"{fmt_size(d['bytes_written'])} in {d['spills']} records / "
+                      f"{fmt_size(d['bytes_read'])}, {d['promotions']} promoted")
+            t.add_row("disk lost", f"{d['dropped']} dropped, {d['evictions']} evicted, {d['corrupt']} corrupt, "
+                      f"{d['errors']} I/O errors")
+        rm = r.get("remote")
+        if rm is not None:
+            t.add_row("remote tier", rm["url"] + (" (cluster)" if rm["cluster"] else "")
+                      + ("" if rm["available"] else f" - unavailable: {rm.get('error')}"))
+            t.add_row("remote hits / misses", f"{rm['hits']} / {rm['misses']} (hit ratio {rm['hit_ratio']:.3f}), "
+                      f"{rm['promotions']} promoted, {rm['corrupt']} corrupt")
+            t.add_row("remote writes", f"{rm['writes_done']} done of {rm['writes_sent']} sent, {rm['writes_dropped']} "
+                      f"dropped, {fmt_size(rm['bytes_written'])} written, {fmt_size(rm['bytes_read'])} read")
+            t.add_row("remote errors", str(rm["errors"]) + (f" (last: {rm['last_error']})" if rm.get("last_error") else ""))
+        print_table(t, con)
+
+
+WATCH_HEADER = f"{'time':8} {'puts/s':>9} {'gets/s':>9} {'hit%':>6} {'evict/s':>8} {'spill/s':>8} {'promo/s':>8} {'disk w/s':>9} {'disk r/s':>9} {'entries':>8} {'used':>9}"
+
+
+def watch_line(r: dict[str, Any]) -> str:
+    """One interval of `status --watch` (watch.rates) as a line under WATCH_HEADER."""
+    hit = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}"
+    return (
+        f"{time.strftime('%H:%M:%S')} {r['puts_per_s']:9.1f} {r['gets_per_s']:9.1f} {hit:>6} "
+        f"{r['evictions_per_s']:8.1f} {r['spills_per_s']:8.1f} {r['promotions_per_s']:8.1f} "
+        f"{fmt_size(r['disk_write_bytes_per_s']):>9} {fmt_size(r['disk_read_bytes_per_s']):>9} "
+        f"{r['entries']:8d} {fmt_size(r['used_bytes']):>9}\n"
+    )
+
+
+def keys_table(infos: list[dict[str, Any]]):
+    """`keys --long`: one line per entry."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("KEY", "TIER", "SIZE", "AGE", "TTL", "ACCESSES", "PRIORITY"):
+        t.add_column(col, justify="left" if col in ("KEY", "TIER") else "right")
+    for inf in infos:
+        ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
+        age = fmt_age(inf.get("created") or inf.get("spilled"))
+        prio = "-" if inf["priority"] is None else str(inf["priority"])
+        t.add_row(escape(show_key(inf["key"])), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), prio)
+    return t
+
+
+def snapshots_table(rows: list[dict[str, Any]]):
+    """`snapshots`: one line per file, oldest first."""
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("TIME", "AGE", "SIZE", "ENTRIES", "LATEST", "PATH"):
+        t.add_column(col, justify="right" if col in ("SIZE", "ENTRIES") else "left")
+    for r in rows:
+        if "error" in r:
+            t.add_row("-", "-", "-", "-", "", f"{r['path']} ({r['error']})")
+            continue
+        t.add_row(fmt_time(r["time"]), fmt_age(r["time"]), fmt_size(r["bytes"]), str(r["entries"]),
+                  "yes" if r["latest"] else "", r["path"])
+    return t
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+def prometheus(rows: list[dict[str, Any]]) -> str:
+    metrics = [
+        ("size_bytes", "gauge", "Data capacity of the pool in bytes."),
+        ("used_bytes", "gauge", "Bytes of blocks in use."),
+        ("value_bytes", "gauge", "Bytes of stored values."),
+        ("fill_ratio", "gauge", "Value bytes per byte of blocks in use (low: blocks too large for the values)."),
+        ("largest_free_bytes", "gauge", "Bytes of the longest run of free blocks."),
+        ("entries", "gauge", "Live entries."),
+        ("max_entries", "gauge", "Index capacity."),
+        ("blocks_total", "gauge", "Blocks in the data region."),
+        ("blocks_used", "gauge", "Blocks in use."),
+        ("hits", "counter", "Lookups that found a live entry."),
+        ("misses", "counter", "Lookups that found nothing (or an expired entry)."),
+        ("puts", "counter", "Values stored."),
+        ("deletes", "counter", "Entries deleted by key."),
+        ("evictions", "counter", "Entries evicted to make room or on request."),
+        ("expirations", "counter", "Expired entries reclaimed."),
+        ("bytes_evicted", "counter", "Value bytes evicted."),
+        ("repairs", "counter", "Repairs after a process died inside the pool lock."),
+    ]
+    out = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for key, kind, help_ in metrics:
+        name = f"cortex_cache_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in ok:
+            out.append(f'{name}{{pool="{r["name"]}"}} {r[key]}')
+    disk_metrics = [
+        ("entries", "gauge", "Entries in the disk tier."),
+        ("value_bytes", "gauge", "Bytes of values in the disk tier."),
+        ("capacity_bytes", "gauge", "Capacity of the disk tier's files."),
+        ("hits", "counter", "Memory misses found in the disk tier."),
+        ("misses", "counter", "Memory misses not in the disk tier either."),
+        ("spills", "counter", "Records written to the disk tier."),
+        ("promotions", "counter", "Disk hits copied back into memory."),
+        ("bytes_written", "counter", "Bytes written to the disk tier."),
+        ("bytes_read", "counter", "Bytes read from the disk tier."),
+        ("corrupt", "counter", "Disk records that failed their checksums (counted as misses)."),
+        ("dropped", "counter", "Disk entries lost to the ring going round or a full disk index."),
+        ("errors", "counter", "I/O errors of the disk tier."),
+        ("evictions", "counter", "Entries removed from the disk tier by evict, delete or replace."),
+    ]
+    remote_metrics = [
+        ("hits", "counter", "Misses of memory and disk found on the remote server."),
+        ("misses", "counter", "Remote lookups that found nothing usable."),
+        ("promotions", "counter", "Remote hits copied into memory."),
+        ("errors", "counter", "Failed remote commands and connections."),
+        ("corrupt", "counter", "Remote values that failed their checks."),
+        ("writes_done", "counter", "Remote writes that succeeded."),
+        ("writes_dropped", "counter", "Remote writes dropped (queue full, or abandoned at close)."),
+        ("bytes_written", "counter", "Bytes written to the remote server."),
+        ("bytes_read", "counter", "Bytes read from the remote server."),
+    ]
+    with_remote = [r for r in ok if r.get("remote")]
+    for key, kind, help_ in remote_metrics if with_remote else []:
+        name = f"cortex_cache_remote_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_remote:
+            out.append(f'{name}{{pool="{r["name"]}"}} {r["remote"][key]}')
+    with_disk = [r for r in ok if r.get("disk")]
+    for key, kind, help_ in disk_metrics if with_disk else []:
+        name = f"cortex_cache_disk_{key}" + ("_total" if kind == "counter" else "")
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_disk:
+            v = r["disk"][key]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
+    snap_metrics = [
+        ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
+        ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
+        ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
+         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch; alert when it gets old."),
+        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot."),
+    ]
+    with_snaps = [r for r in ok if r.get("snapshots")]
+    for metric, key, kind, help_ in snap_metrics if with_snaps else []:
+        name = f"cortex_cache_{metric}"
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_snaps:
+            v = r["snapshots"][key]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
+    out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
+    out.append("# TYPE cortex_cache_up gauge")
+    for r in rows:
+        out.append(f'cortex_cache_up{{pool="{r["name"]}"}} {1 if r["status"] == "ok" else 0}')
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- progress
+
+
+def progress_bar(description: str):
+    """A rich progress bar on stderr when it is a terminal; else None (silent)."""
+    if Output.quiet or not sys.stderr.isatty():
+        return None
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn(description), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=console(stderr=True), transient=True,
+    )
+
+
+def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
+    bar = progress_bar(description)
+    if bar is None:
+        return fn(None)
+    with bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return fn(update)
+
+
+__all__ = [
+    "Output", "console", "print_table", "now_iso", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
+    "show_key", "json_key", "say_created", "say_restored", "pools_table", "show_attached", "print_status",
+    "WATCH_HEADER", "watch_line", "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
+]
