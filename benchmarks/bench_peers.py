@@ -25,6 +25,19 @@ Figures (median, min-max over rounds: 3, --quick 2):
   - cross-process get latency p50/p99: a child process reads what the parent wrote.
 Targets: cortex get of 1 MiB >= 5x redis-unix; 64 KiB ops/s >= 10x redis-unix
 (get and put); cortex >= 0.7x numpy copy at 1 MiB and up; two readers >= 1.6x one.
+
+Head to head (issue 17), each pair measured in alternating bursts (the order
+flips every round; 5 rounds, 11 without --quick), the ratio the median of the
+rounds' ratios:
+  - 1 MiB put against naive-shm's overwrite (attach an existing segment, copy
+    in, detach), both cycling over the same 64 keys that already exist;
+  - 1 MiB get_into against LMCache's LocalCPUBackend get + copy into a
+    caller's tensor (benchmarks/lmcache_peer.py --serve, a process of its own
+    kept running between bursts), both cycling over 64 keys;
+  - 64 KiB get of ONE hot key against Redis GET of one key over its Unix
+    socket (redis-py + hiredis), the same loop on both sides.
+Targets: put >= 0.9x naive-shm overwrite; get_into >= 1.0x LMCache; hot get
+>= 10x Redis.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ KIB, MIB = 1 << 10, 1 << 20
 SIZES = [4 * KIB, 64 * KIB, MIB, 16 * MIB]
 WORKING_SET = 64 * MIB
 TARGETS = {"get_1mib_vs_redis": 5.0, "ops_64k_vs_redis": 10.0, "vs_copy": 0.7, "two_readers": 1.6}
+H2H = {"put_vs_naive_overwrite": 0.9, "get_into_vs_lmcache": 1.0, "hot_get_vs_redis": 10.0}
 
 
 def human(n: int) -> str:
@@ -146,15 +160,15 @@ class NaiveShmStore:
 
         name = self._name(key)
         n = memoryview(value).nbytes
-        try:
-            shm = shared_memory.SharedMemory(name, create=True, size=8 + n)
-            self.made.add(name)
-        except FileExistsError:
+        try:  # an overwrite (the common case once a key exists) attaches and copies; it creates nothing
             shm = shared_memory.SharedMemory(name)
-            if shm.size < 8 + n:
+            if shm.size < 8 + n:  # unlink() below also stops tracking it
                 shm.close()
                 shm.unlink()
-                shm = shared_memory.SharedMemory(name, create=True, size=8 + n)
+                raise FileNotFoundError(name)
+        except FileNotFoundError:
+            shm = shared_memory.SharedMemory(name, create=True, size=8 + n)
+            self.made.add(name)
         self._untrack(shm)
         shm.buf[8 : 8 + n] = value
         shm.buf[:8] = n.to_bytes(8, "little")
@@ -348,7 +362,10 @@ def run(quick: bool, workdir: Path) -> dict:
         specs["redis-unix"] = {"kind": "redis-unix", "socket": server.socket}
         specs["redis-tcp"] = {"kind": "redis-tcp", "port": server.port}
     res: dict = {}
+    os.environ["CORTEX_CACHE_SHM_PREFIX"] = prefix
     try:
+        out["goals"] = head_to_head(quick, server, prefix)
+        print("  head to head done", file=sys.stderr, flush=True)
         for size in SIZES:
             value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
             block = min(64 * KIB, size)  # the default block size, or the value's size when smaller
@@ -386,7 +403,151 @@ def run(quick: bool, workdir: Path) -> dict:
             f.unlink(missing_ok=True)
     out["results"] = res
     out["ratios"], out["targets"] = _ratios(res)
+    for g in out["goals"]:
+        if g["met"] is not None:
+            out["targets"][g["target"]] = g["met"]
     return out
+
+
+# ---------------------------------------------------------------- head to head (issue 17)
+
+
+def alternate(a, b, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds of a() and of b() in `rounds` rounds, the order flipped every round."""
+    sa, sb = [], []
+    a(), b()  # warm both
+    for r in range(rounds):
+        if r % 2:
+            sb.append(b())
+            sa.append(a())
+        else:
+            sa.append(a())
+            sb.append(b())
+    return sa, sb
+
+
+def timed(fn, ops: int):
+    def run() -> float:
+        t = time.perf_counter()
+        for i in range(ops):
+            fn(i)
+        return time.perf_counter() - t
+    return run
+
+
+def goal(target: str, need: float, size: int, ops: int, ours: list[float] | None, theirs: list[float] | None,
+         baseline: str, why: str = "") -> dict:
+    """One line of the issue's targets: cortex's figure, the baseline's, the median paired ratio."""
+    if not ours or not theirs:
+        return {"target": target, "need": need, "value": "not measured", "baseline": f"{baseline}: {why}",
+                "ratio": None, "met": None}
+    ratio = statistics.median(t / o for o, t in zip(ours, theirs))
+    fmt = (lambda s: f"{ops * size / statistics.median(s) / 1e9:.2f} GB/s") if size >= MIB else \
+        (lambda s: f"{statistics.median(s) / ops * 1e6:.2f} us/op")
+    return {"target": target, "need": need, "value": fmt(ours), "baseline": f"{baseline} {fmt(theirs)}",
+            "ratio": ratio, "met": ratio >= need, "ours_s": ours, "theirs_s": theirs, "ops": ops}
+
+
+def head_to_head(quick: bool, server: RedisServer | None, prefix: str) -> list[dict]:
+    from cortex_cache import Pool
+
+    rounds = 5 if quick else 11
+    goals = []
+    keys = [f"h{i}" for i in range(n_keys(MIB))]
+    value = np.random.default_rng(7).integers(0, 255, MIB, dtype=np.uint8).tobytes()
+    ops = 64 if quick else 128
+    pool = Pool.create("h2h", int(len(keys) * MIB * 1.5) + (64 << 20), block_size=64 * KIB)
+    naive = NaiveShmStore({"prefix": f"ccnaive-{os.getpid()}-h-"})
+    try:
+        for k in keys:
+            pool.put(k, value)
+            naive.put(k, value)
+        ours, theirs = alternate(timed(lambda i: pool.put(keys[i % len(keys)], value), ops),
+                                 timed(lambda i: naive.put(keys[i % len(keys)], value), ops), rounds)
+        goals.append(goal(f"1 MiB put >= {H2H['put_vs_naive_overwrite']}x naive-shm overwrite",
+                          H2H["put_vs_naive_overwrite"], MIB, ops, ours, theirs, "naive-shm overwrite"))
+        # Not the target, for scale: the same segments kept attached, so an overwrite is the bare copy.
+        from multiprocessing import shared_memory
+
+        held = [shared_memory.SharedMemory(naive._name(k)) for k in keys]
+
+        def copy_in(i: int) -> None:
+            seg = held[i % len(held)]
+            seg.buf[8 : 8 + MIB] = value
+            seg.buf[:8] = MIB.to_bytes(8, "little")
+
+        ours, theirs = alternate(timed(lambda i: pool.put(keys[i % len(keys)], value), ops), timed(copy_in, ops),
+                                 rounds)
+        for seg in held:
+            NaiveShmStore._untrack(seg)
+            seg.close()
+        g = goal("1 MiB put vs naive-shm overwrite, segments kept attached (for scale)", 0.0, MIB, ops, ours,
+                 theirs, "bare copy into an attached segment")
+        g["need"] = g["met"] = None
+        goals.append(g)
+        naive.close(destroy=True)
+        buf = bytearray(MIB)
+        lm, why = _lmcache_server(MIB, len(keys))
+        if lm is None:
+            goals.append(goal(f"1 MiB get_into >= {H2H['get_into_vs_lmcache']}x LMCache CPU get+copy",
+                              H2H["get_into_vs_lmcache"], MIB, ops, None, None, "LMCache LocalCPUBackend", why))
+        else:
+            def lm_burst() -> float:
+                lm.stdin.write(f"{ops}\n")
+                lm.stdin.flush()
+                return float(lm.stdout.readline())
+
+            try:
+                ours, theirs = alternate(timed(lambda i: pool.get_into(keys[i % len(keys)], buf), ops), lm_burst,
+                                         rounds)
+            finally:
+                lm.stdin.close()
+                lm.wait(60)
+            goals.append(goal(f"1 MiB get_into >= {H2H['get_into_vs_lmcache']}x LMCache CPU get+copy",
+                              H2H["get_into_vs_lmcache"], MIB, ops, ours, theirs, "LMCache LocalCPUBackend"))
+        for k in keys:
+            pool.delete(k)
+        hot = value[: 64 * KIB]
+        pool.put("hot", hot)
+        hops = 2000 if quick else 5000
+        target = f"64 KiB hot-key get >= {H2H['hot_get_vs_redis']:.0f}x Redis GET (unix socket)"
+        if server is None:
+            goals.append(goal(target, H2H["hot_get_vs_redis"], 64 * KIB, hops, None, None, "redis-unix",
+                              "no redis-server"))
+        else:
+            import redis
+
+            r = redis.Redis(unix_socket_path=server.socket, socket_timeout=60)
+            r.set("hot", hot)
+            ours, theirs = alternate(timed(lambda i: pool.get("hot"), hops), timed(lambda i: r.get("hot"), hops),
+                                     rounds)
+            r.delete("hot")
+            r.close()
+            goals.append(goal(target, H2H["hot_get_vs_redis"], 64 * KIB, hops, ours, theirs, "redis-unix GET"))
+    finally:
+        naive.close(destroy=True)
+        pool.close()
+        Pool.unlink("h2h")
+    return goals
+
+
+def _lmcache_server(size: int, keys: int):
+    """lmcache_peer.py --serve, started and ready; or None and why not."""
+    py = os.environ.get("CORTEX_BENCH_LMCACHE_PYTHON")
+    if not py:
+        return None, "set CORTEX_BENCH_LMCACHE_PYTHON to a Python that has LMCache"
+    script = Path(__file__).with_name("lmcache_peer.py")
+    err = tempfile.TemporaryFile("w+")  # not a pipe: LMCache's logging must never block it
+    p = subprocess.Popen([py, str(script), "--serve", str(size), str(keys)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=err, text=True)
+    line = p.stdout.readline()
+    if line.strip() != "ready":
+        p.kill()
+        p.wait()
+        err.seek(0)
+        tail = err.read().strip().splitlines()[-1:] or ["no output"]
+        return None, f"LMCache did not start: {tail[0][:200]}"
+    return p, ""
 
 
 def _figures(runs: list[dict], size: int, ones, twos, lat) -> dict:
@@ -474,6 +635,10 @@ def report(out: dict) -> None:
     print("\nratios (same run):")
     for size, r in out["ratios"].items():
         print(f"  {size:>7}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    print("\nhead to head (alternating bursts, median of the rounds' ratios):")
+    for g in out["goals"]:
+        ratio = f"{g['ratio']:.2f}x" if g["ratio"] is not None else "-"
+        print(f"  {g['target']}: {g['value']} vs {g['baseline']}: {ratio}")
     for t, ok in out["targets"].items():
         print(f"target {t}: {'met' if ok else 'MISSED'}")
 
