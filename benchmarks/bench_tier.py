@@ -13,6 +13,7 @@ the memory (write-back), at the same memory size:
              M = 1,000 chunks.  30,000 requests (--quick 6,000).
   mooncake   ../shared/data/mooncake_synthetic_trace.jsonl: real multi-turn
              conversations (Mooncake, FAST'25), 512-token blocks. M = 2,000.
+             (or the file CORTEX_BENCH_MOONCAKE_TRACE names)
 
 Each request looks up its chunks in order and stops at the first miss (a
 prefix match, as an inference engine reuses KV); then every chunk of the
@@ -62,7 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_persist import _free, drop_from_cache, pick_parent, plain_read, plain_write  # noqa: E402
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+# CORTEX_BENCH_MOONCAKE_TRACE (as for bench_sglang.py) finds it from a checkout elsewhere, e.g. a git worktree.
+MOONCAKE = Path(os.environ.get("CORTEX_BENCH_MOONCAKE_TRACE")
+                or Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl")
 CHUNK_VALUE = 4000
 TARGET = 0.6
 MIB = 1 << 20

@@ -7,7 +7,10 @@ Prints one JSON line: a list of rounds, each {"put_s", "get_s", "ops"}.
 With --serve it puts KEYS values once, prints "ready", then for each line
 OPS read from stdin times OPS gets (get+copy, cycling over the KEYS keys) and
 prints the seconds; an empty line or end of input stops it.  bench_peers.py
-uses it to alternate LMCache's bursts with cortex's in one run.  It imports
+uses it to alternate LMCache's bursts with cortex's in one run.  --serve
+runs torch's copies on one thread, as cortex's get_into runs on one: with
+torch's default (one per core) on a busy 2-core machine a burst's time
+swung 10-50x with the OpenMP threads' waits for each other.  It imports
 nothing of cortex_cache, so which checkout's code is measured is decided by
 the cortex side alone.
 
@@ -55,6 +58,7 @@ def serve(size: int, n_keys: int) -> int:
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
 
+    torch.set_num_threads(1)
     be = backend(size, n_keys)
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.empty(size, dtype=torch.uint8)
@@ -82,6 +86,8 @@ def serve(size: int, n_keys: int) -> int:
             if not torch.equal(dst, src):
                 raise RuntimeError("LMCache returned different bytes")
             print(secs, flush=True)
+        for k in keys:
+            be.remove(k)
     finally:
         be.close()
     return 0
