@@ -62,6 +62,18 @@ cache = typer.Typer(
 app.add_typer(cache, name="cache")
 
 
+def _read_path() -> str:
+    """Which read path pools opened here use (docs/internals.md, "The fast path"); without importing
+    numpy, which `--version` does not need."""
+    from importlib.util import find_spec
+
+    if find_spec("cortex_cache._fastpath") is None:
+        return "pure-Python path: the C fast path was not built"
+    if os.environ.get("CORTEX_CACHE_PURE_PYTHON", "") not in ("", "0"):
+        return "pure-Python path: CORTEX_CACHE_PURE_PYTHON is set"
+    return "C fast path"
+
+
 def _show_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
@@ -70,7 +82,7 @@ def _show_version(value: bool) -> None:
             v = version("cortex-cache")
         except PackageNotFoundError:  # run from a source tree that was never installed
             v = "unknown"
-        sys.stdout.write(f"cortex-cache {v}\n")
+        sys.stdout.write(f"cortex-cache {v} ({_read_path()})\n")
         raise typer.Exit(0)
 
 
