@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from xxhash import xxh3_64_intdigest
 
-from .core import COPY_IN_LOCK, Core, Pinned
+from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, SLOW, Core, Pinned
 from .errors import CortexCacheError, KeyNotFound, PoolBusy, UsageError
 from .handles import EntryView
 from .layout import SLOT_FLAG_STR_KEY
@@ -112,14 +112,26 @@ def put_large_many(core: Core, large: list, results: list, ttl: float | None, pr
 
 
 def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | None | Exception]:
-    """Pool.get_many_into: memory hits pinned in one lock hold, copied, unpinned in one; misses key by key."""
+    """Pool.get_many_into: memory hits found in one lock hold and copied (the fast path: seqlock-checked,
+    no pins; else pinned, copied, and unpinned in one); misses and the rest key by key."""
     enc = encoded(keys)
     omvs = [writable_bytes(o) for o in outs]
     if len(omvs) != len(enc):
         raise UsageError(f"get_many_into needs one buffer per key ({len(enc)} keys, {len(omvs)} buffers)")
     below = tiers.disk is not None or tiers.remote is not None
+    fast = core.fast
+    if fast is not None:
+        # Per key: its length, None (a miss, counted), or SLOW: the key by key path below.
+        results: list[Any] = fast.read_many(enc, omvs, READ_HITS if below else READ_COUNTED)
+        for n, r in enumerate(results):
+            if r is SLOW:
+                try:
+                    results[n] = read_into(core, tiers, enc[n], omvs[n])
+                except CortexCacheError as e:
+                    results[n] = e
+        return results
     got = core.locked(core.pin_many, enc, [m.nbytes for m in omvs], not below)
-    results: list[int | None | Exception] = list(got)
+    results = list(got)
     pinned = []
     try:
         for n, r in enumerate(got):
@@ -130,7 +142,7 @@ def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | 
                 results[n] = vlen
     finally:
         if pinned:
-            core.locked(core.unpin_batch, pinned)
+            core.release_pins(pinned)
     if below:
         for n, r in enumerate(got):
             if r is None:
@@ -154,17 +166,32 @@ def finish_read_into(core: Core, tiers: Tiers, kb: bytes, kh: int, r: Any, omv: 
     if r.__class__ is int:
         return r
     if r.__class__ is Pinned:
-        pin, slot, off, n = r
+        _, _, off, n = r
         try:
             omv[:n] = core.mv[off : off + n]
         finally:
-            core.locked(core.unpin, pin, slot)
+            core.release_pins([r])
         return n
     value = tiers.from_below(kb, kh, r, omv.nbytes)
     if value is None:
         return None
     omv[: len(value)] = value
     return len(value)
+
+
+def pin_many(core: Core, enc: list[tuple[bytes, int]], count_miss: bool) -> list[Any]:
+    """`Core.pin_many` for the views (no buffers), through the fast path when it can: per key the fast
+    path's Pin (it has the checksum), a (Pinned, checksum) pair, None (absent), or that key's error."""
+    fast = core.fast
+    got = fast.pin_many(enc, READ_COUNTED if count_miss else READ_HITS) if fast is not None else None
+    if got is None:  # no fast path, or its lock was busy
+        return [(r, core.checksum(r.slot)) if r.__class__ is Pinned else r
+                for r in core.locked(core.pin_many, enc, None, count_miss)]
+    for n, r in enumerate(got):
+        if r is SLOW:  # expired, absent with a tier below, out of pin records...: the Python path
+            r = core.locked(core.pin_many, [enc[n]], None, count_miss)[0]
+            got[n] = (r, core.checksum(r.slot)) if r.__class__ is Pinned else r
+    return got
 
 
 def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], EntryView],
@@ -174,11 +201,15 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
     keys = list(keys)
     enc = encoded(keys)
     below = tiers.disk is not None or tiers.remote is not None
-    got = core.locked(core.pin_many, enc, None, not below)
+    got = pin_many(core, enc, not below)
     results: list[EntryView | None | Exception] = []
     for n, r in enumerate(got):
-        if r.__class__ is Pinned:
-            ev = EntryView(core, views, r, core.checksum(r.slot))
+        if r.__class__ is PIN:
+            ev = EntryView(core, views, r, r.checksum)
+            views.add(ev)
+            results.append(ev)
+        elif r.__class__ is tuple:
+            ev = EntryView(core, views, r[0], r[1])
             views.add(ev)
             results.append(ev)
         elif r is None and below:
@@ -197,7 +228,7 @@ def release_many(core: Core, views: Any) -> None:
     """Pool.release_many: unpin every EntryView among `views` in one lock hold."""
     pinned = [p for p in (v.drop_memoryview() for v in views if isinstance(v, EntryView)) if p is not None]
     if pinned and not core.closed:
-        core.locked(core.unpin_batch, pinned)
+        core.release_pins(pinned)
 
 
 def contains_many(core: Core, tiers: Tiers, keys: Any) -> list[bool]:

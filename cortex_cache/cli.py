@@ -25,6 +25,7 @@ from .cli_render import (
 )
 from .errors import EX_PROBLEM, KeyNotFound, UsageError
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
+from .units import entries, plural
 
 EXIT_CODES_HELP = (
     "Exit status: 0 ok; 1 verify found a problem; 2 usage error; 65 corrupt or "
@@ -62,6 +63,18 @@ cache = typer.Typer(
 app.add_typer(cache, name="cache")
 
 
+def _read_path() -> str:
+    """Which read path pools opened here use (docs/internals.md, "The fast path"); without importing
+    numpy, which `--version` does not need."""
+    from importlib.util import find_spec
+
+    if find_spec("cortex_cache._fastpath") is None:
+        return "pure-Python path: the C fast path was not built"
+    if os.environ.get("CORTEX_CACHE_PURE_PYTHON", "") not in ("", "0"):
+        return "pure-Python path: CORTEX_CACHE_PURE_PYTHON is set"
+    return "C fast path"
+
+
 def _show_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
@@ -70,7 +83,7 @@ def _show_version(value: bool) -> None:
             v = version("cortex-cache")
         except PackageNotFoundError:  # run from a source tree that was never installed
             v = "unknown"
-        sys.stdout.write(f"cortex-cache {v}\n")
+        sys.stdout.write(f"cortex-cache {v} ({_read_path()})\n")
         raise typer.Exit(0)
 
 
@@ -462,7 +475,7 @@ def evict(
         print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed})
     else:
         where = " from the remote server" if tier is WhichTier.remote else ""
-        say(f"evicted {count} entries, {fmt_size(freed)} ({freed} bytes){where}")
+        say(f"evicted {entries(count)}, {fmt_size(freed)} ({freed} bytes){where}")
 
 
 @cache.command()
@@ -487,7 +500,7 @@ def verify(
         con = console()
         if report["ok"]:
             disk = f", {report['disk_checked']} disk records verified" if "disk_checked" in report else ""
-            say(f"pool {name}: ok ({report['entries']} entries, {report['checked']} checksums verified{disk})")
+            say(f"pool {name}: ok ({entries(report['entries'])}, {plural(report['checked'], 'checksum', 'checksums')} verified{disk})")
         for prob in report["problems"]:
             con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""))
     if not report["ok"]:
@@ -521,12 +534,12 @@ def persist(
         print_json(doc)
     else:
         say(
-            f"persisted {doc['entries']} entries, {fmt_size(doc['bytes'])} of {name} to {doc['path']} "
+            f"persisted {entries(doc['entries'])}, {fmt_size(doc['bytes'])} of {name} to {doc['path']} "
             f"in {doc['seconds']:.2f}s ({doc['gbps']:.2f} GB/s)"
         )
         if result.skipped_corrupt:
             console(stderr=True).print(
-                f"cortex: warning: {result.skipped_corrupt} entries failed their checksum in memory and were left out"
+                f"cortex: warning: {entries(result.skipped_corrupt)} failed their checksum in memory and were left out"
             )
 
 

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from .units import entries
+
 
 class Output:
     """Process-wide output settings; cli.main() resets them for every run."""
@@ -123,7 +125,7 @@ def say_created(name: str, st: dict[str, Any]) -> None:
     )
     d = st["disk"]
     if d is not None:
-        found = f", {d['entries']} entries found on it" if d["entries"] else ""
+        found = f", {entries(d['entries'])} found on it" if d["entries"] else ""
         say(f"disk tier: {fmt_size(d['capacity_bytes'])} in {d['path']}, write-{d['write']}{found}")
     r = st["remote"]
     if r is not None:
@@ -133,9 +135,9 @@ def say_created(name: str, st: dict[str, Any]) -> None:
 def say_restored(report: dict[str, Any]) -> None:
     """`restore`'s confirmation: what came back from where, and what each tier did."""
     say(
-        f"restored {report['entries']} entries, {fmt_size(report['bytes'])} into {report['pool']} "
+        f"restored {entries(report['entries'])}, {fmt_size(report['bytes'])} into {report['pool']} "
         f"from {report['path']} in {report['seconds']:.2f}s"
-        + (f"; {report['expired_skipped']} expired entries skipped" if report["expired_skipped"] else "")
+        + (f"; {entries(report['expired_skipped'], 'expired entries')} skipped" if report["expired_skipped"] else "")
     )
     for tier, what in report["tiers"].items():
         say(f"{tier} tier: {what}")

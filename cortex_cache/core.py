@@ -22,6 +22,7 @@ in one section.  The raw tables (`columns`, `header`, `block_map`, `key_map`,
 from __future__ import annotations
 
 import os
+import platform
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -42,6 +43,7 @@ from .errors import (
 )
 from .eviction import VictimCache, policy_by_id
 from .layout import (
+    HEADER_FIELDS, PIN_FIELDS,
     CANDIDATES, FLAG_MULTI_THREADED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
     P32, P64, P_PID, P_SLOT, P_START, PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY,
     VICTIM_COLUMNS, WRITING, ZOMBIE,
@@ -50,7 +52,7 @@ from .layout import (
     H_USED_BLOCKS, H_USED_KCELLS,
     Geometry, blocks_for, key_cells,
 )
-from .lock import PoolLock, default_timeout as default_lock_timeout
+from .lock import METADATA_BYTE, PoolLock, default_timeout as default_lock_timeout
 from .stats import memory_stats
 from .units import format_size
 
@@ -62,6 +64,23 @@ COPY_IN_LOCK = 256 * 1024
 # round trips cost one of them (64 KiB, two reader processes: 0.8x -> 1.8x
 # of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
 GET_COPY_IN_LOCK = 32 * 1024
+# The C fast path (_fastpath.c; docs/internals.md, "The fast path"), unless it was not built or
+# CORTEX_CACHE_PURE_PYTHON=1 asks for the Python path everywhere.
+try:
+    from . import _fastpath
+except ImportError:  # pragma: no cover - built by `pip install` wherever a C compiler is
+    _fastpath = None  # type: ignore[assignment]
+PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
+SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
+PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
+# Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
+# look); count nothing, move nothing (peek).
+READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
+# Copying a large value outside the lock without a pin (the seqlock check) relies on stores becoming
+# visible in program order (x86-64's TSO); elsewhere the fast path leaves large values to the pinned path.
+# The policies as _fastpath.c numbers them (its POL_* enum), for its copy of eviction.py's scores.
+_POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5}
+SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
 _ONES = b"\x01" * 256  # map filler for runs of up to 256 cells
 _ZEROS = memoryview(bytes(256))  # ... and its opposite (a view: slicing it copies nothing)
 
@@ -88,6 +107,7 @@ class Core:
 
     # Half-built handles close cleanly (a failed attach leaves these).
     closed = False
+    fast: Any = None
     _typed_views: list = []
 
     def __init__(
@@ -164,12 +184,45 @@ class Core:
         self.victims = VictimCache(
             pol, hdr, self.columns, victims, self.clock, (self._hu32, self._hu64, self._hf64), views
         )
+        self.fast = self._fast_path(offs) if clock is None else None  # it reads the real clock
+
+    def _fast_path(self, slot_offsets: dict[str, int]) -> Any:
+        """The C fast path over this mapping (`_fastpath.Fast`), or None: not built, or turned off."""
+        if _fastpath is None or os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+            return None
+        g = self.geometry
+        hoff = {name: off for name, _, off in HEADER_FIELDS}
+        poff = {name: off for name, _, off in PIN_FIELDS}
+        pid, start = procs.me()
+        pol = self.victims.policy
+        spec: dict[str, Any] = {
+            "lock_byte": METADATA_BYTE, "policy": _POLICY_KINDS[pol.name], "monotone": int(pol.monotone),
+            "seqlock": int(SEQLOCK_COPIES), "pid": pid, "start": start,
+            "block_size": g.block_size, "n_blocks": g.n_blocks, "n_slots": g.n_slots, "n_buckets": g.n_buckets,
+            "n_pins": g.n_pins, "data_off": g.data_off, "keys_off": g.keys_off, "n_kcells": g.n_kcells,
+            "copy_in_lock": GET_COPY_IN_LOCK, "buckets_off": g.buckets_off, "pins_off": g.pins_off,
+            "pin_size": PIN_SIZE, "pin_pid": poff["pid"], "pin_slot": poff["slot"], "pin_start": poff["start"],
+            "n_blocks_col": slot_offsets["n_blocks"], "lfu_epoch_col": slot_offsets["lfu_epoch"],
+            "thread_lock": self.lock.thread,
+            "on_score_change": None if pol.monotone else self.victims.on_score_change,
+            "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
+        }
+        for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
+                     "cand_max_primary", "cand_max_secondary", "cand_next_expiry"):
+            spec["h_" + name] = hoff[name]
+        for name in ("state", "pins", "key_len", "next", "key_hash", "value_len", "first_block", "checksum",
+                     "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell"):
+            spec[name] = slot_offsets[name]
+        return _fastpath.Fast(self.seg.mm, self.seg.fd, spec)
 
     def close(self) -> None:
         """Unmap.  Safe to call twice, and on a half-built handle."""
         if self.closed:
             return
         self.closed = True
+        if self.fast is not None:
+            self.fast.close()  # lets the mapping go (after any call still copying in another thread)
+            self.fast = None
         self.victims = None  # type: ignore[assignment]
         self.columns = None  # type: ignore[assignment]
         self.fields = None  # type: ignore[assignment]
@@ -334,6 +387,9 @@ class Core:
                 # lock is held throughout, so no reader sees it half-written, and the new
                 # sequence numbers make it a new entry for the victim list.
                 off = self._data_off + self._c_first[old] * self._bs
+                # A reader copying this value outside the lock (the fast path's seqlock) checks
+                # insert_seq after its copy: change it before the bytes, so that it reads again.
+                self._c_iseq[old] = 0
                 self.mv[off : off + vb.nbytes] = vb
                 self._c_vlen[old] = vb.nbytes
                 self._c_flags[old] = flags
@@ -863,10 +919,29 @@ class Core:
             raise
         return out
 
+    def _unpin_late(self, pin: int, slot: int) -> None:
+        """A fast-path Pin's last user is gone (or it was dropped unreleased): unpin it; never raises."""
+        try:
+            if not self.closed:
+                self.release_pins([(pin, slot)])
+        except Exception:
+            pass  # the pin goes with this process (its record is reclaimed when it exits)
+
+    def release_pins(self, pinned: list) -> None:
+        """Unpin `pinned` (records with `pin` and `slot`) in one lock hold: through the fast path when it
+        can take the lock at once, else `locked(unpin_batch)`.  (Not lock held.)"""
+        fast = self.fast
+        if fast is None or not fast.unpin_many(pinned):
+            self.locked(self.unpin_batch, pinned)
+
     def unpin_batch(self, pinned: list) -> None:
-        """Unpin what `pin_batch` pinned, or any list of records with `pin` and `slot` (lock held)."""
+        """Unpin what `pin_batch` pinned, or any list of records with `pin` and `slot`, or (pin, slot)
+        pairs (lock held)."""
         for p in pinned:
-            self.unpin(p.pin, p.slot)
+            if p.__class__ is tuple:
+                self.unpin(*p)
+            else:
+                self.unpin(p.pin, p.slot)
 
     # ------------------------------------------------------------------ dead processes
 
@@ -896,4 +971,5 @@ class Core:
         return freed
 
 
-__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK"]
+__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "SLOW", "READ_COUNTED", "READ_HITS",
+           "READ_QUIET", "PURE_PYTHON_ENV"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from typing import Any
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
@@ -16,19 +17,28 @@ from .tiers import Tiers
 class EntryView:
     """A pinned, read-only view of one entry's value; use as a context manager."""
 
-    def __init__(self, core: Core, views: set, pinned: Pinned, checksum: int = 0) -> None:
+    __slots__ = ("_core", "_views", "_pinned", "_arr", "_finaliser", "offset", "checksum", "memoryview",
+                 "__weakref__")
+
+    def __init__(self, core: Core, views: set, pinned: Any, checksum: int = 0) -> None:
+        """`pinned`: a Pinned (the Python path), or the fast path's Pin, which exports the bytes itself."""
         self._core = core
         self._views = views  # the pool handle's open views, which its close() releases
         self._pinned = pinned
         self.offset = pinned.offset  # of the value in the segment
+        self.checksum = checksum  # xxh3_64 of the value taken at put: `verify()` compares against it
+        if pinned.__class__ is not Pinned:
+            # The Pin counts who uses its bytes; it unpins at its last user's end (see drop_memoryview).
+            self._arr = self._finaliser = None
+            self.memoryview: memoryview | None = pinned.view()
+            return
         # The memoryview is exported by a read-only array of our own: whatever is made from it (numpy
         # arrays, slices) holds that array, so `release` can tell whether the memory is still used.
         arr = core.value_array(pinned.offset, pinned.length)
         arr.flags.writeable = False
         self._arr: np.ndarray | None = arr
         self._finaliser = weakref.finalize(arr, _unpin_late, core, pinned)
-        self.memoryview: memoryview | None = memoryview(arr)
-        self.checksum = checksum  # xxh3_64 of the value taken at put: `verify()` compares against it
+        self.memoryview = memoryview(arr)
 
     def verify(self) -> bool:
         """Do the bytes still match the checksum taken when they were put?  (One hash pass.)"""
@@ -54,7 +64,7 @@ class EntryView:
         """Leave this view's release to its holder: `pool.close()` will not release it (gpu.py's tensors)."""
         self._views.discard(self)
 
-    def drop_memoryview(self) -> Pinned | None:
+    def drop_memoryview(self) -> Any:
         """Give up the memoryview; the pin to release now, or None if already released or if an object
         made from the memoryview still uses the memory (then the entry's last such user unpins it)."""
         mv, self.memoryview = self.memoryview, None
@@ -62,13 +72,16 @@ class EntryView:
             return None
         mv.release()
         self._views.discard(self)
+        pinned = self._pinned
+        if self._finaliser is None:
+            return pinned if pinned.drop() else None
         arr, self._arr = self._arr, None
         # A numpy array or slice made from the memoryview shares its buffer, hence holds `arr`:
         # more references than this local and the call's argument mean one is alive.
         if sys.getrefcount(arr) > 2:
             return None  # the finaliser unpins when the last of them goes
         self._finaliser.detach()
-        return self._pinned
+        return pinned
 
     def release(self) -> None:
         """Release the view and unpin the entry; safe to call twice.
@@ -79,14 +92,14 @@ class EntryView:
         p = self.drop_memoryview()
         core = self._core
         if p is not None and not core.closed:
-            core.locked(core.unpin, p.pin, p.slot)
+            core.release_pins([p])
 
 
 def _unpin_late(core: Core, pinned: Pinned) -> None:
     """A released view's memory was still used by a derived object; that object is gone now."""
     try:
         if not core.closed:
-            core.locked(core.unpin, pinned.pin, pinned.slot)
+            core.release_pins([pinned])
     except Exception:
         pass  # the pin goes with this process
 

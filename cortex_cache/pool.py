@@ -20,7 +20,7 @@ from xxhash import xxh3_64_intdigest
 
 from . import repair as _repair
 from . import batch, config, header, segment, snapshot
-from .core import COPY_IN_LOCK, Core, Pinned
+from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, READ_QUIET, SLOW, Core, Pinned
 from .disklog import DiskLog
 from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
 from .errors import (
@@ -53,6 +53,7 @@ def _after_fork_in_child() -> None:
     for p in list(_live_pools):
         if not p.core.closed:
             p.core.forked = True
+            p.core.fast = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -453,6 +454,14 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
+        fast = core.fast
+        if fast is not None:
+            r = fast.read(kb, kh, None, READ_COUNTED if tiers.disk is None else READ_HITS)
+            if r is not SLOW:
+                if r is not None:
+                    return r
+                value = tiers.from_below(kb, kh, None)  # a miss counted: the remote tier may have it
+                return default if value is None else value
         if tiers.disk is None:
             r = core.locked(core.read, kb, kh, None)
         else:
@@ -460,11 +469,11 @@ class Pool:
         if r.__class__ is bytes:
             return r
         if r.__class__ is Pinned:
-            pin, slot, off, n = r  # unpacked: cheaper than four attribute lookups on the hot path
+            _, _, off, n = r  # unpacked: cheaper than attribute lookups on the hot path
             try:
                 return core.mv[off : off + n].tobytes()
             finally:
-                core.locked(core.unpin, pin, slot)
+                core.release_pins([r])
         value = tiers.from_below(kb, kh, r)
         return default if value is None else value
 
@@ -478,14 +487,19 @@ class Pool:
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         core = self.core
+        fast = core.fast
+        if fast is not None:
+            r = fast.read(kb, kh, None, READ_QUIET)
+            if r is not SLOW:
+                return default if r is None else r
         r = core.locked(core.pin_quietly, kb, kh)
         if r is None:
             return default
-        pin, slot, off, n = r
+        _, _, off, n = r
         try:
             return core.mv[off : off + n].tobytes()
         finally:
-            core.locked(core.unpin, pin, slot)
+            core.release_pins([r])
 
     def get_into(self, key: str | bytes, out: Any) -> int | None:
         """Copy the value of `key` into the writable buffer `out`; return its length, or None if absent.
@@ -497,6 +511,11 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
+        fast = core.fast
+        if fast is not None:
+            r = fast.read(kb, kh, omv, READ_COUNTED if tiers.disk is None else READ_HITS)
+            if r is not SLOW:
+                return r if r is not None else batch.finish_read_into(core, tiers, kb, kh, None, omv)
         if tiers.disk is None:
             r = core.locked(core.read, kb, kh, omv)
         else:
@@ -512,6 +531,15 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
+        if core.fast is not None and tiers.disk is None and tiers.remote is None:
+            got = batch.pin_many(core, [(kb, kh)], True)[0]
+            if got is None:
+                raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
+            if isinstance(got, Exception):
+                raise got  # PoolBusy: out of pin records
+            ev = EntryView(core, self._views, *((got, got.checksum) if got.__class__ is PIN else got))
+            self._views.add(ev)
+            return ev
         r = tiers.settled(tiers.pin_live, kb, kh)
         if r.__class__ is not Pinned:
             # A view maps memory: bring the entry in from below first.

@@ -36,6 +36,7 @@ from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 from .remote import redact, redis_missing
 from .snapshot import Record, Snapshot, latest_path, pool_config
+from .units import entries
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -163,7 +164,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     try:
         if disk is not None:
             d = pool.stats()["disk"]
-            tiers["disk"] = (f"attached {disk['path']}: {d['entries']} entries found on it" if tier_kw["disk_size"] is None
+            tiers["disk"] = (f"attached {disk['path']}: {entries(d['entries'])} found on it" if tier_kw["disk_size"] is None
                              else f"made anew in {disk['path']} (it was gone)")
         report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
         pool.core.header["name"] = target.encode()

@@ -65,5 +65,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["parse_size", "format_size", "ceil_div"]
+def plural(n: int, one: str, many: str) -> str:
+    """A count in words: plural(1, "entry", "entries") is "1 entry", plural(2, ...) "2 entries"."""
+    return f"{n} {one if n == 1 else many}"
+
+
+def entries(n: int, what: str = "entries") -> str:
+    """"1 entry", "2 entries", "1 expired entry": a count of entries in words."""
+    return plural(n, what[:-3] + "y", what)
+
+
+__all__ = ["parse_size", "format_size", "ceil_div", "plural", "entries"]
 

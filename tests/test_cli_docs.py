@@ -96,9 +96,9 @@ def test_without_quiet_the_same_commands_confirm(pool_name, cleanup, tmp_path):
     fill(name, [("a", b"A" * 100)])
     assert f"pool {name}: ok" in ok(cli("cache", "verify", name)).stdout.decode()
     snap = tmp_path / "s.ccsnap"
-    assert "persisted 1 entries" in ok(cli("cache", "persist", name, "-o", str(snap))).stdout.decode()
-    assert "evicted 1 entries" in ok(cli("cache", "evict", name, "--all")).stdout.decode()
-    assert "restored 1 entries" in ok(cli("cache", "restore", name, "-i", str(snap), "--replace")).stdout.decode()
+    assert "persisted 1 entry" in ok(cli("cache", "persist", name, "-o", str(snap))).stdout.decode()
+    assert "evicted 1 entry" in ok(cli("cache", "evict", name, "--all")).stdout.decode()
+    assert "restored 1 entry" in ok(cli("cache", "restore", name, "-i", str(snap), "--replace")).stdout.decode()
     r = cli("cache", "list", env={"CORTEX_CACHE_SHM_PREFIX": os.environ["CORTEX_CACHE_SHM_PREFIX"] + "none."})
     assert r.returncode == 0 and r.stderr == b"no pools\n", show(r)
 
@@ -168,7 +168,7 @@ def test_quiet_silences_the_progress_bar_on_a_terminal(new_pool, tmp_path, quiet
     if quiet:
         assert out == b"" and err == b"", (out, err)
     else:
-        assert b"persisted 1 entries" in out
+        assert b"persisted 1 entry" in out
         assert f"persist {name}".encode() in err, err  # the bar, drawn on the terminal
 
 
@@ -648,11 +648,11 @@ def test_readme_usage_output_is_real(tmp_path, page):
 def test_readme_normalize_keeps_what_matters():
     """The comparison above ignores times and speeds, but not counts, sizes or messages."""
     n = gen_docs.normalize
-    assert n("persisted 1 entries in 0.01s (1.20 GB/s)") == n("persisted 1 entries in 3.50s (0.07 GB/s)")
+    assert n("persisted 1 entry in 0.01s (1.20 GB/s)") == n("persisted 1 entry in 3.50s (0.07 GB/s)")
     assert n("created  2026-01-01 10:00:00") == n("created 2027-02-02 11:11:11")
     assert n('{"time":"2026-12-01T06:17:24.770Z","ok":true}') == n('{"time":"2027-01-01T00:00:00.000Z","ok":true}')
     assert n("llama-20261129T175048.267719Z.ccsnap") == n("llama-20270101T000000.000000Z.ccsnap")
-    assert n("evicted 1 entries, 293.0KiB (300000 bytes)") != n("evicted 2 entries, 293.0KiB (300000 bytes)")
+    assert n("evicted 1 entry, 293.0KiB (300000 bytes)") != n("evicted 2 entries, 293.0KiB (300000 bytes)")
     assert n("entries 2 of 4096") != n("entries 2 of 4095")
     assert n("size 64.0MiB") != n("size 64.0KiB")
     assert n("exit 66") != n("exit 65")

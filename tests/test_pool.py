@@ -23,25 +23,32 @@ from cortex_cache import (
     UsageError,
     ValueTooLarge,
 )
+from cortex_cache.core import PURE_PYTHON_ENV
 from cortex_cache.eviction import POLICY_IDS
 from cortex_cache.layout import MAX_KEY_BYTES
 from cortex_cache.segment import shm_path
 
 
 # Every policy, single- and multi-threaded, without a disk tier and with one (write-back; and
-# write-through for one of the modes, to keep the count sane).
-CONTRACT_VARIANTS = [(p, mt, None) for p in POLICY_IDS for mt in (False, True)] + [
-    (p, mt, "back") for p in POLICY_IDS for mt in (False, True)] + [
-    (p, mt, "through") for p, mt in zip(POLICY_IDS, itertools.cycle((False, True)))]
+# write-through for one of the modes, to keep the count sane), through the C fast path; and the
+# pure-Python path (CORTEX_CACHE_PURE_PYTHON=1) for every policy, and with a disk tier and threads.
+CONTRACT_VARIANTS = [(p, mt, None, False) for p in POLICY_IDS for mt in (False, True)] + [
+    (p, mt, "back", False) for p in POLICY_IDS for mt in (False, True)] + [
+    (p, mt, "through", False) for p, mt in zip(POLICY_IDS, itertools.cycle((False, True)))] + [
+    (p, False, None, True) for p in POLICY_IDS] + [("lfu", True, "back", True)]
 
 
 @pytest.fixture(params=CONTRACT_VARIANTS,
-                ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}" + (f"-disk-{v[2]}" if v[2] else ""))
-def pool(request, make_pool, tmp_path):
-    policy, mt, disk = request.param
+                ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}" + (f"-disk-{v[2]}" if v[2] else "")
+                + ("-pure" if v[3] else ""))
+def pool(request, make_pool, tmp_path, monkeypatch):
+    policy, mt, disk, pure = request.param
+    if pure:
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")  # inherited by the processes a test starts
     tier = dict(disk_path=tmp_path / "tier", disk_size="4M", disk_write=disk) if disk else {}
     p = make_pool("1M", block_size="4K", policy=policy, multi_threaded=mt, **tier)
     assert (p.stats().get("disk") or {}).get("write") == disk
+    assert (p.core.fast is None) == pure
     return p
 
 

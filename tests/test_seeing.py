@@ -161,7 +161,9 @@ def test_version():
 
     for args in (["--version"], ["cache", "--version"]):
         r = cli(*args)
-        assert r.returncode == 0 and r.stdout.decode() == f"cortex-cache {version('cortex-cache')}\n"
+        assert r.returncode == 0 and r.stdout.decode() == f"cortex-cache {version('cortex-cache')} (C fast path)\n"
+    r = cli("--version", env={"CORTEX_CACHE_PURE_PYTHON": "1"})
+    assert r.stdout.decode().endswith("(pure-Python path: CORTEX_CACHE_PURE_PYTHON is set)\n")
 
 
 def test_get_output_dash_is_stdout(pool, pool_name, tmp_path):

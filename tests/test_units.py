@@ -57,3 +57,11 @@ def test_format_size():
     assert format_size(512) == "512B"
     assert format_size(16 << 30) == "16.0GiB"
     assert format_size(1536) == "1.5KiB"
+
+
+def test_counts_in_words_agree_with_their_number():
+    from cortex_cache.units import entries, plural
+
+    assert entries(0) == "0 entries" and entries(1) == "1 entry" and entries(2) == "2 entries"
+    assert entries(1, "expired entries") == "1 expired entry"
+    assert plural(1, "checksum", "checksums") == "1 checksum" and plural(3, "checksum", "checksums") == "3 checksums"

@@ -1,0 +1,1057 @@
+/* The hot read paths of a pool in C (docs/internals.md, "The fast path").
+ *
+ * One `Fast` object per attached Core.  It takes the same OFD lock and follows
+ * the same dirty-mark protocol as core.py (docs/design.md, "Invariants"), over
+ * the same segment layout, so processes using it and processes on the pure
+ * Python path share pools freely.  It does only the common case -- a lookup,
+ * a hit counted, a copy or a pin -- and answers SLOW whenever anything else is
+ * needed (a dirty mark to repair, an expired entry, a busy lock to wait for,
+ * a full pin table, a buffer too small): the caller then runs the Python path,
+ * which handles every case.  SLOW is always answered before anything changed.
+ *
+ * Values larger than `copy_in_lock` are copied outside the lock without a pin,
+ * seqlock style: the entry's state and insert_seq are read under the lock,
+ * the bytes copied without it, then state and insert_seq read again; a value
+ * whose slot was freed, reused or overwritten meanwhile fails that check and
+ * is read again.  Every writer changes one of the two before it changes the
+ * bytes (a slot is freed before its blocks are reused; an in-place overwrite
+ * clears insert_seq first), and x86-64's store order makes that visible in
+ * the same order.  core.py enables the seqlock copy only on x86-64.
+ *
+ * Layout knowledge (offsets, widths) comes from Python (layout.py) at
+ * construction; nothing here hard-codes a field offset.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define FREE 0
+#define SEALED 2
+#define ZOMBIE 3
+#define KEY_CELL 32
+#define SPIN 20        /* non-blocking lock attempts before answering SLOW */
+#define SEQ_RETRIES 3  /* seqlock copies tried before answering SLOW */
+
+enum { POL_LRU, POL_LFU, POL_FIFO, POL_PRIORITY, POL_TTL, POL_SIZE };
+
+static PyObject *SLOW;  /* the module's sentinel */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buf;
+    int have_buf;
+    int closing;          /* close() was called while calls were in flight: the last one releases */
+    Py_ssize_t inflight;  /* calls running (they may let the GIL go while copying) */
+    char *base;
+    int fd;
+    struct flock lk, unlk;
+    PyObject *thread_acquire, *thread_release; /* a threading.Lock's methods (multi-threaded handles) */
+    PyObject *on_score_change;                 /* VictimCache.on_score_change (non-monotone policies) */
+    PyObject *on_unpin;                        /* VictimCache.on_unpin */
+    PyObject *free_entry;                      /* Core's free of a slot (a zombie's last unpin) */
+    PyObject *late_unpin;                      /* unpin(pin, slot) for a Pin whose last user went */
+    int policy, monotone, seqlock;
+    uint64_t bs, n_blocks, n_slots, mask, n_pins, data_off, keys_off, n_kcells, copy_in_lock;
+    uint32_t pid;
+    uint64_t pstart, pin_hint;
+    /* header words */
+    volatile uint32_t *dirty, *cand_valid;
+    uint64_t *seq, *hits, *misses, *ops, *lfu_epoch, *lfu_period, *cand_max_secondary;
+    double *cand_max_primary, *cand_next_expiry;
+    /* slot columns */
+    volatile uint32_t *state;
+    uint32_t *pins, *klen;
+    int32_t *next, *buckets;
+    uint64_t *khash, *vlen, *first, *nblk, *cks, *aseq, *acount, *lfuep, *kcell;
+    volatile uint64_t *iseq;
+    double *lastacc, *expiry;
+    int64_t *prio;
+    /* pin records: u32 pid, i32 slot, u64 start; pin_size bytes each */
+    char *pinrec;
+    uint64_t pin_size, pin_off_pid, pin_off_slot, pin_off_start;
+} Fast;
+
+/* ------------------------------------------------------------------ construction */
+
+static int get_u64(PyObject *spec, const char *name, uint64_t *out) {
+    PyObject *v = PyDict_GetItemString(spec, name);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "fast path spec lacks %s", name);
+        return -1;
+    }
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = x;
+    return 0;
+}
+
+static PyObject *get_obj(PyObject *spec, const char *name) {
+    PyObject *v = PyDict_GetItemString(spec, name);
+    if (v == NULL || v == Py_None) return NULL;
+    Py_INCREF(v);
+    return v;
+}
+
+static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
+    PyObject *buffer, *spec;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OiO!", &buffer, &fd, &PyDict_Type, &spec)) return -1;
+    if (self->have_buf) {
+        PyErr_SetString(PyExc_RuntimeError, "Fast is already initialised");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buffer, &self->buf, PyBUF_WRITABLE) < 0) return -1;
+    self->have_buf = 1;
+    self->base = (char *)self->buf.buf;
+    self->fd = fd;
+    uint64_t size = (uint64_t)self->buf.len;
+
+    uint64_t lock_byte, policy, monotone, seqlock, pid, n_buckets;
+    uint64_t o_dirty, o_cand_valid, o_seq, o_hits, o_misses, o_ops, o_lfu_epoch, o_lfu_period;
+    uint64_t o_cmax_p, o_cmax_s, o_cnext, o_buckets, o_pins_region;
+    uint64_t c_state, c_pins, c_klen, c_next, c_khash, c_vlen, c_first, c_nblk, c_cks, c_lastacc;
+    uint64_t c_expiry, c_iseq, c_aseq, c_acount, c_lfuep, c_prio, c_kcell;
+    struct { const char *name; uint64_t *out; } fields[] = {
+        {"lock_byte", &lock_byte}, {"policy", &policy}, {"monotone", &monotone}, {"seqlock", &seqlock},
+        {"pid", &pid}, {"start", &self->pstart}, {"block_size", &self->bs}, {"n_blocks", &self->n_blocks},
+        {"n_slots", &self->n_slots}, {"n_buckets", &n_buckets}, {"n_pins", &self->n_pins},
+        {"data_off", &self->data_off}, {"keys_off", &self->keys_off}, {"n_kcells", &self->n_kcells},
+        {"copy_in_lock", &self->copy_in_lock},
+        {"h_dirty", &o_dirty}, {"h_cand_valid", &o_cand_valid}, {"h_seq", &o_seq}, {"h_hits", &o_hits},
+        {"h_misses", &o_misses}, {"h_ops", &o_ops}, {"h_lfu_epoch", &o_lfu_epoch},
+        {"h_lfu_period", &o_lfu_period}, {"h_cand_max_primary", &o_cmax_p},
+        {"h_cand_max_secondary", &o_cmax_s}, {"h_cand_next_expiry", &o_cnext},
+        {"buckets_off", &o_buckets}, {"pins_off", &o_pins_region}, {"pin_size", &self->pin_size},
+        {"pin_pid", &self->pin_off_pid}, {"pin_slot", &self->pin_off_slot}, {"pin_start", &self->pin_off_start},
+        {"state", &c_state}, {"pins", &c_pins}, {"key_len", &c_klen}, {"next", &c_next},
+        {"key_hash", &c_khash}, {"value_len", &c_vlen}, {"first_block", &c_first}, {"n_blocks_col", &c_nblk},
+        {"checksum", &c_cks}, {"last_access", &c_lastacc}, {"expiry", &c_expiry}, {"insert_seq", &c_iseq},
+        {"access_seq", &c_aseq}, {"access_count", &c_acount}, {"lfu_epoch_col", &c_lfuep},
+        {"priority", &c_prio}, {"key_cell", &c_kcell},
+    };
+    for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
+        if (get_u64(spec, fields[k].name, fields[k].out) < 0) return -1;
+
+    /* Everything this object will touch must lie inside the mapping. */
+    uint64_t n = self->n_slots;
+    struct { uint64_t off, len; } regions[] = {
+        {o_dirty, 4}, {o_cand_valid, 4}, {o_seq, 8}, {o_hits, 8}, {o_misses, 8}, {o_ops, 8},
+        {o_lfu_epoch, 8}, {o_lfu_period, 8}, {o_cmax_p, 8}, {o_cmax_s, 8}, {o_cnext, 8},
+        {o_buckets, n_buckets * 4}, {o_pins_region, self->n_pins * self->pin_size},
+        {c_state, n * 4}, {c_pins, n * 4}, {c_klen, n * 4}, {c_next, n * 4}, {c_khash, n * 8},
+        {c_vlen, n * 8}, {c_first, n * 8}, {c_nblk, n * 8}, {c_cks, n * 8}, {c_lastacc, n * 8},
+        {c_expiry, n * 8}, {c_iseq, n * 8}, {c_aseq, n * 8}, {c_acount, n * 8}, {c_lfuep, n * 8},
+        {c_prio, n * 8}, {c_kcell, n * 8}, {self->keys_off, self->n_kcells * KEY_CELL},
+        {self->data_off, self->n_blocks * self->bs},
+    };
+    for (size_t k = 0; k < sizeof(regions) / sizeof(regions[0]); k++) {
+        if (regions[k].off > size || regions[k].len > size - regions[k].off || regions[k].off % 4) {
+            PyErr_SetString(PyExc_ValueError, "fast path: a region lies outside the segment");
+            return -1;
+        }
+    }
+    if (n_buckets == 0 || (n_buckets & (n_buckets - 1)) || self->pin_size < 16 || self->n_pins == 0) {
+        PyErr_SetString(PyExc_ValueError, "fast path: bad table sizes");
+        return -1;
+    }
+    self->mask = n_buckets - 1;
+    self->policy = (int)policy;
+    self->monotone = (int)monotone;
+    self->seqlock = (int)seqlock;
+    self->pid = (uint32_t)pid;
+    self->pin_hint = 0;
+    char *b = self->base;
+    self->dirty = (volatile uint32_t *)(b + o_dirty);
+    self->cand_valid = (volatile uint32_t *)(b + o_cand_valid);
+    self->seq = (uint64_t *)(b + o_seq);
+    self->hits = (uint64_t *)(b + o_hits);
+    self->misses = (uint64_t *)(b + o_misses);
+    self->ops = (uint64_t *)(b + o_ops);
+    self->lfu_epoch = (uint64_t *)(b + o_lfu_epoch);
+    self->lfu_period = (uint64_t *)(b + o_lfu_period);
+    self->cand_max_primary = (double *)(b + o_cmax_p);
+    self->cand_max_secondary = (uint64_t *)(b + o_cmax_s);
+    self->cand_next_expiry = (double *)(b + o_cnext);
+    self->buckets = (int32_t *)(b + o_buckets);
+    self->pinrec = b + o_pins_region;
+    self->state = (volatile uint32_t *)(b + c_state);
+    self->pins = (uint32_t *)(b + c_pins);
+    self->klen = (uint32_t *)(b + c_klen);
+    self->next = (int32_t *)(b + c_next);
+    self->khash = (uint64_t *)(b + c_khash);
+    self->vlen = (uint64_t *)(b + c_vlen);
+    self->first = (uint64_t *)(b + c_first);
+    self->nblk = (uint64_t *)(b + c_nblk);
+    self->cks = (uint64_t *)(b + c_cks);
+    self->lastacc = (double *)(b + c_lastacc);
+    self->expiry = (double *)(b + c_expiry);
+    self->iseq = (volatile uint64_t *)(b + c_iseq);
+    self->aseq = (uint64_t *)(b + c_aseq);
+    self->acount = (uint64_t *)(b + c_acount);
+    self->lfuep = (uint64_t *)(b + c_lfuep);
+    self->prio = (int64_t *)(b + c_prio);
+    self->kcell = (uint64_t *)(b + c_kcell);
+
+    struct flock lk = {0};
+    lk.l_type = F_WRLCK;
+    lk.l_whence = SEEK_SET;
+    lk.l_start = (off_t)lock_byte;
+    lk.l_len = 1;
+    self->lk = lk;
+    lk.l_type = F_UNLCK;
+    self->unlk = lk;
+
+    PyObject *tl = PyDict_GetItemString(spec, "thread_lock");
+    if (tl != NULL && tl != Py_None) {
+        self->thread_acquire = PyObject_GetAttrString(tl, "acquire");
+        self->thread_release = PyObject_GetAttrString(tl, "release");
+        if (!self->thread_acquire || !self->thread_release) return -1;
+    }
+    self->on_score_change = get_obj(spec, "on_score_change");
+    self->on_unpin = get_obj(spec, "on_unpin");
+    self->free_entry = get_obj(spec, "free_entry");
+    self->late_unpin = get_obj(spec, "late_unpin");
+    if (!self->on_unpin || !self->free_entry || !self->late_unpin) {
+        PyErr_SetString(PyExc_ValueError, "fast path spec needs on_unpin, free_entry and late_unpin");
+        return -1;
+    }
+    return 0;
+}
+
+static void Fast_release_all(Fast *self) {
+    Py_CLEAR(self->thread_acquire);
+    Py_CLEAR(self->thread_release);
+    Py_CLEAR(self->on_score_change);
+    Py_CLEAR(self->on_unpin);
+    Py_CLEAR(self->free_entry);
+    Py_CLEAR(self->late_unpin);
+    if (self->have_buf) {
+        self->have_buf = 0;
+        PyBuffer_Release(&self->buf);
+    }
+}
+
+static void Fast_dealloc(Fast *self) {
+    PyObject_GC_UnTrack(self);
+    Fast_release_all(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Fast_traverse(Fast *self, visitproc visit, void *arg) {
+    Py_VISIT(self->thread_acquire);
+    Py_VISIT(self->thread_release);
+    Py_VISIT(self->on_score_change);
+    Py_VISIT(self->on_unpin);
+    Py_VISIT(self->free_entry);
+    Py_VISIT(self->late_unpin);
+    return 0;
+}
+
+static int Fast_clear(Fast *self) {
+    Py_CLEAR(self->thread_acquire);
+    Py_CLEAR(self->thread_release);
+    Py_CLEAR(self->on_score_change);
+    Py_CLEAR(self->on_unpin);
+    Py_CLEAR(self->free_entry);
+    Py_CLEAR(self->late_unpin);
+    return 0;
+}
+
+static PyObject *Fast_close(Fast *self, PyObject *unused) {
+    self->closing = 1;
+    if (self->inflight == 0) Fast_release_all(self);
+    Py_RETURN_NONE;
+}
+
+static int check_open(Fast *self) {
+    if (!self->have_buf || self->closing) {
+        PyErr_SetString(PyExc_ValueError, "fast path is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ lock */
+
+/* 1: held, with the dirty mark set; 0: not taken (busy, or a dirty mark to repair: the caller's Python
+ * path waits or repairs); -1: error, exception set. */
+static int take(Fast *self) {
+    if (self->thread_acquire) {
+        PyObject *r = PyObject_CallOneArg(self->thread_acquire, Py_False);
+        if (r == NULL) return -1;
+        int ok = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (ok <= 0) return ok;
+    }
+    for (int k = 0; k < SPIN; k++) {
+        if (fcntl(self->fd, F_OFD_SETLK, &self->lk) == 0) {
+            if (*self->dirty) { /* a holder died mid-change: Python repairs */
+                fcntl(self->fd, F_OFD_SETLK, &self->unlk);
+                break;
+            }
+            *self->dirty = 1;
+            return 1;
+        }
+        if (errno != EAGAIN && errno != EACCES && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+    }
+    if (self->thread_release) {
+        PyObject *r = PyObject_CallNoArgs(self->thread_release);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+fail:
+    if (self->thread_release) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *r = PyObject_CallNoArgs(self->thread_release);
+        Py_XDECREF(r);
+        PyErr_Restore(t, v, tb);
+    }
+    return -1;
+}
+
+/* Let the lock go; `clean` clears the dirty mark (leave it after an error mid-change: the next holder
+ * repairs).  Keeps any pending exception. */
+static void give(Fast *self, int clean) {
+    if (clean) *self->dirty = 0;
+    fcntl(self->fd, F_OFD_SETLK, &self->unlk);
+    if (self->thread_release) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *r = PyObject_CallNoArgs(self->thread_release);
+        Py_XDECREF(r);
+        if (t) PyErr_Restore(t, v, tb);
+    }
+}
+
+/* ------------------------------------------------------------------ entries (lock held) */
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Slot of key kb's sealed entry, -1 if none, -2 if the metadata looks damaged (the Python path reports). */
+static int64_t find(Fast *self, const char *kb, Py_ssize_t klen, uint64_t kh) {
+    int32_t i = self->buckets[kh & self->mask];
+    uint64_t steps = 0;
+    while (i >= 0) {
+        if ((uint64_t)i >= self->n_slots) return -2;
+        if (self->khash[i] == kh && self->klen[i] == (uint64_t)klen) {
+            uint64_t kc = self->kcell[i];
+            if (kc > self->n_kcells || ((uint64_t)klen + KEY_CELL - 1) / KEY_CELL > self->n_kcells - kc) return -2;
+            if (memcmp(self->base + self->keys_off + kc * KEY_CELL, kb, (size_t)klen) == 0) {
+                uint64_t f = self->first[i], nb = self->nblk[i];
+                if (f > self->n_blocks || nb > self->n_blocks - f || self->vlen[i] > nb * self->bs) return -2;
+                return i;
+            }
+        }
+        i = self->next[i];
+        if (++steps > self->n_slots) return -2;
+    }
+    return -1;
+}
+
+static inline int expired(Fast *self, int64_t i, double t) {
+    double e = self->expiry[i];
+    return e > 0 && e <= t;
+}
+
+/* eviction.py's primary_one for this pool's policy. */
+static double primary(Fast *self, int64_t i) {
+    switch (self->policy) {
+    case POL_FIFO: return (double)self->iseq[i];
+    case POL_LFU: {
+        uint64_t age = *self->lfu_epoch - self->lfuep[i];
+        return (double)(self->acount[i] >> (age < 63 ? age : 63));
+    }
+    case POL_PRIORITY: return (double)self->prio[i];
+    case POL_TTL: return self->expiry[i] > 0 ? self->expiry[i] : INFINITY;
+    case POL_SIZE: return -(double)self->vlen[i];
+    default: return 0.0;
+    }
+}
+
+/* Core.touch: count a hit on entry i.  -1 (exception set, metadata mid-change) if the victim list's
+ * Python hook failed. */
+static int touch(Fast *self, int64_t i, double t) {
+    uint64_t seq = *self->seq + 1;
+    *self->seq = seq;
+    self->aseq[i] = seq;
+    self->lastacc[i] = t;
+    uint64_t ops = *self->ops + 1;
+    *self->ops = ops;
+    uint64_t period = *self->lfu_period;
+    if (period && ops % period == 0) *self->lfu_epoch += 1;
+    uint64_t epoch = *self->lfu_epoch;
+    uint64_t age = epoch - self->lfuep[i];
+    self->acount[i] = (self->acount[i] >> (age < 63 ? age : 63)) + 1;
+    self->lfuep[i] = epoch;
+    *self->hits += 1;
+    /* VictimCache.on_score_change's fast exit, here; the rest in Python. */
+    if (!self->monotone && *self->cand_valid && !(primary(self, i) > *self->cand_max_primary)) {
+        PyObject *r = PyObject_CallFunction(self->on_score_change, "L", (long long)i);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+static inline uint32_t *pin_pid(Fast *self, uint64_t j) { return (uint32_t *)(self->pinrec + j * self->pin_size + self->pin_off_pid); }
+static inline int32_t *pin_slot(Fast *self, uint64_t j) { return (int32_t *)(self->pinrec + j * self->pin_size + self->pin_off_slot); }
+static inline uint64_t *pin_start(Fast *self, uint64_t j) { return (uint64_t *)(self->pinrec + j * self->pin_size + self->pin_off_start); }
+
+/* Core.pin: a pin record for entry i, or -1 when none is free (Python reaps dead pins or says PoolBusy). */
+static int64_t pin(Fast *self, int64_t i) {
+    uint64_t j = self->pin_hint;
+    if (j >= self->n_pins || *pin_pid(self, j) != 0) {
+        uint64_t k;
+        for (k = 0; k < self->n_pins; k++)
+            if (*pin_pid(self, k) == 0) break;
+        if (k == self->n_pins) return -1;
+        j = k;
+    }
+    *pin_slot(self, j) = (int32_t)i;
+    *pin_start(self, j) = self->pstart;
+    *pin_pid(self, j) = self->pid;
+    self->pins[i] += 1;
+    self->pin_hint = (j + 1) % self->n_pins;
+    return (int64_t)j;
+}
+
+/* Core.unpin.  -1 with an exception set if a Python hook failed. */
+static int unpin(Fast *self, uint64_t j, int64_t i) {
+    if (j >= self->n_pins || i < 0 || (uint64_t)i >= self->n_slots) return 0;
+    if (*pin_pid(self, j) != self->pid || *pin_slot(self, j) != i) return 0; /* reclaimed by a repair */
+    *pin_pid(self, j) = 0;
+    *pin_slot(self, j) = -1;
+    uint32_t p = self->pins[i];
+    if (p > 0) {
+        p -= 1;
+        self->pins[i] = p;
+    }
+    if (p != 0) return 0;
+    PyObject *hook = NULL;
+    if (self->state[i] == ZOMBIE) {
+        hook = self->free_entry;
+    } else if (self->state[i] == SEALED && *self->cand_valid) {
+        /* VictimCache.on_unpin: nothing to do when the entry scores above the last listed victim
+         * (it cannot belong in the list) and has not expired; then only its expiry matters. */
+        double t = now(), p1 = primary(self, i), mp = *self->cand_max_primary;
+        if (!expired(self, i, t) && (p1 > mp || (p1 == mp && self->aseq[i] >= *self->cand_max_secondary))) {
+            double e = self->expiry[i];
+            if (e > 0 && e < *self->cand_next_expiry) *self->cand_next_expiry = e;
+            return 0;
+        }
+        hook = self->on_unpin;
+    }
+    if (hook == NULL) return 0;
+    PyObject *r = PyObject_CallFunction(hook, "L", (long long)i);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Pin: a pinned value's bytes */
+
+/* A pin on one entry that exports its value's bytes, read-only (an EntryView's memoryview is made from
+ * it).  Whatever is made from that memoryview (slices, numpy arrays, tensors) keeps the Pin exported,
+ * so an owner's release while such an object lives only marks the Pin: its last export's end unpins
+ * (the `gpu.entry_tensor` rule, docs/python-api.md).  A Pin also holds its own export of the mapping,
+ * so the pool's close() cannot unmap the bytes under a user. */
+enum { PIN_HELD, PIN_DEFERRED, PIN_DONE };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fast; /* the Fast it came from (its late_unpin hook) */
+    Py_buffer map;  /* an export of the mapping */
+    int have_map, state;
+    Py_ssize_t exports;
+    uint64_t pin, off, len, checksum;
+    int64_t slot;
+} Pin;
+
+static PyTypeObject PinType;
+
+static void pin_unpin_late(Pin *self) {
+    Fast *f = (Fast *)self->fast;
+    self->state = PIN_DONE;
+    if (f == NULL || f->late_unpin == NULL) return; /* the pool is closed: the pin goes with the process */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallFunction(f->late_unpin, "KL", (unsigned long long)self->pin, (long long)self->slot);
+    if (r == NULL)
+        PyErr_WriteUnraisable((PyObject *)self);
+    Py_XDECREF(r);
+    PyErr_Restore(t, v, tb);
+}
+
+static int Pin_getbuffer(Pin *self, Py_buffer *view, int flags) {
+    if (!self->have_map || self->state == PIN_DONE) {
+        PyErr_SetString(PyExc_BufferError, "this view was released");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)self, (char *)self->map.buf + self->off, (Py_ssize_t)self->len, 1,
+                          flags) < 0)
+        return -1;
+    self->exports++;
+    return 0;
+}
+
+static void Pin_releasebuffer(Pin *self, Py_buffer *view) {
+    if (--self->exports == 0 && self->state == PIN_DEFERRED) pin_unpin_late(self);
+}
+
+static void Pin_dealloc(Pin *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->state == PIN_HELD) pin_unpin_late(self); /* dropped without a release */
+    if (self->have_map) {
+        self->have_map = 0;
+        PyBuffer_Release(&self->map);
+    }
+    Py_CLEAR(self->fast);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Pin_traverse(Pin *self, visitproc visit, void *arg) {
+    Py_VISIT(self->fast);
+    return 0;
+}
+
+/* drop() -> True: nothing uses the bytes, unpin now (the caller does, with release_pins); False: in use,
+ * the last user's end unpins; None: already dropped. */
+static PyObject *Pin_drop(Pin *self, PyObject *unused) {
+    if (self->state != PIN_HELD) Py_RETURN_NONE;
+    if (self->exports > 0) {
+        self->state = PIN_DEFERRED;
+        Py_RETURN_FALSE;
+    }
+    self->state = PIN_DONE;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Pin_view(Pin *self, PyObject *unused) { return PyMemoryView_FromObject((PyObject *)self); }
+
+static PyMethodDef Pin_methods[] = {
+    {"drop", (PyCFunction)Pin_drop, METH_NOARGS, "True: unpin now; False: its last user will; None: done"},
+    {"view", (PyCFunction)Pin_view, METH_NOARGS, "a read-only memoryview of the value"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Pin_members[] = {
+    {"pin", T_ULONGLONG, offsetof(Pin, pin), READONLY, "the pin record"},
+    {"slot", T_LONGLONG, offsetof(Pin, slot), READONLY, "the entry's slot"},
+    {"offset", T_ULONGLONG, offsetof(Pin, off), READONLY, "of the value in the segment"},
+    {"length", T_ULONGLONG, offsetof(Pin, len), READONLY, "of the value"},
+    {"checksum", T_ULONGLONG, offsetof(Pin, checksum), READONLY, "xxh3_64 of the value, taken at put"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyBufferProcs Pin_as_buffer = {(getbufferproc)Pin_getbuffer, (releasebufferproc)Pin_releasebuffer};
+
+static PyTypeObject PinType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cortex_cache._fastpath.Pin",
+    .tp_basicsize = sizeof(Pin),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A pinned entry exporting its value's bytes (see the module source).",
+    .tp_dealloc = (destructor)Pin_dealloc,
+    .tp_traverse = (traverseproc)Pin_traverse,
+    .tp_as_buffer = &Pin_as_buffer,
+    .tp_methods = Pin_methods,
+    .tp_members = Pin_members,
+};
+
+static PyObject *new_pin(Fast *f, uint64_t j, int64_t slot, uint64_t off, uint64_t len, uint64_t cks) {
+    Pin *p = PyObject_GC_New(Pin, &PinType);
+    if (p == NULL) return NULL;
+    p->fast = NULL;
+    p->have_map = 0;
+    p->state = PIN_DONE; /* until complete: a failed construction unpins nothing */
+    p->exports = 0;
+    p->pin = j;
+    p->slot = slot;
+    p->off = off;
+    p->len = len;
+    p->checksum = cks;
+    if (PyObject_GetBuffer(f->buf.obj, &p->map, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->have_map = 1;
+    p->fast = Py_NewRef((PyObject *)f);
+    p->state = PIN_HELD;
+    PyObject_GC_Track(p);
+    return (PyObject *)p;
+}
+
+/* ------------------------------------------------------------------ reads */
+
+/* What a lookup found, for a copy outside the lock. */
+typedef struct {
+    int64_t slot;
+    uint64_t off, len, iseq;
+} Found;
+
+/* Modes of a read: GET counts hits and misses; HITS counts hits, and a miss is SLOW (a tier below looks);
+ * QUIET counts nothing and moves nothing in the eviction order (Pool.peek). */
+enum { MODE_GET = 0, MODE_HITS = 1, MODE_QUIET = 2 };
+
+/* Look key kb up, lock held: 1 found (counted and touched per mode, when `touch_now`), 0 absent (a miss
+ * counted per mode), 2 SLOW (nothing changed), -1 error.  `room` < 0: no buffer limit.  `for_copy`: the
+ * caller copies the value (without the seqlock, a large value is left to the Python path, which pins). */
+static int lookup(Fast *self, const char *kb, Py_ssize_t klen, uint64_t kh, int mode, Py_ssize_t room, double t,
+                  int touch_now, int for_copy, Found *out) {
+    int64_t i = find(self, kb, klen, kh);
+    if (i == -2) return 2;
+    if (i >= 0 && expired(self, i, t)) {
+        if (mode != MODE_QUIET) return 2; /* Python expires it and counts */
+        i = -1;
+    }
+    if (i < 0) {
+        if (mode == MODE_HITS) return 2;
+        if (mode == MODE_GET) *self->misses += 1;
+        return 0;
+    }
+    if (room >= 0 && (uint64_t)room < self->vlen[i]) return 2; /* Python raises BufferTooSmall */
+    if (for_copy && !self->seqlock && self->vlen[i] > self->copy_in_lock) return 2;
+    out->slot = i;
+    out->off = self->data_off + self->first[i] * self->bs;
+    out->len = self->vlen[i];
+    out->iseq = self->iseq[i];
+    if (touch_now && mode != MODE_QUIET && touch(self, i, t) < 0) return -1;
+    return 1;
+}
+
+/* Is the entry still the one `f` found (the seqlock check after a copy outside the lock)? */
+static inline int still(Fast *self, const Found *f) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return self->state[f->slot] == SEALED && self->iseq[f->slot] == f->iseq;
+}
+
+static void copy_out(char *dst, const char *src, uint64_t n) {
+    if (n >= 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy(dst, src, n);
+    }
+}
+
+static int parse_key(PyObject *kb, PyObject *kh, const char **p, Py_ssize_t *n, uint64_t *h) {
+    if (!PyBytes_Check(kb)) {
+        PyErr_SetString(PyExc_TypeError, "key must be bytes");
+        return -1;
+    }
+    *p = PyBytes_AS_STRING(kb);
+    *n = PyBytes_GET_SIZE(kb);
+    *h = PyLong_AsUnsignedLongLong(kh);
+    if (*h == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
+/* read(kb, kh, out, mode) -> bytes (out None) | int (bytes copied into out) | None (absent) | SLOW */
+static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read(kb, kh, out, mode)");
+        return NULL;
+    }
+    const char *kb;
+    Py_ssize_t klen;
+    uint64_t kh;
+    if (parse_key(args[0], args[1], &kb, &klen, &kh) < 0) return NULL;
+    int mode = (int)PyLong_AsLong(args[3]);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer ob;
+    int have_out = args[2] != Py_None;
+    if (have_out && PyObject_GetBuffer(args[2], &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *result = NULL;
+    int counted = 0;
+    for (int attempt = 0; attempt <= SEQ_RETRIES; attempt++) {
+        int got = take(self);
+        if (got <= 0) {
+            result = got < 0 ? NULL : Py_NewRef(SLOW);
+            break;
+        }
+        double t = now();
+        Found f;
+        /* A retry after a failed seqlock check has counted its hit already. */
+        int rc = lookup(self, kb, klen, kh, counted ? MODE_QUIET : mode, have_out ? ob.len : -1, t, 1, 1, &f);
+        if (rc != 1) {
+            give(self, rc != -1);
+            result = rc == -1 ? NULL : rc == 2 ? Py_NewRef(SLOW) : Py_NewRef(Py_None);
+            break;
+        }
+        counted = 1;
+        const char *src = self->base + f.off;
+        if (f.len <= self->copy_in_lock) {
+            if (have_out) {
+                memcpy(ob.buf, src, f.len);
+                result = PyLong_FromUnsignedLongLong(f.len);
+            } else {
+                result = PyBytes_FromStringAndSize(src, (Py_ssize_t)f.len);
+            }
+            give(self, 1);
+            break;
+        }
+        give(self, 1);
+        if (have_out) {
+            copy_out(ob.buf, src, f.len);
+            if (still(self, &f)) {
+                result = PyLong_FromUnsignedLongLong(f.len);
+                break;
+            }
+        } else {
+            PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)f.len);
+            if (b == NULL) break;
+            copy_out(PyBytes_AS_STRING(b), src, f.len);
+            if (still(self, &f)) {
+                result = b;
+                break;
+            }
+            Py_DECREF(b);
+        }
+        if (attempt == SEQ_RETRIES) result = Py_NewRef(SLOW);
+    }
+    if (have_out) PyBuffer_Release(&ob);
+    return result;
+}
+
+/* read_many(keys: list[(kb, kh)], outs: list[buffer], mode) -> list of int | None | SLOW per key.
+ * One lock hold for every lookup; copies outside it (seqlock-checked) or inside it for small values. */
+static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "read_many(keys: list, outs: list, mode)");
+        return NULL;
+    }
+    PyObject *keys = args[0], *outs = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(outs) != n) {
+        PyErr_SetString(PyExc_ValueError, "read_many: one buffer per key");
+        return NULL;
+    }
+    int mode = (int)PyLong_AsLong(args[2]);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    PyObject *result = PyList_New(n);
+    if (result == NULL) return NULL;
+    Py_buffer *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    Found *found = PyMem_Calloc(n ? n : 1, sizeof(Found));
+    char *status = PyMem_Calloc(n ? n : 1, 1); /* 0 none, 1 found: copy later */
+    Py_ssize_t nbufs = 0;
+    int ok = 0;
+    if (!bufs || !found || !status) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; nbufs < n; nbufs++)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, nbufs), &bufs[nbufs], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+    for (Py_ssize_t k = 0; k < n; k++) { /* parse every key before taking the lock */
+        PyObject *pair = PyList_GET_ITEM(keys, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "read_many: keys are (bytes, int) pairs");
+            goto done;
+        }
+    }
+    int got = take(self);
+    if (got < 0) goto done;
+    if (got == 0) {
+        for (Py_ssize_t k = 0; k < n; k++) PyList_SET_ITEM(result, k, Py_NewRef(SLOW));
+        ok = 1;
+        goto done;
+    }
+    double t = now();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *pair = PyList_GET_ITEM(keys, k);
+        const char *kb;
+        Py_ssize_t klen;
+        uint64_t kh;
+        if (parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), &kb, &klen, &kh) < 0) {
+            give(self, 0);
+            goto done;
+        }
+        int rc = lookup(self, kb, klen, kh, mode, bufs[k].len, t, 1, 1, &found[k]);
+        if (rc == -1) {
+            give(self, 0);
+            goto done;
+        }
+        if (rc == 1 && found[k].len <= self->copy_in_lock) {
+            memcpy(bufs[k].buf, self->base + found[k].off, found[k].len);
+            PyList_SET_ITEM(result, k, PyLong_FromUnsignedLongLong(found[k].len));
+        } else if (rc == 1) {
+            status[k] = 1;
+        } else {
+            PyList_SET_ITEM(result, k, Py_NewRef(rc == 2 ? SLOW : Py_None));
+        }
+    }
+    give(self, 1);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!status[k]) {
+            if (PyList_GET_ITEM(result, k) == NULL) goto done; /* PyLong_From... failed */
+            continue;
+        }
+        copy_out(bufs[k].buf, self->base + found[k].off, found[k].len);
+        /* A value changed under the copy: the Python path reads it again, pinned (counting a second hit). */
+        PyList_SET_ITEM(result, k, still(self, &found[k]) ? PyLong_FromUnsignedLongLong(found[k].len) : Py_NewRef(SLOW));
+        if (PyList_GET_ITEM(result, k) == NULL) goto done;
+    }
+    ok = 1;
+done:
+    for (Py_ssize_t k = 0; k < nbufs; k++) PyBuffer_Release(&bufs[k]);
+    PyMem_Free(bufs);
+    PyMem_Free(found);
+    PyMem_Free(status);
+    if (!ok) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* pin_many(keys: list[(kb, kh)], mode) -> list of Pin | None | SLOW per
+ * key, in one lock hold (the batched views).  None when the lock is busy (nothing done). */
+static PyObject *do_pin_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "pin_many(keys: list, mode)");
+        return NULL;
+    }
+    PyObject *keys = args[0];
+    int mode = (int)PyLong_AsLong(args[1]);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *pair = PyList_GET_ITEM(keys, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "pin_many: keys are (bytes, int) pairs");
+            return NULL;
+        }
+    }
+    PyObject *result = PyList_New(n);
+    if (result == NULL) return NULL;
+    int got = take(self);
+    if (got <= 0) {
+        Py_DECREF(result);
+        if (got < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    double t = now();
+    Py_ssize_t k;
+    for (k = 0; k < n; k++) {
+        PyObject *pair = PyList_GET_ITEM(keys, k);
+        const char *kb;
+        Py_ssize_t klen;
+        uint64_t kh;
+        if (parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), &kb, &klen, &kh) < 0) break;
+        Found f;
+        /* Touch only once pinned: a key left to the Python path must be as it was. */
+        int rc = lookup(self, kb, klen, kh, mode, -1, t, 0, 0, &f);
+        if (rc == 1) {
+            int64_t j = pin(self, f.slot);
+            if (j < 0) {
+                PyList_SET_ITEM(result, k, Py_NewRef(SLOW));
+                continue;
+            }
+            if (mode != MODE_QUIET && touch(self, f.slot, t) < 0) {
+                unpin(self, (uint64_t)j, f.slot);
+                break;
+            }
+            PyObject *tup = new_pin(self, (uint64_t)j, f.slot, f.off, f.len, self->cks[f.slot]);
+            if (tup == NULL) {
+                unpin(self, (uint64_t)j, f.slot);
+                break;
+            }
+            PyList_SET_ITEM(result, k, tup);
+        } else if (rc == -1) {
+            break;
+        } else {
+            PyList_SET_ITEM(result, k, Py_NewRef(rc == 2 ? SLOW : Py_None));
+        }
+    }
+    if (k < n) { /* an error: undo this batch's pins, then raise */
+        PyObject *t0, *v0, *tb0;
+        PyErr_Fetch(&t0, &v0, &tb0);
+        for (Py_ssize_t m = 0; m < k; m++) {
+            PyObject *it = PyList_GET_ITEM(result, m);
+            if (Py_IS_TYPE(it, &PinType)) {
+                unpin(self, ((Pin *)it)->pin, ((Pin *)it)->slot);
+                ((Pin *)it)->state = PIN_DONE;
+            }
+        }
+        PyErr_Clear();
+        PyErr_Restore(t0, v0, tb0);
+        give(self, 0);
+        for (Py_ssize_t m = k; m < n; m++) PyList_SET_ITEM(result, m, Py_NewRef(Py_None));
+        Py_DECREF(result);
+        return NULL;
+    }
+    give(self, 1);
+    return result;
+}
+
+/* unpin_many(pins: list of Pin or (pin, slot)) -> True, or False when the lock is busy (nothing done). */
+static PyObject *do_unpin_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "unpin_many(pins: list)");
+        return NULL;
+    }
+    PyObject *pins = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(pins);
+    uint64_t *js = PyMem_Malloc((n ? n : 1) * 2 * sizeof(uint64_t));
+    if (js == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *p = PyList_GET_ITEM(pins, k);
+        if (Py_IS_TYPE(p, &PinType)) {
+            js[2 * k] = ((Pin *)p)->pin;
+            js[2 * k + 1] = (uint64_t)((Pin *)p)->slot;
+            continue; /* marked done below, once unpinned */
+        }
+        PyObject *a = PySequence_GetItem(p, 0), *b = a ? PySequence_GetItem(p, 1) : NULL;
+        if (b == NULL) {
+            Py_XDECREF(a);
+            PyMem_Free(js);
+            return NULL;
+        }
+        js[2 * k] = PyLong_AsUnsignedLongLong(a);
+        js[2 * k + 1] = PyLong_AsUnsignedLongLong(b);
+        Py_DECREF(a);
+        Py_DECREF(b);
+        if (PyErr_Occurred()) {
+            PyMem_Free(js);
+            return NULL;
+        }
+    }
+    int got = take(self);
+    if (got <= 0) {
+        PyMem_Free(js);
+        if (got < 0) return NULL;
+        Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *p = PyList_GET_ITEM(pins, k);
+        if (Py_IS_TYPE(p, &PinType)) ((Pin *)p)->state = PIN_DONE;
+        if (unpin(self, js[2 * k], (int64_t)js[2 * k + 1]) < 0) {
+            /* A hook failed: the remaining pins go with this process (or the next repair). */
+            PyMem_Free(js);
+            give(self, 0);
+            return NULL;
+        }
+    }
+    PyMem_Free(js);
+    give(self, 1);
+    Py_RETURN_TRUE;
+}
+
+/* probe(kb, kh) -> (slot, insert_seq) of the key's live entry, or None; counts nothing.  With still(),
+ * for tests: what a seqlock reader records under the lock, and its check after the copy. */
+static PyObject *do_probe(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "probe(kb, kh)");
+        return NULL;
+    }
+    const char *kb;
+    Py_ssize_t klen;
+    uint64_t kh;
+    if (parse_key(args[0], args[1], &kb, &klen, &kh) < 0) return NULL;
+    int got = take(self);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(SLOW);
+    Found f;
+    int rc = lookup(self, kb, klen, kh, MODE_QUIET, -1, now(), 0, 0, &f);
+    give(self, 1);
+    if (rc != 1) return Py_NewRef(rc == 2 ? SLOW : Py_None);
+    return Py_BuildValue("(LK)", (long long)f.slot, (unsigned long long)f.iseq);
+}
+
+static PyObject *do_still(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    Found f = {0};
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "still(slot, insert_seq)");
+        return NULL;
+    }
+    f.slot = PyLong_AsLongLong(args[0]);
+    f.iseq = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (f.slot < 0 || (uint64_t)f.slot >= self->n_slots) {
+        PyErr_SetString(PyExc_IndexError, "no such slot");
+        return NULL;
+    }
+    return PyBool_FromLong(still(self, &f));
+}
+
+/* Every call is counted in flight, so that a close() from another thread (while this one copies without
+ * the GIL, or runs a Python hook) cannot unmap the memory under it. */
+#define GUARDED(name)                                                                   \
+    static PyObject *Fast_##name(Fast *self, PyObject *const *args, Py_ssize_t nargs) { \
+        if (check_open(self) < 0) return NULL;                                          \
+        self->inflight++;                                                               \
+        PyObject *r = do_##name(self, args, nargs);                                     \
+        if (--self->inflight == 0 && self->closing) Fast_release_all(self);             \
+        return r;                                                                       \
+    }
+GUARDED(read)
+GUARDED(read_many)
+GUARDED(pin_many)
+GUARDED(unpin_many)
+GUARDED(probe)
+GUARDED(still)
+
+static PyMethodDef Fast_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))Fast_read, METH_FASTCALL,
+     "read(kb, kh, out, mode) -> bytes | int | None | SLOW"},
+    {"read_many", (PyCFunction)(void (*)(void))Fast_read_many, METH_FASTCALL,
+     "read_many(keys, outs, mode) -> list of int | None | SLOW"},
+    {"pin_many", (PyCFunction)(void (*)(void))Fast_pin_many, METH_FASTCALL,
+     "pin_many(keys, mode) -> list of Pin | None | SLOW, or None if busy"},
+    {"unpin_many", (PyCFunction)(void (*)(void))Fast_unpin_many, METH_FASTCALL,
+     "unpin_many(pins) -> True, or False if the lock was busy"},
+    {"probe", (PyCFunction)(void (*)(void))Fast_probe, METH_FASTCALL,
+     "probe(kb, kh) -> (slot, insert_seq) | None: what a seqlock read records (tests)"},
+    {"still", (PyCFunction)(void (*)(void))Fast_still, METH_FASTCALL,
+     "still(slot, insert_seq) -> bool: the seqlock check after a copy (tests)"},
+    {"close", (PyCFunction)Fast_close, METH_NOARGS, "release the mapping"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cortex_cache._fastpath.Fast",
+    .tp_basicsize = sizeof(Fast),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The hot read paths of one attached pool (see the module source).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Fast_init,
+    .tp_dealloc = (destructor)Fast_dealloc,
+    .tp_traverse = (traverseproc)Fast_traverse,
+    .tp_clear = (inquiry)Fast_clear,
+    .tp_methods = Fast_methods,
+};
+
+static struct PyModuleDef fastpath_module = {
+    PyModuleDef_HEAD_INIT, "_fastpath", "The hot read paths of a pool, in C (core.py uses them).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    if (PyType_Ready(&FastType) < 0 || PyType_Ready(&PinType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&fastpath_module);
+    if (m == NULL) return NULL;
+    SLOW = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (SLOW == NULL || PyModule_AddObjectRef(m, "SLOW", SLOW) < 0 ||
+        PyModule_AddObjectRef(m, "Fast", (PyObject *)&FastType) < 0 ||
+        PyModule_AddObjectRef(m, "Pin", (PyObject *)&PinType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,18 @@
+"""Builds the optional C fast path (cortex_cache/_fastpath.c); everything else is in pyproject.toml.
+
+`optional=True`: where no C compiler is found, the install goes on without it and
+the pool uses its pure-Python path (docs/internals.md, "The fast path").
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "cortex_cache._fastpath",
+            ["cortex_cache/_fastpath.c"],
+            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+            optional=True,
+        )
+    ]
+)

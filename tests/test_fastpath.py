@@ -1,0 +1,239 @@
+"""The C fast path (cortex_cache/_fastpath.c; docs/internals.md, "The fast path").
+
+It must be built and used wherever the package is installed with a compiler
+(as in CI), count exactly what the Python path counts, share pools with
+processes on the Python path, and never hand out a torn value when it copies
+large values outside the lock (its seqlock check).  The batched-call contract
+tests in test_pool.py run over both paths.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from cortex_cache import Pool
+from cortex_cache.core import PURE_PYTHON_ENV, SEQLOCK_COPIES
+from cortex_cache.layout import H_DIRTY
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def pure(monkeypatch):
+    """Pools opened inside the test (and by the processes it starts) use the Python path."""
+    monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+
+
+def test_the_fast_path_is_built_and_used(make_pool):
+    p = make_pool("1M")
+    assert p.core.fast is not None, "cortex_cache._fastpath was not built: pip install needs a C compiler"
+
+
+def test_the_pure_python_path_can_be_asked_for(make_pool, pure):
+    assert make_pool("1M").core.fast is None
+
+
+def _workload(p: Pool) -> list:
+    """One run of every read the fast path serves, and the answers."""
+    seen = []
+    p.put("small", b"s" * 100)
+    p.put("large", b"L" * (200 * 1024))  # over the 32 KiB copy-in-lock threshold
+    for k in ("small", "large", "absent"):
+        seen.append(p.get(k))
+        seen.append(p.peek(k))
+        out = bytearray(300 * 1024)
+        seen.append(p.get_into(k, out))
+    seen.append(p.get_many_into(["small", "large", "absent", "small"], [bytearray(300 * 1024) for _ in range(4)]))
+    views = p.view_many(["large", "absent", "small"])
+    seen.append([None if v is None else bytes(v.memoryview) for v in views])
+    p.release_many(views)
+    with p.view("small") as mv:
+        seen.append(bytes(mv))
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size"])
+def test_both_paths_answer_and_count_alike(make_pool, monkeypatch, policy):
+    fast = make_pool("2M", block_size="4K", policy=policy)
+    monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    slow = make_pool("2M", block_size="4K", policy=policy)
+    assert fast.core.fast is not None and slow.core.fast is None
+    assert _workload(fast) == _workload(slow)
+    keys = ("hits", "misses", "puts", "entries", "blocks_used", "pinned_entries")
+    sf, ss = fast.stats(), slow.stats()
+    assert {k: sf[k] for k in keys} == {k: ss[k] for k in keys}
+    for k in ("small", "large"):  # the same place in the eviction order
+        fi, si = fast.info(k), slow.info(k)
+        assert (fi["access_count"], fi["pins"]) == (si["access_count"], si["pins"])
+    assert fast.verify()["problems"] == [] and slow.verify()["problems"] == []
+
+
+def test_a_dirty_mark_sends_the_fast_path_to_the_repair(make_pool):
+    p = make_pool("1M")
+    p.put("k", b"v" * 1000)
+    repairs = p.stats()["repairs"]
+    p.core.counters.cast("B").cast("I")[H_DIRTY] = 1  # as a holder killed mid-change leaves it
+    assert p.get("k") == b"v" * 1000
+    assert p.stats()["repairs"] == repairs + 1
+
+
+def test_a_view_keeps_its_entry_and_mapping_while_an_array_uses_it(make_pool, pool_name):
+    p = make_pool("1M", block_size="4K")
+    p.put("k", bytes(range(256)) * 64)
+    v = p.view("k")
+    arr = np.frombuffer(v.memoryview, dtype=np.uint8)
+    v.release()
+    assert p.info("k")["pins"] == 1  # the array still reads it
+    p.delete("k")
+    p.put("other", b"\xff" * (p.geometry.data_size - 4096 * 4))  # would reuse the blocks if they were free
+    assert bytes(arr[:256]) == bytes(range(256))
+    p.close()  # the array keeps the mapping
+    assert int(arr.sum()) == sum(range(256)) * 64
+    del arr
+
+
+def _kh(key: bytes) -> int:
+    from xxhash import xxh3_64_intdigest
+
+    return xxh3_64_intdigest(key)
+
+
+@pytest.mark.parametrize("change", ["put-same-size", "put-other-size", "delete", "evict", "pushed-out",
+                                    "put_many", "reserve_write"])
+def test_every_change_of_a_value_fails_the_seqlock_check(make_pool, change):
+    # What a reader records under the lock (slot, insert_seq) before copying without it must no longer
+    # check out after any change that may rewrite the value's bytes -- and still check out after a hit.
+    p = make_pool("1M", block_size="4K")
+    v = b"a" * (64 * 1024)
+    p.put("k", v)
+    fast = p.core.fast
+    seen = fast.probe(b"k", _kh(b"k"))
+    p.get("k")
+    p.view_many(["k"])[0].release()
+    assert fast.still(*seen), "a hit must not send readers round again"
+    # Every write over the old value's bytes must find the check failing already (a reader copying
+    # then would get torn bytes): watch the segment's writes.
+    start = p.core.value_offset(seen[0])
+    checks = []
+
+    class Watched:
+        def __init__(self, mv):
+            self.mv = mv
+
+        def __getitem__(self, k):
+            return self.mv[k]
+
+        def __setitem__(self, k, value):
+            if isinstance(k, slice) and k.start < start + len(v) and k.stop > start:
+                checks.append(fast.still(*seen))
+            self.mv[k] = value
+
+    p.core.mv = Watched(p.core.mv)
+    if change == "put-same-size":
+        p.put("k", b"b" * len(v))  # overwritten in place, under the lock
+    elif change == "put-other-size":
+        p.put("k", b"b" * (len(v) + 4096))
+    elif change == "delete":
+        p.delete("k")
+    elif change == "evict":
+        p.evict(keys=["k"])
+    elif change == "pushed-out":
+        for n in range(20):
+            p.put(f"other{n}", b"o" * len(v))
+    elif change == "put_many":
+        p.put_many({"k": b"c" * len(v)})
+    elif change == "reserve_write":
+        with p.reserve_write("k", len(v)) as mv:
+            mv[:] = b"d" * len(v)
+    p.core.mv = p.core.mv.mv
+    assert not fast.still(*seen)
+    assert not any(checks), "a value's bytes were rewritten while a reader's check still passed"
+    if change in ("put-same-size", "pushed-out", "put_many"):
+        assert checks, "the change did not write over the old bytes: the test missed its point"
+
+
+def _writer(name: str, size: int, fillers: bool, rounds: int, ready, done) -> None:
+    """Overwrite `k` with uniform values (each byte = its version) until `done`, at least `rounds` times;
+    with `fillers`, put other keys between, so that evictions reuse k's blocks."""
+    p = Pool.open(name)
+    try:
+        n = 0
+        while n < rounds or not done.is_set():
+            p.put("k", bytes([n % 251]) * size)
+            if fillers:
+                p.put(f"filler{n % 3}", b"f" * size)
+            n += 1
+            if n == 20:
+                ready.set()
+    finally:
+        p.close()
+
+
+@pytest.mark.skipif(not SEQLOCK_COPIES, reason="the seqlock copy is used on x86-64 only")
+@pytest.mark.parametrize("size,fillers", [(128 * 1024, False), (1 << 20, True)], ids=["in-place", "reused"])
+def test_large_values_copied_outside_the_lock_are_never_torn(make_pool, pool_name, size, fillers):
+    # A 128 KiB value put again under its key is overwritten in place, under the lock; 1 MiB ones are
+    # evicted by the fillers and their blocks reused.  Either way a reader copying without the lock
+    # must notice and read again.
+    name = f"{pool_name}-torn"
+    p = make_pool(f"{4 * size // 1024}K", name=name, block_size="4K")
+    p.put("k", b"\0" * size)
+    ready, done = CTX.Event(), CTX.Event()
+    w = CTX.Process(target=_writer, args=(name, size, fillers, 200, ready, done))
+    w.start()
+    try:
+        assert ready.wait(60)
+        out = bytearray(size)
+        reads = 0
+        for n in range(6000):
+            got = p.get("k") if n % 2 else (bytes(out) if p.get_into("k", out) else None)
+            if got is None:
+                continue  # evicted between a writer's puts
+            assert got == got[:1] * size, f"torn read: bytes {got[0]} and {got[-1]} in one value"
+            reads += 1
+        assert reads > 100
+    finally:
+        done.set()
+        w.join(120)
+    assert w.exitcode == 0
+
+
+def _pure_child(name: str, rounds: int) -> None:
+    os.environ[PURE_PYTHON_ENV] = "1"
+    p = Pool.open(name)
+    try:
+        assert p.core.fast is None
+        for n in range(rounds):
+            p.put(f"k{n % 40}", bytes([n % 256]) * (1000 + n % 3 * 40000))
+            got = p.get(f"k{(n * 7) % 40}")
+            assert got is None or got == got[:1] * len(got)
+            views = p.view_many([f"k{(n + j) % 40}" for j in range(5)])
+            p.release_many(views)
+    finally:
+        p.close()
+
+
+def test_fast_and_pure_processes_share_a_pool(make_pool, pool_name):
+    name = f"{pool_name}-mix"
+    p = make_pool("1M", name=name, block_size="4K", policy="lfu", multi_threaded=True)
+    child = CTX.Process(target=_pure_child, args=(name, 3000))
+    child.start()
+    try:
+        for n in range(6000):
+            p.put(f"k{(n * 3) % 40}", bytes([n % 256]) * (1000 + n % 3 * 40000))
+            got = p.get(f"k{(n * 5) % 40}")
+            assert got is None or got == got[:1] * len(got)
+            views = p.view_many([f"k{(n + j) % 40}" for j in range(5)])
+            for v in views:
+                if v is not None and not isinstance(v, Exception):
+                    assert bytes(v.memoryview) == bytes(v.memoryview)[:1] * len(v.memoryview)
+            p.release_many(views)
+    finally:
+        child.join(120)
+    assert child.exitcode == 0
+    assert p.verify()["problems"] == []
+    assert p.stats()["pinned_entries"] == 0  # every view of both processes was released
