@@ -21,7 +21,7 @@ from xxhash import xxh3_64_intdigest
 from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, SLOW, Core, Pinned
 from .errors import CortexCacheError, KeyNotFound, PoolBusy, UsageError
 from .handles import EntryView
-from .layout import SLOT_FLAG_STR_KEY
+from .layout import MAX_KEY_BYTES, SLOT_FLAG_STR_KEY
 from .tiers import Tiers, copy_hashing
 from .values import as_byte_view, key_bytes, put_args, writable_bytes
 
@@ -30,7 +30,11 @@ def encoded(keys: Any) -> list[tuple[bytes, int]]:
     """(key bytes, key hash) of every key; UsageError for a bad one."""
     out = []
     for k in keys:
-        kb = key_bytes(k)[0]
+        # values.key_bytes, with the usual str key inlined (a batch's keys are mostly text).
+        if k.__class__ is str and k.isascii() and 0 < len(k) <= MAX_KEY_BYTES:
+            kb = k.encode()
+        else:
+            kb = key_bytes(k)[0]
         out.append((kb, xxh3_64_intdigest(kb)))
     return out
 
@@ -226,7 +230,12 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
 
 def release_many(core: Core, views: Any) -> None:
     """Pool.release_many: unpin every EntryView among `views` in one lock hold."""
-    pinned = [p for p in (v.drop_memoryview() for v in views if isinstance(v, EntryView)) if p is not None]
+    pinned = []
+    for v in views:
+        if v.__class__ is EntryView or isinstance(v, EntryView):
+            p = v.drop_memoryview()
+            if p is not None:
+                pinned.append(p)
     if pinned and not core.closed:
         core.release_pins(pinned)
 

@@ -55,10 +55,11 @@ class EntryView:
     def __del__(self) -> None:
         # A view dropped without release() would hold its pin until this
         # process exits; give it back now.
-        try:
-            self.release()
-        except Exception:
-            pass
+        if self.memoryview is not None:
+            try:
+                self.release()
+            except Exception:
+                pass
 
     def detach(self) -> None:
         """Leave this view's release to its holder: `pool.close()` will not release it (gpu.py's tensors)."""
