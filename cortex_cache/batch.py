@@ -1,4 +1,5 @@
-"""The batched calls behind Pool.put_many, get_many_into, view_many, release_many, contains_many, delete_many.
+"""The batched calls behind Pool.put_many, get_many_into, view_many, release_many, contains_many, delete_many,
+reserve_write_many, commit_many and abort_many.
 
 An engine asks for a request's chunks together.  Each batched call does the
 bookkeeping of all its keys in one lock hold and copies outside it; the
@@ -20,10 +21,10 @@ from xxhash import xxh3_64_intdigest
 
 from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, SLOW, Core, Pinned
 from .errors import CortexCacheError, KeyNotFound, PoolBusy, UsageError
-from .handles import EntryView
+from .handles import EntryView, EntryWriter
 from .layout import MAX_KEY_BYTES, SLOT_FLAG_STR_KEY
 from .tiers import Tiers, copy_hashing
-from .values import as_byte_view, key_bytes, put_args, writable_bytes
+from .values import as_byte_view, key_bytes, put_args, valid_nbytes, writable_bytes
 
 
 def encoded(keys: Any) -> list[tuple[bytes, int]]:
@@ -261,5 +262,104 @@ def delete_many(core: Core, tiers: Tiers, keys: Any) -> list[bool]:
     return found
 
 
-__all__ = ["contains_many", "delete_many", "encoded", "get_many_into", "put_many", "read_into", "finish_read_into", "release_many",
+def reserve_write_many(core: Core, tiers: Tiers, items: Any, ttl: float | None,
+                       priority: int) -> list[EntryWriter | Exception]:
+    """Pool.reserve_write_many: every (key, nbytes) reserved in one lock hold; per key its EntryWriter or the
+    error it met (a bad key or size, ValueTooLarge, PoolFull)."""
+    put_args(core, b"", False, 0, ttl, priority)  # the batch-wide arguments: raise before reserving anything
+    prio = int(priority)
+    results: list[Any] = []
+    asked: list[tuple[int, bytes, int, int, int, int]] = []
+    for n, (key, nbytes) in enumerate(items):
+        try:
+            kb, is_str = key_bytes(key)
+            nbytes = valid_nbytes(nbytes)
+            kh, flags, nblk = put_args(core, kb, is_str, nbytes, ttl, prio)
+        except CortexCacheError as e:
+            results.append(e)
+            continue
+        results.append(None)
+        asked.append((n, kb, kh, flags, nbytes, nblk))
+
+    def reserve_all() -> list[tuple[int, int]]:
+        got = []
+        for n, kb, kh, flags, nbytes, nblk in asked:
+            try:
+                got.append(core.reserve(kb, kh, flags, nbytes, nblk))
+            except CortexCacheError as e:  # PoolFull: what was reserved so far stays consistent
+                got.append(e)
+        return got
+
+    for (n, kb, kh, flags, nbytes, _), r in zip(asked, core.locked(reserve_all) if asked else ()):
+        results[n] = r if isinstance(r, Exception) else EntryWriter(tiers, r[0], kb, kh, flags, r[1], nbytes, ttl, prio)
+    return results
+
+
+def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[Exception | None]:
+    """Pool.commit_many: checksums taken outside the lock, every writer sealed in one lock hold (key by key
+    with a write-through disk tier, whose records are written first); per writer None or its error."""
+    writers = list(writers)
+    sums = [None] * len(writers) if checksums is None else list(checksums)
+    if len(sums) != len(writers):
+        raise UsageError(f"commit_many needs one checksum per writer ({len(writers)} writers, {len(sums)} checksums)")
+    results: list[Exception | None] = [None] * len(writers)
+    d = tiers.disk
+    if d is not None and d.write_through:
+        for n, (w, c) in enumerate(zip(writers, sums)):
+            try:
+                w.commit(c)
+            except CortexCacheError as e:
+                results[n] = e
+        return results
+    taken = []  # (index, writer, its memoryview, checksum): the writers this call now owns
+    for n, (w, c) in enumerate(zip(writers, sums)):
+        mv = w.take()
+        if mv is None:
+            results[n] = UsageError("this entry writer was already committed or aborted")
+            continue
+        taken.append((n, w, mv, xxh3_64_intdigest(mv) if c is None else int(c)))
+
+    def seal_all() -> None:
+        for n, w, _, c in taken:
+            kb, kh, _, ttl, prio = w.args
+            if core.is_writing(w.slot):
+                tiers.seal(w.slot, c, kb, kh, ttl, prio)
+            else:  # a repair took the reservation back (its owner looked dead)
+                results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
+
+    try:
+        core.locked(seal_all)
+    except BaseException:
+        abort_taken(core, [w.slot for _, w, _, _ in taken])
+        raise
+    finally:
+        for _, _, mv, _ in taken:
+            mv.release()
+    if tiers.remote is not None:
+        for n, w, mv, _ in taken:
+            if results[n] is None:
+                kb, _, flags, ttl, _ = w.args
+                tiers.remote.put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)
+    return results
+
+
+def abort_many(core: Core, writers: Any) -> None:
+    """Pool.abort_many: give back the space of every writer not yet committed or aborted, in one lock hold."""
+    slots = []
+    for w in writers:
+        if isinstance(w, EntryWriter):
+            mv = w.take()
+            if mv is not None:
+                mv.release()
+                slots.append(w.slot)
+    abort_taken(core, slots)
+
+
+def abort_taken(core: Core, slots: list[int]) -> None:
+    """Abort the reserved `slots` (whatever state a failed seal left them in) in one lock hold."""
+    if slots and not core.closed:
+        core.locked(lambda: [core.abort(i) for i in slots if core.is_writing(i)])
+
+
+__all__ = ["abort_many", "commit_many", "reserve_write_many", "contains_many", "delete_many", "encoded", "get_many_into", "put_many", "read_into", "finish_read_into", "release_many",
            "view_many"]

@@ -118,8 +118,8 @@ class EntryWriter:
     def __init__(self, tiers: Tiers, slot: int, kb: bytes, kh: int, flags: int, off: int, nbytes: int,
                  ttl: float | None, priority: int) -> None:
         self._tiers = tiers
-        self._slot = slot
-        self._args = (kb, kh, flags, ttl, priority)
+        self.slot = slot  # the reserved slot (batch.commit_many seals it)
+        self.args = (kb, kh, flags, ttl, priority)
         self.offset = off  # of the value in the segment
         self.nbytes = nbytes
         self.memoryview: memoryview | None = tiers.core.mv[off : off + nbytes]
@@ -145,11 +145,11 @@ class EntryWriter:
         mv, self.memoryview = self.memoryview, None
         if mv is None:
             raise UsageError("this entry writer was already committed or aborted")
-        kb, kh, flags, ttl, priority = self._args
+        kb, kh, flags, ttl, priority = self.args
         if checksum is None:
             checksum = xxh3_64_intdigest(mv)
         try:
-            self._tiers.commit(self._slot, kb, kh, flags, mv, checksum, ttl, priority)
+            self._tiers.commit(self.slot, kb, kh, flags, mv, checksum, ttl, priority)
         finally:
             mv.release()
 
@@ -160,7 +160,12 @@ class EntryWriter:
         mv.release()
         core = self._tiers.core
         if not core.closed:
-            core.locked(core.abort, self._slot)
+            core.locked(core.abort, self.slot)
+
+    def take(self) -> memoryview | None:
+        """Take this writer's memoryview for a batched commit or abort (batch.py); None if already done."""
+        mv, self.memoryview = self.memoryview, None
+        return mv
 
 
 __all__ = ["EntryView", "EntryWriter"]

@@ -42,7 +42,7 @@ from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
 from .tiers import Tiers
 from .units import format_size, parse_size
-from .values import as_byte_view, key_bytes, put_args, show_key, writable_bytes
+from .values import as_byte_view, key_bytes, put_args, show_key, valid_nbytes, writable_bytes
 
 _live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 
@@ -438,9 +438,7 @@ class Pool:
         copy into the pool, say), then `commit()`.  Same errors as `put`.
         """
         kb, is_str = key_bytes(key)
-        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise UsageError(f"nbytes must be a non-negative integer, not {nbytes!r}")
-        nbytes = int(nbytes)
+        nbytes = valid_nbytes(nbytes)
         kh, flags, nblk = put_args(self.core, kb, is_str, nbytes, ttl, priority)
         core = self.core
         i, off = core.locked(core.reserve, kb, kh, flags, nbytes, nblk)
@@ -572,6 +570,32 @@ class Pool:
         ValueTooLarge, UsageError for a bad key or value).
         """
         return batch.put_many(self.core, self.tiers, items, ttl, priority)
+
+    def reserve_write_many(self, items: Any, *, ttl: float | None = None,
+                           priority: int = 0) -> list[EntryWriter | Exception]:
+        """Reserve room for many values at once (one lock hold): `items` is (key, nbytes) pairs.
+
+        The batched zero-copy put.  Returns, per pair, an EntryWriter to fill
+        in place, or the error that key met (PoolFull, ValueTooLarge,
+        UsageError for a bad key or size); then `commit_many` the writers (or
+        `abort_many` them).  A bad `ttl` or `priority` raises before anything
+        is reserved.
+        """
+        return batch.reserve_write_many(self.core, self.tiers, items, ttl, priority)
+
+    def commit_many(self, writers: Any, checksums: Any = None) -> list[Exception | None]:
+        """Make many reserved values visible in one lock hold (checksums are taken outside it).
+
+        `checksums`: one xxh3_64 per writer, or None per writer (or for all) to
+        have them taken here.  Returns, per writer, None when committed or its
+        error (PoolBusy if a repair reclaimed the reservation, UsageError if
+        already committed or aborted).
+        """
+        return batch.commit_many(self.core, self.tiers, writers, checksums)
+
+    def abort_many(self, writers: Any) -> None:
+        """Give back the space of many uncommitted writers in one lock hold (others are skipped)."""
+        batch.abort_many(self.core, writers)
 
     def get_many_into(self, keys: Any, outs: Any) -> list[int | None | Exception]:
         """Copy the values of many keys into the matching writable buffers of `outs`.

@@ -75,6 +75,13 @@ def put_args(core: Any, kb: bytes, is_str: bool, nbytes: int, ttl: Any, priority
     return xxh3_64_intdigest(kb), SLOT_FLAG_STR_KEY if is_str else 0, nblk
 
 
+def valid_nbytes(nbytes: Any) -> int:
+    """A value size asked for by a zero-copy put, as an int (UsageError unless a non-negative integer)."""
+    if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0:
+        raise UsageError(f"nbytes must be a non-negative integer, not {nbytes!r}")
+    return int(nbytes)
+
+
 def writable_bytes(out: Any) -> memoryview:
     """`out` as a writable, flat memoryview of bytes (UsageError if it is not one)."""
     try:

@@ -165,6 +165,14 @@ while True:
         vs = p.view_many(ks)                               # killed while holding pins, sometimes
         p.release_many(vs)
         p.delete_many(ks[:1])
+    elif op == "write_many":                               # the batched zero-copy put
+        ks = [f"k{j}" for j in rng.sample(range(48), 8)]
+        vals = [make_value(int(k[1:]), i, rng.choice([500, 5000, 300_000])) for k in ks]
+        ws = p.reserve_write_many([(k, len(v)) for k, v in zip(ks, vals)])
+        for w, v in zip(ws, vals):
+            if not isinstance(w, Exception):
+                w.memoryview[:] = v                        # killed while holding reservations, sometimes
+        p.commit_many([w for w in ws if not isinstance(w, Exception)])
     elif op == "evict_all":
         p.put(f"k{k}", make_value(k, i, 30_000))
         p.evict(all=True)                                  # every entry moves memory -> disk
@@ -222,7 +230,7 @@ def _kill_at_random(op: str, name: str, seed: int, *extra: str) -> None:
             f.close()
 
 
-@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair", "put_many", "get_many"])
+@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair", "put_many", "get_many", "write_many"])
 def test_sigkill_at_random_points_of_memory_operations(make_pool, op):
     p = make_pool("2M", block_size="16K")
     for k in range(48):

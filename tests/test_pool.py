@@ -8,6 +8,7 @@ import stat
 
 import numpy as np
 import pytest
+from xxhash import xxh3_64_intdigest
 
 import cortex_cache
 from cortex_cache import (
@@ -441,6 +442,61 @@ def test_a_batch_that_partly_fails_reports_per_key_and_leaves_no_pins_or_reserva
     assert pool.stats()["blocks_used"] * 4096 <= 1 << 20
 
 
+def _writing(p) -> int:
+    from cortex_cache.layout import WRITING
+
+    return p.core.locked(lambda: int((p.core.columns["state"] == WRITING).sum()))
+
+
+def test_batched_zero_copy_puts_commit_together_and_give_everything_back(pool):
+    from tests.helpers import check_value, make_value
+
+    pool.put("k1", b"old value")
+    vals = {f"k{i}": make_value(i, 2, size) for i, size in enumerate([12, 4096, 70_000, 300_000], start=1)}
+    vals["k5"] = b""
+    items = list((k, len(v)) for k, v in vals.items()) + [(7, 10), ("neg", -1), ("huge", 2 << 20)]
+    ws = pool.reserve_write_many(items, ttl=60, priority=3)
+    assert [type(w).__name__ for w in ws[5:]] == ["UsageError", "UsageError", "ValueTooLarge"]
+    writers = ws[:5]
+    assert _writing(pool) == 5
+    assert pool.get("k1") == b"old value"  # a reserved value is invisible until committed
+    for w, v in zip(writers, vals.values()):
+        assert w.nbytes == len(v)
+        w.memoryview[:] = v
+    sums = [None] * 5
+    sums[2] = xxh3_64_intdigest(vals["k3"])  # a checksum the caller took itself
+    assert pool.commit_many(writers, sums) == [None] * 5
+    assert _writing(pool) == 0
+    for k, v in vals.items():
+        assert pool.get(k) == v
+        if v:
+            assert check_value(pool.get(k))[0] == int(k[1:])
+        assert pool.info(k)["priority"] == 3
+    assert pool.verify()["ok"]  # the checksums recorded are the values'
+    again = pool.commit_many(writers[:1])
+    assert isinstance(again[0], UsageError)
+    with pytest.raises(UsageError):
+        pool.commit_many(writers, [None])  # one checksum per writer, checked before anything changes
+    with pytest.raises(UsageError):
+        pool.reserve_write_many([("x", 1)], ttl=-1)
+    # Aborted: the space comes back and no key appears.
+    used = pool.stats()["blocks_used"]
+    ws = pool.reserve_write_many([("a1", 50_000), ("a2", 5000)])
+    assert pool.stats()["blocks_used"] > used
+    pool.abort_many(ws + [None, ValueError("not a writer")])
+    pool.abort_many(ws)  # twice is harmless
+    assert pool.stats()["blocks_used"] == used and _writing(pool) == 0
+    assert pool.contains_many(["a1", "a2"]) == [False, False]
+    # No room left (everything pinned or reserved): PoolFull for the keys that do not fit, nothing stuck.
+    views = pool.view_many(list(vals))
+    ws = pool.reserve_write_many([("f0", 100_000), ("f1", 900_000), ("f2", 20_000)])
+    assert isinstance(ws[1], PoolFull) and not isinstance(ws[0], Exception) and not isinstance(ws[2], Exception)
+    pool.abort_many(ws)
+    pool.release_many(views)
+    assert _pins(pool) == 0 and _writing(pool) == 0
+    assert pool.verify()["ok"]
+
+
 def test_a_view_s_derived_arrays_keep_its_entry_pinned_after_release(pool):
     pool.put("k", b"old!" * 1000)
     v = pool.view("k")
@@ -481,6 +537,12 @@ def test_batched_calls_from_many_threads_never_tear(pool):
                     if v is not None and not isinstance(v, Exception):
                         check_value(bytes(v.memoryview))
                 pool.release_many(views)
+                vals = [make_value(int(k[1:]), r, 2000 + 700 * (r % 3)) for k in keys]
+                ws = pool.reserve_write_many([(k, len(v)) for k, v in zip(keys, vals)])
+                for w, v in zip(ws, vals):
+                    if not isinstance(w, Exception):
+                        w.memoryview[:] = v
+                pool.commit_many([w for w in ws if not isinstance(w, Exception)])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -501,6 +563,12 @@ from tests.helpers import make_value
 p = Pool.open(sys.argv[1])
 for r in range(40):
     p.put_many([(f"k{k}", make_value(k, r, 2000 + 3000 * ((r + k) % 4))) for k in range(16)])
+    vals = [make_value(k, r, 1000 + 2500 * ((r + k) % 5)) for k in range(16)]
+    ws = p.reserve_write_many([(f"k{k}", len(v)) for k, v in enumerate(vals)])
+    ws = [(w, v) for w, v in zip(ws, vals) if not isinstance(w, Exception)]
+    for w, v in ws:
+        w.memoryview[:] = v
+    p.commit_many([w for w, _ in ws])
 p.close()
 """
 
