@@ -326,16 +326,12 @@ def store(
     for t in tensors:
         if not t.is_contiguous():
             raise UsageError("store needs contiguous tensors: call .contiguous() first")
-    writers = []
-
-    def abort() -> None:
-        for w in writers:
-            w.abort()
-
+    # Every value reserved in one lock hold; if one cannot be, none is kept.
+    writers = pool.reserve_write_many([(k, t.numel() * t.element_size()) for k, t in zip(keys, tensors)],
+                                      ttl=ttl, priority=priority)
+    raise_first(pool, writers, writers)
     jobs = []
     try:
-        for k, t in zip(keys, tensors):
-            writers.append(pool.reserve_write(k, t.numel() * t.element_size(), ttl=ttl, priority=priority))
         with _stream_ctx(dev, stream):
             for w, t in zip(writers, tensors):
                 host = host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
@@ -350,21 +346,27 @@ def store(
         for j in jobs:
             j.cancel()
         wait_jobs(jobs)
-        abort()
+        pool.abort_many(writers)
         raise
 
     def commit() -> None:
-        done = 0
         try:
-            for w, j in zip(writers, jobs):
-                w.commit(j.result())
-                done += 1
-        finally:
+            sums = [j.result() for j in jobs]
+        except BaseException:
             wait_jobs(jobs)
-            for w in writers[done + 1 :]:
-                w.abort()
+            pool.abort_many(writers)
+            raise
+        raise_first(pool, pool.commit_many(writers, sums), writers)  # visible together, in one lock hold
 
     return Transfer(list(tensors), event, commit)
+
+
+def raise_first(pool: "Pool", results: Sequence[Any], writers: Sequence[Any]) -> None:
+    """If any of a batch's `results` is an error, give back every writer still open and raise the first."""
+    err = next((r for r in results if isinstance(r, Exception)), None)
+    if err is not None:
+        pool.abort_many(writers)
+        raise err
 
 
 _EXECUTOR = None

@@ -141,39 +141,37 @@ class KVCache:
         `kv[:, :, t]` is the KV of `tokens[t]`.  Values go straight from `kv`
         (CPU or GPU) into reserved pool memory, one chunk at a time.
         """
-        from .gpu import copy_executor, host_tensor, wait_jobs
+        from .gpu import copy_executor, host_tensor, raise_first, wait_jobs
         from xxhash import xxh3_64_intdigest
 
         keys = self.keys(tokens)
         self._check_kv(kv, len(keys) * self.chunk_tokens)
         c = self.chunk_tokens
-        # A chunk is checksummed on a worker thread while the next one is
-        # copied (xxhash releases the GIL); at most two wait to be committed.
-        pending: list = []
         present = self._present_many(keys)  # one lock hold for the whole request
+        todo = [i for i, ok in enumerate(present) if not ok]
+        # The missing chunks reserved in one lock hold; those before the first that finds no room
+        # are stored, the rest given back, and that error raised.
+        writers = self.pool.reserve_write_many(
+            [(keys[i], HEADER_SIZE + self.payload_bytes) for i in todo], ttl=ttl, priority=priority)
+        fit = next((n for n, w in enumerate(writers) if isinstance(w, Exception)), len(writers))
+        self.pool.abort_many(writers[fit:])
+        # A chunk is checksummed on a worker thread while the next one is
+        # copied (xxhash releases the GIL); all are committed in one lock hold.
+        jobs: list = []
         try:
-            for i, key in enumerate(keys):
-                if present[i]:
-                    continue
-                w = self.pool.reserve_write(key, HEADER_SIZE + self.payload_bytes, ttl=ttl, priority=priority)
-                pending.append((w, None))
+            for w, i in zip(writers[:fit], todo):
                 w.memoryview[:HEADER_SIZE] = self._header  # type: ignore[index]
                 dst = host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
                                    self.chunk_shape)
                 dst.copy_(kv[:, :, i * c : (i + 1) * c])
                 del dst
-                pending[-1] = (w, copy_executor().submit(xxh3_64_intdigest, w.memoryview))
-                while len(pending) > 2:
-                    done, job = pending.pop(0)
-                    done.commit(job.result())
-            while pending:
-                done, job = pending.pop(0)
-                done.commit(job.result())
+                jobs.append(copy_executor().submit(xxh3_64_intdigest, w.memoryview))
+            sums = [j.result() for j in jobs]
         except BaseException:
-            wait_jobs([j for _, j in pending if j is not None])
-            for w, _ in pending:
-                w.abort()
+            wait_jobs(jobs)
+            self.pool.abort_many(writers)
             raise
+        raise_first(self.pool, self.pool.commit_many(writers[:fit], sums) + writers[fit:fit + 1], writers)
         return len(keys) * c
 
     # ------------------------------------------------------------------ lookup and retrieve

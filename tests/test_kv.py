@@ -158,3 +158,21 @@ def test_entries_carry_the_layout_fingerprint(make_pool):
 
 def test_chunk_digests_of_a_short_prompt_are_empty():
     assert chunk_digests([1, 2, 3], 16, b"t") == []
+
+
+def test_a_request_larger_than_the_pool_keeps_its_leading_chunks_and_no_reservation(make_pool):
+    from cortex_cache import PoolFull
+
+    probe = _cache(make_pool("4M"))
+    chunk_bytes = -(-(HEADER_SIZE + probe.payload_bytes) // 4096) * 4096
+    p = make_pool(3 * chunk_bytes, block_size="4K")  # room for three chunks
+    kv = _cache(p)
+    prompt = torch.arange(5 * C) % 512
+    _, cache = Tiny()(prompt)
+    with pytest.raises(PoolFull):
+        kv.store(prompt, cache)
+    assert p.stats()["writing_entries"] == 0 and p.stats()["pinned_entries"] == 0
+    assert kv.lookup(prompt) == 3 * C
+    n, got = kv.retrieve(prompt)
+    assert n == 3 * C and torch.equal(got, cache[:, :, : 3 * C])
+    assert p.verify()["ok"]

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CortexCacheError, UsageError
+from ..errors import UsageError
 from .pools import POOL_PARAMS, open_or_create
 
 HEADER = struct.Struct("<4sHH16sQ")
@@ -176,35 +176,40 @@ class CortexConnector:
         return [fn(k, mv) for k, mv in zip(keys, mvs)]
 
     def _set(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:
-        outcomes = self._map(self._set_one, keys, mvs)
+        # The batch is reserved in one lock hold, copied and checksummed (on the copy threads when
+        # large), and committed in one.
+        srcs = [np.frombuffer(memoryview(mv).cast("B"), np.uint8) for mv in mvs]
+        writers = self.pool.reserve_write_many(
+            [(self.namespace + k, HEADER_SIZE + src.nbytes) for k, src in zip(keys, srcs)])
+        try:
+            sums = self._map(self._fill, list(zip(keys, writers)), srcs)
+        except BaseException:
+            self.pool.abort_many(writers)
+            raise
+        filled = [(w, c) for w, c in zip(writers, sums) if c is not None]
+        committed = iter(self.pool.commit_many([w for w, _ in filled], [c for _, c in filled]))
+        outcomes = [str(w) if c is None else str(next(committed) or "") for w, c in zip(writers, sums)]
         errors = [e for e in outcomes if e]
         self.stats["stored"] += len(keys) - len(errors)
         self.stats["store_failed"] += len(errors)
         return not errors, "; ".join(dict.fromkeys(errors)), [not e for e in outcomes]
 
-    def _set_one(self, key: str, mv: Any) -> str:
-        """Store one value; '' on success, else why not."""
-        src = np.frombuffer(memoryview(mv).cast("B"), np.uint8)
-        try:
-            w = self.pool.reserve_write(self.namespace + key, HEADER_SIZE + src.nbytes)
-        except CortexCacheError as e:
-            return str(e)
-        try:
-            head = _header(key, src.nbytes)
-            w.memoryview[:HEADER_SIZE] = head  # type: ignore[index]
-            h = xxhash.xxh3_64(head)
-            dst = np.frombuffer(w.memoryview, np.uint8, src.nbytes, HEADER_SIZE)
-            # Copy and checksum a chunk at a time, hashing each while it is in the CPU cache:
-            # one pass over the memory instead of two (copies and hashes release the GIL).
-            for c in range(0, src.nbytes, _CHUNK):
-                np.copyto(dst[c : c + _CHUNK], src[c : c + _CHUNK])
-                h.update(dst[c : c + _CHUNK])
-            del dst
-        except BaseException:
-            w.abort()
-            raise
-        w.commit(h.intdigest())
-        return ""
+    def _fill(self, key_writer: tuple[str, Any], src: np.ndarray) -> int | None:
+        """Fill one reserved value (header, then LMCache's bytes); its checksum, or None if the
+        reservation failed (the writer is then the error)."""
+        key, w = key_writer
+        if isinstance(w, Exception):
+            return None
+        head = _header(key, src.nbytes)
+        w.memoryview[:HEADER_SIZE] = head  # type: ignore[index]
+        h = xxhash.xxh3_64(head)
+        dst = np.frombuffer(w.memoryview, np.uint8, src.nbytes, HEADER_SIZE)
+        # Copy and checksum a chunk at a time, hashing each while it is in the CPU cache:
+        # one pass over the memory instead of two (copies and hashes release the GIL).
+        for c in range(0, src.nbytes, _CHUNK):
+            np.copyto(dst[c : c + _CHUNK], src[c : c + _CHUNK])
+            h.update(dst[c : c + _CHUNK])
+        return h.intdigest()
 
     def _check(self, key: str, view: memoryview, want: int | None) -> bool:
         """Is `view` a value this adapter stored under `key` (of `want` payload bytes)?"""
