@@ -89,7 +89,7 @@ import numpy as np
 import xxhash
 
 from .. import segment
-from ..errors import KeyNotFound, UsageError
+from ..errors import UsageError
 from ..pool import Pool
 from .pools import POOL_PARAMS, open_or_create
 
@@ -338,16 +338,19 @@ class CortexHiCache:
         return view.nbytes == HEADER_SIZE + layout.page_bytes and bytes(view[:HEADER_SIZE]) == self._header(
             layout, pkey)
 
-    def _present(self, pool: Pool, layout: _Layout, page_hash: str) -> bool:
-        pkey = self._key(page_hash)
+    def _present_many(self, pool: Pool, layout: _Layout, page_hashes: list) -> list[bool]:
+        """Is each page stored, and ours?  Pinned and released in one lock hold each."""
+        pkeys = [self._key(h) for h in page_hashes]
+        views = pool.view_many(pkeys)
         try:
-            with pool.view(pkey) as src:
-                if self._ours(src, layout, pkey):
-                    return True
-        except KeyNotFound:
-            return False
-        self._count("foreign")
-        return False
+            out = [ev is not None and not isinstance(ev, Exception) and self._ours(ev.memoryview, layout, pkey)
+                   for pkey, ev in zip(pkeys, views)]
+        finally:
+            pool.release_many(views)
+        foreign = sum(1 for ok, ev in zip(out, views) if not ok and ev is not None and not isinstance(ev, Exception))
+        if foreign:
+            self._count("foreign", foreign)
+        return out
 
     # ------------------------------------------------------------------ v1: zero copy over the host pool
 
@@ -381,41 +384,57 @@ class CortexHiCache:
                 if pages is None:
                     self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
                     return [False] * n
-                out = self._map(lambda k, run: self._set_pieces(pool, layout, k, run), keys, pages, layout)
+                out = self._store_pages(pool, layout, keys, pages)
         except Exception as e:  # never into SGLang's thread
             self._fault("errors", n, f"batch_set_v1: {type(e).__name__}: {e}")
             return [False] * n
         self._record("backup", sum(out), layout.page_bytes, start)
         return out
 
-    def _set_pieces(self, pool: Pool, layout: _Layout, page_hash: str, run: list[tuple[int, int]]) -> bool:
-        if self._present(pool, layout, page_hash):
-            self._count("already_stored")
-            return True
-        pkey = self._key(page_hash)
+    def _store_pages(self, pool: Pool, layout: _Layout, page_hashes: list,
+                     pages: list[list[tuple[int, int]]]) -> list[bool]:
+        """Store the pages not stored yet: reserved in one lock hold, filled (on the copy threads when
+        large), committed in one.  Per page, is it stored now?"""
+        out = self._present_many(pool, layout, page_hashes)
+        self._count("already_stored", sum(out))
+        if all(out):
+            return out
+        todo = [n for n, ok in enumerate(out) if not ok]
+        pkeys = [self._key(page_hashes[n]) for n in todo]
+        writers = pool.reserve_write_many([(k, HEADER_SIZE + layout.page_bytes) for k in pkeys])
         try:
-            w = pool.reserve_write(pkey, HEADER_SIZE + layout.page_bytes)
-        except Exception as e:  # full (everything pinned), too large, lock trouble
-            self._fault("store_failed", 1, f"cannot store a page in pool {pool.name!r}: {type(e).__name__}: {e}")
-            return False
-        try:
-            mv = w.memoryview
-            mv[:HEADER_SIZE] = self._header(layout, pkey)
-            h = xxhash.xxh3_64(mv[:HEADER_SIZE])
-            off = HEADER_SIZE
-            for ptr, nbytes in run:
-                dst = np.frombuffer(mv, np.uint8, nbytes, off)
-                np.copyto(dst, _host_bytes(ptr, nbytes))  # GIL released
-                h.update(dst)  # the pool's checksum, taken while the piece is still in the CPU cache
-                del dst
-                off += nbytes
-            del mv
-            w.commit(h.intdigest())
+            sums = self._map(lambda kw, run: self._fill(layout, *kw, run), list(zip(pkeys, writers)),
+                             [pages[n] for n in todo], layout)
         except BaseException:
-            w.abort()
+            pool.abort_many(writers)
             raise
-        self._count("stored")
-        return True
+        filled = [(w, c) for w, c in zip(writers, sums) if c is not None]
+        committed = iter(pool.commit_many([w for w, _ in filled], [c for _, c in filled]))
+        for n, w, c in zip(todo, writers, sums):
+            err = w if c is None else next(committed)
+            if err is None:
+                out[n] = True
+                self._count("stored")
+            else:  # full (everything pinned), too large, reclaimed
+                self._fault("store_failed", 1, f"cannot store a page in pool {pool.name!r}: "
+                            f"{type(err).__name__}: {err}")
+        return out
+
+    def _fill(self, layout: _Layout, pkey: str, w: Any, run: list[tuple[int, int]]) -> int | None:
+        """Copy one page's pieces into its reserved entry after the header; the entry's checksum, or
+        None if the reservation failed (`w` is then its error)."""
+        if isinstance(w, Exception):
+            return None
+        mv = w.memoryview
+        mv[:HEADER_SIZE] = self._header(layout, pkey)
+        h = xxhash.xxh3_64(mv[:HEADER_SIZE])
+        off = HEADER_SIZE
+        for ptr, nbytes in run:
+            dst = np.frombuffer(mv, np.uint8, nbytes, off)
+            np.copyto(dst, _host_bytes(ptr, nbytes))  # GIL released
+            h.update(dst)  # the pool's checksum, taken while the piece is still in the CPU cache
+            off += nbytes
+        return h.intdigest()
 
     def batch_get_v1(self, keys: list, host_indices: Any, extra_info: Any = None) -> list:
         """Load each page into its host slots; True for the leading run of hits only (all SGLang uses).
@@ -434,14 +453,7 @@ class CortexHiCache:
                 if pages is None:
                     self._fault("errors", n, "the host pool's page buffers do not match its registered layout")
                     return out
-                if self._parallel(n, layout):
-                    got = self._map(lambda k, run: self._get_pieces(pool, layout, k, run), keys, pages, layout)
-                else:  # one page after another, stopping at the first miss
-                    got = []
-                    for page_hash, run in zip(keys, pages):
-                        got.append(self._get_pieces(pool, layout, page_hash, run))
-                        if not got[-1]:
-                            break
+                got = self._load_pages(pool, layout, keys, pages)
                 lead = got.index(False) if False in got else len(got)
                 out[:lead] = [True] * lead
         except Exception as e:  # never into SGLang's thread
@@ -449,6 +461,25 @@ class CortexHiCache:
             return out
         self._record("prefetch", sum(out), layout.page_bytes, start)
         return out
+
+    def _load_pages(self, pool: Pool, layout: _Layout, page_hashes: list,
+                    pages: list[list[tuple[int, int]]]) -> list[bool]:
+        """Load pages into their host slots: pinned in one lock hold, copied, released in one.  Copy threads
+        load the whole batch at once; one thread stops at the first page it cannot load."""
+        pkeys = [self._key(h) for h in page_hashes]
+        views = pool.view_many(pkeys)
+        try:
+            if self._parallel(len(pkeys), layout):
+                return self._map(lambda kv, run: self._load(layout, *kv, run), list(zip(pkeys, views)), pages,
+                                 layout)
+            got = []
+            for pkey, ev, run in zip(pkeys, views, pages):
+                got.append(self._load(layout, pkey, ev, run))
+                if not got[-1]:
+                    break
+            return got
+        finally:
+            pool.release_many(views)
 
     def _parallel(self, n: int, layout: _Layout) -> bool:
         return self._copiers is not None and n > 1 and n * layout.page_bytes >= _PARALLEL_BYTES
@@ -459,30 +490,28 @@ class CortexHiCache:
             return list(self._copiers.map(fn, keys, pages))  # type: ignore[union-attr]
         return [fn(k, run) for k, run in zip(keys, pages)]
 
-    def _get_pieces(self, pool: Pool, layout: _Layout, page_hash: str, run: list[tuple[int, int]]) -> bool:
-        pkey = self._key(page_hash)
-        try:
-            ev = pool.view(pkey)
-        except KeyNotFound:
+    def _load(self, layout: _Layout, pkey: str, ev: Any, run: list[tuple[int, int]]) -> bool:
+        """Copy one pinned page (`ev`: its view, None if absent, or its error) into its host slots."""
+        if ev is None or isinstance(ev, Exception):
             self._count("misses")
             return False
-        with ev as src:
-            if not self._ours(src, layout, pkey):
-                self._count("foreign")
-                return False
-            h = xxhash.xxh3_64(src[:HEADER_SIZE]) if self.verify else None
-            off = HEADER_SIZE
+        src = ev.memoryview
+        if not self._ours(src, layout, pkey):
+            self._count("foreign")
+            return False
+        h = xxhash.xxh3_64(src[:HEADER_SIZE]) if self.verify else None
+        off = HEADER_SIZE
+        for ptr, nbytes in run:
+            dst = _host_bytes(ptr, nbytes)
+            np.copyto(dst, np.frombuffer(src, np.uint8, nbytes, off))
+            if h is not None:
+                h.update(dst)  # what SGLang got, checked while still in the CPU cache
+            off += nbytes
+        if h is not None and h.intdigest() != ev.checksum:
             for ptr, nbytes in run:
-                dst = _host_bytes(ptr, nbytes)
-                np.copyto(dst, np.frombuffer(src, np.uint8, nbytes, off))
-                if h is not None:
-                    h.update(dst)  # what SGLang got, checked while still in the CPU cache
-                off += nbytes
-            if h is not None and h.intdigest() != ev.checksum:
-                for ptr, nbytes in run:
-                    _host_bytes(ptr, nbytes)[:] = 0  # nothing of a damaged page is left to SGLang
-                self._fault("corrupt", 1, f"page {pkey!r} failed its checksum (damaged in place)")
-                return False
+                _host_bytes(ptr, nbytes)[:] = 0  # nothing of a damaged page is left to SGLang
+            self._fault("corrupt", 1, f"page {pkey!r} failed its checksum (damaged in place)")
+            return False
         self._count("hits")
         return True
 
@@ -510,10 +539,8 @@ class CortexHiCache:
                 if pool is None or layout is None:
                     self._unavailable(len(keys), layout)
                     return 0
-                for i, page_hash in enumerate(keys):
-                    if not self._present(pool, layout, page_hash):
-                        return i
-                return len(keys)
+                present = self._present_many(pool, layout, list(keys))
+                return present.index(False) if False in present else len(present)
         except Exception as e:
             self._fault("errors", 1, f"batch_exists: {type(e).__name__}: {e}")
             return 0
@@ -537,7 +564,7 @@ class CortexHiCache:
                     self._fault("errors", 1, "get() was given a buffer that is not one flat host page")
                     return None
                 ptr = buf.ctypes.data
-                return dst if self._get_pieces(pool, layout, key, [(ptr, buf.nbytes)]) else None
+                return dst if self._load_pages(pool, layout, [key], [[(ptr, buf.nbytes)]])[0] else None
         except Exception as e:
             self._fault("errors", 1, f"get: {type(e).__name__}: {e}")
             return None
@@ -558,7 +585,7 @@ class CortexHiCache:
                 if buf is None or buf.nbytes != layout.page_bytes:
                     self._fault("store_failed", 1, "set() was given a value that is not one flat host page")
                     return False
-                return self._set_pieces(pool, layout, key, [(buf.ctypes.data, buf.nbytes)])
+                return self._store_pages(pool, layout, [key], [[(buf.ctypes.data, buf.nbytes)]])[0]
         except Exception as e:
             self._fault("errors", 1, f"set: {type(e).__name__}: {e}")
             return False

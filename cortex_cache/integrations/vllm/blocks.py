@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ... import gpu
-from ...errors import CortexCacheError, KeyNotFound
+from ...errors import CortexCacheError
 from ...kv import chunk_digests
 from ..pools import open_or_create
 
@@ -167,7 +167,8 @@ class BlockStore:
         if pool is None:
             return []  # nowhere to store them
         try:
-            return [i for i, d in enumerate(digests) if self.key(d) not in pool]
+            held = pool.contains_many([self.key(d) for d in digests])  # one lock hold
+            return [i for i, h in enumerate(held) if not h]
         except Exception as e:  # a pool that breaks under us stores nothing
             self.faults.fault("error", e)
             return []
@@ -177,15 +178,12 @@ class BlockStore:
         pool = self.pool.get()
         if pool is None:
             return 0
-        n = 0
         try:
-            for d in digests:
-                if self.key(d) not in pool:
-                    break
-                n += 1
+            held = pool.contains_many([self.key(d) for d in digests])  # one lock hold
         except Exception as e:
             self.faults.fault("error", e)
-        return n
+            return 0
+        return held.index(False) if False in held else len(held)
 
     def save(self, digests: Sequence[bytes], rows: "torch.Tensor") -> int:
         """Store `rows` (from `staging`, payload filled) under `digests`' keys; how many were stored.
@@ -238,23 +236,21 @@ class BlockStore:
         views: list = []
         keys: list[str] = []
         try:
-            for d in digests:
+            # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
+            views = pool.view_many([self.key(d) for d in digests])
+            for d, ev in zip(digests, views):
                 key = self.key(d)
-                try:
-                    ev = pool.view(key)  # pinned until released: eviction cannot reuse it mid-copy
-                except KeyNotFound:
+                if ev is None or isinstance(ev, Exception):
                     self.faults.fault("missing", f"{key} left the pool between lookup and load")
                     break
                 why = self._check(ev, d)
                 if why:
-                    ev.release()
                     self.faults.fault(why, f"{key} in pool {pool.name!r}")
                     if why == "corrupt":
                         # Damaged bytes help no one: drop them, so the next
                         # look-up is a miss and the block is stored afresh.
                         pool.delete(key)
                     break
-                views.append(ev)
                 keys.append(key)
             if keys:
                 gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
@@ -263,8 +259,7 @@ class BlockStore:
             self.faults.fault("error", e)
             return 0
         finally:
-            for ev in views:
-                ev.release()
+            pool.release_many(views)
         self.faults.count("loaded", len(keys))
         return len(keys)
 

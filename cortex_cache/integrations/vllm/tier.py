@@ -216,12 +216,10 @@ class CortexTier(SecondaryTierManager):
         pool = self._pool.get()
         if pool is None:
             return
-        for k in keys:
-            try:
-                with pool.view(self._store.key(bytes(k))):
-                    pass
-            except Exception:
-                pass  # gone, or the pool broke: a touch is only a hint
+        try:
+            pool.release_many(pool.view_many([self._store.key(bytes(k)) for k in keys]))  # one lock hold each
+        except Exception:
+            pass  # the pool broke: a touch is only a hint
 
 
 __all__ = ["CortexTier"]
