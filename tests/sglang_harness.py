@@ -217,21 +217,30 @@ def scenario_get(a: dict) -> dict:
 
 
 def scenario_hang_mid_set(a: dict) -> dict:
-    """Store pages and stop, pages half-copied, on the third one: the test kills us there."""
-    real = Pool.reserve_write
-    calls = [0]
+    """Store two pages in one batch, then the other three in another and stop there, its pages reserved
+    and the first half-copied: the test kills us there."""
+    real = Pool.reserve_write_many
 
     def reserve_then_hang(self, *args, **kw):
-        w = real(self, *args, **kw)
-        calls[0] += 1
-        if calls[0] == 3:
+        ws = real(self, *args, **kw)
+        if len(ws) == 3:
+            w = ws[0]
             w.memoryview[: w.nbytes // 2] = b"\xab" * (w.nbytes // 2)  # half written, never committed
             print("mid-set", flush=True)
             time.sleep(120)
-        return w
+        return ws
 
-    Pool.reserve_write = reserve_then_hang
-    return scenario_set(a)
+    Pool.reserve_write_many = reserve_then_hang
+    copy_threads(a)
+    host = make_host(a["kind"], a.get("layout", "page_first"))
+    fill(host, a["seed"])
+    backend = make_backend(host, a["kind"], a["pool"], a.get("model", "Qwen/Qwen3-0.6B"), a["v1"])
+    keys = page_hashes(a["pages"], a.get("salt", ""))
+    idx = host.alloc(a["pages"] * PAGE)
+    stored = store(backend, host, keys[:2], a["v1"], idx[: 2 * PAGE])
+    assert stored == [True, True], stored
+    store(backend, host, keys[2:], a["v1"], idx[2 * PAGE :])
+    return {}
 
 
 def scenario_injected_failures(a: dict) -> dict:

@@ -94,14 +94,14 @@ def test_pages_set_by_one_process_are_read_exactly_by_another_after_persist_dele
 def test_a_peer_killed_mid_set_leaves_misses_then_faults_and_injected_failures_never_raise(make_pool):
     kill_pool, fault_pool, tiny, inject = make_pool("64M"), make_pool("64M"), make_pool("16K", block_size="4K"), \
         make_pool("64M")
-    case = _case(kill_pool.name, "mha", "page_first", True, "Qwen/Qwen3-0.6B", 9, "kill")  # stores one by one
+    case = _case(kill_pool.name, "mha", "page_first", True, "Qwen/Qwen3-0.6B", 9, "kill")  # two batches
     proc = subprocess.Popen([SGLANG_PY, "-W", "ignore", HARNESS, json.dumps([("hang_mid_set", case)])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.strip() == b"mid-set", proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-        proc.send_signal(signal.SIGKILL)  # two pages committed, the third half-copied
+        proc.send_signal(signal.SIGKILL)  # one batch of two pages committed; the next reserved, half-copied
     finally:
         proc.kill()
         proc.wait()
@@ -113,7 +113,7 @@ def test_a_peer_killed_mid_set_leaves_misses_then_faults_and_injected_failures_n
         ("injected_failures", {"pool": inject.name, "kind": "mha"}),
         ("signatures", {}),
     )
-    # The killed writer's two committed pages are there, its half-written one is not (and the pages
+    # The killed writer's first batch is there, its half-written one is not (and the pages
     # after the miss, loaded by the copy threads all at once, are not reported).
     assert after_kill["exists"] == 2 and after_kill["loaded"] == [True, True, False, False, False]
     assert after_kill["exact"][:2] == [True, True]
