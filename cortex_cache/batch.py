@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from xxhash import xxh3_64_intdigest
 
-from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, SLOW, Core, Pinned
+from .core import COPY_IN_LOCK, READ_COUNTED, READ_HITS, SLOW, Core, Pinned
 from .errors import CortexCacheError, KeyNotFound, PoolBusy, UsageError
 from .handles import EntryView, EntryWriter
 from .layout import MAX_KEY_BYTES, SLOT_FLAG_STR_KEY
@@ -207,36 +207,22 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
     enc = encoded(keys)
     below = tiers.disk is not None or tiers.remote is not None
     got = pin_many(core, enc, not below)
-    results: list[EntryView | None | Exception] = []
-    for n, r in enumerate(got):
-        if r.__class__ is PIN:
-            ev = EntryView(core, views, r, r.checksum)
-            views.add(ev)
-            results.append(ev)
-        elif r.__class__ is tuple:
-            ev = EntryView(core, views, r[0], r[1])
-            views.add(ev)
-            results.append(ev)
-        elif r is None and below:
-            try:
-                results.append(view_one(keys[n]))
-            except KeyNotFound:
-                results.append(None)
-            except CortexCacheError as e:
-                results.append(e)
-        else:
-            results.append(r)
+    results = EntryView.of_pins(core, views, got)
+    if below:
+        for n, r in enumerate(results):
+            if r is None:
+                try:
+                    results[n] = view_one(keys[n])
+                except KeyNotFound:
+                    pass
+                except CortexCacheError as e:
+                    results[n] = e
     return results
 
 
 def release_many(core: Core, views: Any) -> None:
     """Pool.release_many: unpin every EntryView among `views` in one lock hold."""
-    pinned = []
-    for v in views:
-        if v.__class__ is EntryView or isinstance(v, EntryView):
-            p = v.drop_memoryview()
-            if p is not None:
-                pinned.append(p)
+    pinned = EntryView.drop_all(views)
     if pinned and not core.closed:
         core.release_pins(pinned)
 

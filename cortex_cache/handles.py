@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from .core import Core, Pinned
+from .core import PIN, Core, Pinned
 from .errors import UsageError
 from .tiers import Tiers
 
@@ -39,6 +39,52 @@ class EntryView:
         self._arr: np.ndarray | None = arr
         self._finaliser = weakref.finalize(arr, _unpin_late, core, pinned)
         self.memoryview = memoryview(arr)
+
+    @classmethod
+    def of_pins(cls, core: Core, views: set, got: list) -> list:
+        """`got` (batch.pin_many's answer) with an EntryView, added to `views`, for every pinned key."""
+        out = []
+        made = []
+        pin_type = PIN
+        for r in got:
+            if r.__class__ is pin_type:  # the fast path's Pin, built here without __init__'s checks
+                ev = cls.__new__(cls)
+                ev._core = core
+                ev._views = views
+                ev._pinned = r
+                ev.offset = r.offset
+                ev.checksum = r.checksum
+                ev._arr = ev._finaliser = None
+                ev.memoryview = r.view()
+            elif r.__class__ is tuple:  # (Pinned, checksum): the Python path
+                ev = cls(core, views, r[0], r[1])
+            else:  # None (absent) or the key's error
+                out.append(r)
+                continue
+            out.append(ev)
+            made.append(ev)
+        views.update(made)
+        return out
+
+    @staticmethod
+    def drop_all(views: Any) -> list:
+        """`drop_memoryview` of every EntryView among `views` (others skipped): the pins to release now."""
+        pinned = []
+        view_type = EntryView
+        for v in views:
+            if v.__class__ is view_type or isinstance(v, view_type):
+                if v._finaliser is None and v.memoryview is not None:  # a Pin: dropped inline
+                    mv, v.memoryview = v.memoryview, None
+                    mv.release()
+                    v._views.discard(v)
+                    p = v._pinned
+                    if p.drop():
+                        pinned.append(p)
+                    continue
+                p = v.drop_memoryview()
+                if p is not None:
+                    pinned.append(p)
+        return pinned
 
     def verify(self) -> bool:
         """Do the bytes still match the checksum taken when they were put?  (One hash pass.)"""
