@@ -45,13 +45,13 @@ import os
 import queue
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 import xxhash
 
 from ..errors import UsageError
+from .copiers import Copiers
 from .pools import POOL_PARAMS, open_or_create
 
 HEADER = struct.Struct("<4sHH16sQ")
@@ -93,7 +93,7 @@ class CortexConnector:
         self._next = 1
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._copiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"cortex-lmcache-{pool}")
+        self._copiers = Copiers(workers, f"cortex-lmcache-{pool}")
         self._worker = threading.Thread(target=self._run, name=f"cortex-lmcache-{pool}", daemon=True)
         self._worker.start()
 
@@ -129,7 +129,7 @@ class CortexConnector:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
-        self._copiers.shutdown()
+        self._copiers.close()
         self.pool.close()
         os.close(self._efd)
         self._efd = -1
@@ -170,9 +170,8 @@ class CortexConnector:
 
     def _map(self, fn: Any, keys: list[str], mvs: Sequence[Any]) -> list:
         """fn over the batch: on the copy threads when it moves enough bytes to pay for them."""
-        total = sum(memoryview(mv).nbytes for mv in mvs)
-        if len(keys) > 1 and total >= _PARALLEL_BYTES:
-            return list(self._copiers.map(fn, keys, mvs))
+        if sum(memoryview(mv).nbytes for mv in mvs) >= _PARALLEL_BYTES:
+            return self._copiers.map(fn, keys, mvs)
         return [fn(k, mv) for k, mv in zip(keys, mvs)]
 
     def _set(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:

@@ -81,7 +81,6 @@ import os
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -91,6 +90,7 @@ import xxhash
 from .. import segment
 from ..errors import UsageError
 from ..pool import Pool
+from .copiers import Copiers
 from .pools import POOL_PARAMS, open_or_create
 
 logger = logging.getLogger(__name__)
@@ -234,8 +234,7 @@ class CortexHiCache:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise UsageError(f'hicache-storage-backend-extra-config "workers" must be a positive integer, '
                              f'not {workers!r}')
-        self._copiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"cortex-hicache-{name}") \
-            if workers > 1 else None
+        self._copiers = Copiers(workers, f"cortex-hicache-{name}") if workers > 1 else None
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.storage_config = storage_config
         self.model = str(getattr(storage_config, "model_name", None) or "default")
@@ -487,7 +486,7 @@ class CortexHiCache:
     def _map(self, fn: Any, keys: list, pages: list, layout: _Layout) -> list:
         """fn over the pages of a batch: on the copy threads when it moves enough bytes to pay for them."""
         if self._parallel(len(keys), layout):
-            return list(self._copiers.map(fn, keys, pages))  # type: ignore[union-attr]
+            return self._copiers.map(fn, keys, pages)  # type: ignore[union-attr]
         return [fn(k, run) for k, run in zip(keys, pages)]
 
     def _load(self, layout: _Layout, pkey: str, ev: Any, run: list[tuple[int, int]]) -> bool:
@@ -623,7 +622,7 @@ class CortexHiCache:
 
     def close(self) -> None:
         if self._copiers is not None:
-            self._copiers.shutdown()
+            self._copiers.close()
         self._attachment.close()
 
 
