@@ -72,6 +72,7 @@ except ImportError:  # pragma: no cover - built by `pip install` wherever a C co
     _fastpath = None  # type: ignore[assignment]
 PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
 SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
+POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
 PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
 # Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
 # look); count nothing, move nothing (peek).
@@ -246,6 +247,20 @@ class Core:
         addr = a.ctypes.data
         del a
         return addr, self.geometry.data_size
+
+    def populate(self, stop: Any = None) -> bool:
+        """Map the whole segment into this process's page tables, POPULATE_CHUNK at a time (the GIL let go
+        between chunks, and within them where the fast path is built); False where the kernel cannot.
+        `stop`: a threading.Event that ends it early (Pool.close of a background populate)."""
+        size = self.seg.size
+        for off in range(0, size, POPULATE_CHUNK):
+            if stop is not None and stop.is_set():
+                break
+            n = min(POPULATE_CHUNK, size - off)
+            fast = self.fast
+            if not (fast.populate(off, n) if fast is not None else self.seg.populate(off, n)):
+                return False
+        return True
 
     def value_array(self, offset: int, nbytes: int) -> np.ndarray:
         """A writable numpy array over `nbytes` of the segment at `offset` (a pinned or reserved value)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -292,6 +293,35 @@ class Pool:
             pool.close()
             raise
         return pool
+
+    def populate(self, *, background: bool = False) -> bool:
+        """Map the whole pool into this process now, so that no first access to a block pays a page fault.
+
+        A process that attaches to a pool maps its memory lazily: the first
+        touch of each page costs a fault, which makes a fresh process's first
+        pass over the pool two to three times slower than later ones.  This
+        does that work up front (madvise MADV_POPULATE_WRITE, contents
+        untouched; about 0.1 s per GiB), on a thread of its own with
+        `background=True` (close() stops it).  Engine adapters call it once
+        when they attach.  True if done or started; False for a pool created
+        with reserve=False (populating would allocate its memory) or a kernel
+        before 5.14.
+        """
+        if not self.configuration()["reserve"]:
+            return False
+        if not background:
+            return self.core.populate()
+        stop = threading.Event()
+        worker = threading.Thread(target=self.core.populate, args=(stop,), daemon=True,
+                                  name=f"cortex-populate-{self.name}")
+
+        def halt() -> None:
+            stop.set()
+            worker.join()
+
+        self.add_close_hook(halt)
+        worker.start()
+        return True
 
     def configuration(self) -> dict[str, Any]:
         """Everything the pool was created with, as `create` takes it (the remote URL whole).

@@ -181,6 +181,16 @@ class Segment:
             view[:: mmap.PAGESIZE] = 0
             del view
 
+    def populate(self, off: int, length: int) -> bool:
+        """Map [off, off+length) into this process's page tables now, contents untouched (the pages exist: a
+        reserved segment); False where the kernel cannot (before 5.14), leaving first touches to fault.
+        Holds the GIL throughout: Core.populate prefers the fast path's, which lets it go."""
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE, off, length)
+        except OSError:
+            return False
+        return True
+
     def stat(self) -> os.stat_result:
         return os.fstat(self.fd)
 

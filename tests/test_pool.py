@@ -599,3 +599,56 @@ def test_batched_reads_across_processes_see_whole_values(pool):
             f.close()
     assert _pins(pool) == 0
     assert pool.verify()["ok"]
+
+
+POPULATE = """
+import sys
+from cortex_cache import Pool
+from cortex_cache.segment import shm_path
+
+
+def resident() -> int:  # KiB of the pool's mapping in this process's page tables
+    path, kib, inside = shm_path(sys.argv[1]), 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("Rss:"):
+            kib += int(line.split()[1])
+    return kib
+
+
+p = Pool.open(sys.argv[1])
+before = resident()
+if sys.argv[2] == "background":
+    assert p.populate(background=True)
+    p.close()  # stops and joins the populating thread
+    print(before, -1, flush=True)
+else:
+    ok = p.populate()
+    print(before, resident() if ok else -2, flush=True)
+    assert p.get("k") == b"v" * 5000 and p.verify()["ok"]
+    p.close()
+"""
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["fast", "pure"])
+def test_populate_maps_the_whole_pool_into_a_process_and_leaves_it_unchanged(make_pool, pure):
+    from tests.helpers import run_py
+
+    p = make_pool("64M", block_size="64K")
+    p.put("k", b"v" * 5000)
+    env = {PURE_PYTHON_ENV: "1"} if pure else None
+    before, after = map(int, run_py(POPULATE, p.name, "now", env=env).stdout.split())
+    size_kib = os.stat(shm_path(p.name)).st_size // 1024
+    assert before < size_kib // 4  # a fresh process maps pages as it touches them
+    assert after != -2, "MADV_POPULATE_WRITE unsupported (Linux < 5.14)"
+    assert after >= size_kib * 0.99
+    assert p.get("k") == b"v" * 5000
+    # In the background, stopped by close() at whatever point it reached.
+    run_py(POPULATE, p.name, "background", env=env)
+    assert p.verify()["ok"]
+
+
+def test_populate_refuses_a_pool_without_reserved_memory(make_pool):
+    p = make_pool("4M", reserve=False)
+    assert p.populate() is False

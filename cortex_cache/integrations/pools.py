@@ -12,14 +12,15 @@ POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "d
 
 
 def open_or_create(name: str, params: dict[str, Any]) -> Pool:
-    """Attach to pool `name` (multi-threaded handle); with `create` make it first if missing.
+    """Attach to pool `name` (multi-threaded handle, the pool mapped in whole); with `create` make it first
+    if missing.
 
     `size` is required with `create`; `block_size` (default 64K), `policy`
     (default lru), and a disk tier with `disk_path`/`disk_size`/`disk_write`.
     Raises what Pool.open/create raise (PoolNotFound without `create`).
     """
     if not params.get("create") or Pool.exists(name):
-        return Pool.open(name, multi_threaded=True)
+        return attach(name)
     if params.get("size") is None:
         raise UsageError('"create" needs "size" (e.g. "16G")')
     kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
@@ -29,7 +30,20 @@ def open_or_create(name: str, params: dict[str, Any]) -> Pool:
     try:
         return Pool.create(name, params["size"], multi_threaded=True, **kw)
     except PoolExists:  # another process of the engine made it first
-        return Pool.open(name, multi_threaded=True)
+        return attach(name)
+
+
+def attach(name: str) -> Pool:
+    """Pool.open, multi-threaded, the whole pool being mapped on a thread of its own (`Pool.populate`): an
+    engine process lives long, and its first pass over the pool should not pay a page fault per page.
+    (`create` maps it too.)"""
+    pool = Pool.open(name, multi_threaded=True)
+    try:
+        pool.populate(background=True)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
 
 
 __all__ = ["POOL_PARAMS", "open_or_create"]
