@@ -33,6 +33,20 @@
 #include <sys/mman.h>
 #include <time.h>
 
+/* xxh3_64 (third_party/xxhash, vendored), for copy_hash: the baseline build here, the AVX2 one in
+ * _copyhash_avx2.c; PyInit picks.  Both give the xxhash package's xxh3_64, bit for bit. */
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#define COPY_HASH_NAME cortex_copy_hash_base
+#include "_copyhash.h"
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+uint64_t cortex_copy_hash_avx2(const struct copy_piece *pieces, size_t n, const void *head, size_t head_len);
+#define HAVE_AVX2_BUILD 1
+#endif
+typedef uint64_t (*copy_hash_fn)(const struct copy_piece *, size_t, const void *, size_t);
+static copy_hash_fn copy_hash_impl = cortex_copy_hash_base;
+static const char *copy_hash_isa = "baseline";
+
 #define FREE 0
 #define SEALED 2
 #define ZOMBIE 3
@@ -1062,14 +1076,143 @@ static PyTypeObject FastType = {
     .tp_methods = Fast_methods,
 };
 
+/* ------------------------------------------------------------------ copy_hash */
+
+/* Values this small are copied with the GIL held: letting it go and taking it back costs more. */
+#define COPY_HASH_GIL_FREE (16 * 1024)
+
+static PyObject *copy_hash(PyObject *module, PyObject *args) {
+    Py_buffer dst, src, head = {0};
+    if (!PyArg_ParseTuple(args, "w*y*|y*:copy_hash", &dst, &src, &head)) return NULL;
+    PyObject *r = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_hash: dst holds %zd bytes, src %zd", dst.len, src.len);
+    } else {
+        uint64_t h;
+        struct copy_piece one = {dst.buf, src.buf, (size_t)src.len};
+        if (src.len >= COPY_HASH_GIL_FREE) {
+            Py_BEGIN_ALLOW_THREADS
+            h = copy_hash_impl(&one, 1, head.buf, (size_t)head.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            h = copy_hash_impl(&one, 1, head.buf, (size_t)head.len);
+        }
+        r = PyLong_FromUnsignedLongLong(h);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    if (head.obj != NULL) PyBuffer_Release(&head);
+    return r;
+}
+
+/* copy_hash_many(dsts, srcs, head=b'') -> int: copy srcs[i] into dsts[i] (each pair the same length), and
+ * the xxh3_64 of head followed by every copy in order -- a value gathered from (or scattered to) pieces
+ * elsewhere in memory, with one GIL release for all of them. */
+static PyObject *copy_hash_many(PyObject *module, PyObject *args) {
+    PyObject *dsts, *srcs;
+    Py_buffer head = {0};
+    if (!PyArg_ParseTuple(args, "OO|y*:copy_hash_many", &dsts, &srcs, &head)) return NULL;
+    PyObject *r = NULL, *dseq = NULL, *sseq = NULL;
+    Py_buffer *bufs = NULL; /* dst 0, src 0, dst 1, src 1, ... */
+    struct copy_piece *pieces = NULL;
+    Py_ssize_t n = 0, got = 0, total = 0;
+    dseq = PySequence_Fast(dsts, "copy_hash_many: dsts must be a sequence of buffers");
+    if (dseq == NULL) goto done;
+    sseq = PySequence_Fast(srcs, "copy_hash_many: srcs must be a sequence of buffers");
+    if (sseq == NULL) goto done;
+    n = PySequence_Fast_GET_SIZE(dseq);
+    if (PySequence_Fast_GET_SIZE(sseq) != n) {
+        PyErr_Format(PyExc_ValueError, "copy_hash_many: %zd dsts, %zd srcs", n, PySequence_Fast_GET_SIZE(sseq));
+        goto done;
+    }
+    bufs = PyMem_Calloc((size_t)(2 * n + 1), sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Every buffer taken and every length checked before a byte is copied: a bad pair changes nothing. */
+    for (; got < n; got++) {
+        Py_buffer *d = &bufs[2 * got], *s = &bufs[2 * got + 1];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dseq, got), d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (PyErr_ExceptionMatches(PyExc_BufferError)) { /* as copy_hash (and the Python loop) say it */
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "copy_hash_many: dst %zd is read-only", got);
+            }
+            goto done;
+        }
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(sseq, got), s, PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(d);
+            goto done;
+        }
+        if (d->len != s->len) {
+            PyErr_Format(PyExc_ValueError, "copy_hash_many: dst %zd holds %zd bytes, src %zd", got, d->len, s->len);
+            PyBuffer_Release(d);
+            PyBuffer_Release(s);
+            goto done;
+        }
+        total += s->len;
+    }
+    pieces = PyMem_Calloc((size_t)n + 1, sizeof(struct copy_piece));
+    if (pieces == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        pieces[i] = (struct copy_piece){bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i].len};
+    {
+        uint64_t h;
+        if (total >= COPY_HASH_GIL_FREE) {
+            Py_BEGIN_ALLOW_THREADS
+            h = copy_hash_impl(pieces, (size_t)n, head.buf, (size_t)head.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            h = copy_hash_impl(pieces, (size_t)n, head.buf, (size_t)head.len);
+        }
+        r = PyLong_FromUnsignedLongLong(h);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        PyBuffer_Release(&bufs[2 * i]);
+        PyBuffer_Release(&bufs[2 * i + 1]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(pieces);
+    Py_XDECREF(dseq);
+    Py_XDECREF(sseq);
+    if (head.obj != NULL) PyBuffer_Release(&head);
+    return r;
+}
+
+static PyMethodDef module_methods[] = {
+    {"copy_hash", copy_hash, METH_VARARGS,
+     "copy_hash(dst, src, head=b'') -> int: copy src into dst (same length), and the xxh3_64 of head followed "
+     "by the bytes copied, each step hashed while in the CPU cache"},
+    {"copy_hash_many", copy_hash_many, METH_VARARGS,
+     "copy_hash_many(dsts, srcs, head=b'') -> int: copy each src into its dst, and the xxh3_64 of head "
+     "followed by all the copies in order"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "The hot read paths of a pool, in C (core.py uses them).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_fastpath", "The hot read paths of a pool, in C (core.py uses them).", -1,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&FastType) < 0 || PyType_Ready(&PinType) < 0) return NULL;
     PyObject *m = PyModule_Create(&fastpath_module);
     if (m == NULL) return NULL;
+#ifdef HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        copy_hash_impl = cortex_copy_hash_avx2;
+        copy_hash_isa = "avx2";
+    }
+#endif
+    if (PyModule_AddStringConstant(m, "COPY_HASH_ISA", copy_hash_isa) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     SLOW = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
     if (SLOW == NULL || PyModule_AddObjectRef(m, "SLOW", SLOW) < 0 ||
         PyModule_AddObjectRef(m, "Fast", (PyObject *)&FastType) < 0 ||

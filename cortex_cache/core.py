@@ -74,6 +74,10 @@ PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
 SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
 POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
 PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
+# Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
+C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
+C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
+C_COPY_HASH_ISA = _fastpath.COPY_HASH_ISA if _fastpath is not None else None
 # Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
 # look); count nothing, move nothing (peek).
 READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
@@ -987,4 +991,5 @@ class Core:
 
 
 __all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "SLOW", "READ_COUNTED", "READ_HITS",
-           "READ_QUIET", "PURE_PYTHON_ENV"]
+           "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA",
+           "C_COPY_HASH_MANY"]

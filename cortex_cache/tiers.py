@@ -15,17 +15,15 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-import xxhash
 from xxhash import xxh3_64_intdigest
 
+from .copyhash import copy_hash
 from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import CORRUPT, DiskLog, Found
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
 from .errors import BufferTooSmall, CortexCacheError, PoolFull, UsageError, ValueTooLarge
 from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
 
-# Large values are copied and checksummed in chunks that stay in cache.
-HASH_CHUNK = 256 * 1024
 # How long a reader waits for a key whose spill to disk another process is writing (normally
 # microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
 SPILL_WAIT = 2.0
@@ -39,14 +37,8 @@ Written = tuple
 
 
 def copy_hashing(mv: memoryview, off: int, vb: memoryview) -> int:
-    """Copy `vb` into the segment at `off` in cache-sized chunks, hashing as it goes; its xxh3_64."""
-    hasher = xxhash.xxh3_64()
-    n = vb.nbytes
-    for c in range(0, n, HASH_CHUNK):
-        chunk = vb[c : c + HASH_CHUNK]
-        mv[off + c : off + c + len(chunk)] = chunk
-        hasher.update(chunk)
-    return hasher.intdigest()
+    """Copy `vb` into the segment at `off`, hashing what landed as it goes (copyhash.py); its xxh3_64."""
+    return copy_hash(mv[off : off + vb.nbytes], vb)
 
 
 class Tiers:
@@ -493,4 +485,4 @@ class Tiers:
         }
 
 
-__all__ = ["Tiers", "COPY_IN_LOCK", "HASH_CHUNK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
+__all__ = ["Tiers", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]

@@ -237,3 +237,106 @@ def test_fast_and_pure_processes_share_a_pool(make_pool, pool_name):
     assert child.exitcode == 0
     assert p.verify()["problems"] == []
     assert p.stats()["pinned_entries"] == 0  # every view of both processes was released
+
+
+# ---------------------------------------------------------------- copy_hash (copyhash.py)
+
+COPY_HASH_SIZES = [0, 1, 63, 16 * 1024 - 1, 16 * 1024, 64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1,
+                   256 * 1024 + 3, (4 << 20) + 7]
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_copy_hash_copies_and_gives_the_xxhash_packages_checksum(impl):
+    import xxhash
+
+    from cortex_cache import copyhash
+    from cortex_cache.core import C_COPY_HASH
+
+    fn = C_COPY_HASH if impl == "c" else copyhash.copy_hash_py
+    rng = np.random.default_rng(7)
+    for n in COPY_HASH_SIZES:
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        for head in (b"", b"h" * 40):
+            dst = np.zeros(n, np.uint8)
+            assert fn(dst, src, head) == xxhash.xxh3_64_intdigest(head + src.tobytes()), (n, head)
+            assert np.array_equal(dst, src)
+    # Sources of any contiguous format count in bytes, as the checksum of a put does.
+    src32 = np.arange(1000, dtype=np.uint32)
+    dst = bytearray(4000)
+    assert fn(dst, src32) == xxhash.xxh3_64_intdigest(src32.tobytes()) and bytes(dst) == src32.tobytes()
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_copy_hash_refuses_buffers_of_different_lengths_and_writes_nothing(impl):
+    from cortex_cache import copyhash
+    from cortex_cache.core import C_COPY_HASH
+
+    fn = C_COPY_HASH if impl == "c" else copyhash.copy_hash_py
+    dst = bytearray(b"x" * 100)
+    with pytest.raises(ValueError, match="dst holds 100 bytes, src 99"):
+        fn(dst, b"y" * 99)
+    assert dst == b"x" * 100
+    with pytest.raises(TypeError):
+        fn(b"read-only", b"012345678")
+
+
+def test_copy_hash_runs_the_widest_build_the_cpu_has():
+    from cortex_cache import copyhash
+    from cortex_cache.core import C_COPY_HASH, C_COPY_HASH_ISA
+
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    avx2 = " avx2" in flags and os.uname().machine == "x86_64"
+    assert C_COPY_HASH_ISA == ("avx2" if avx2 else "baseline")
+    assert copyhash.copy_hash is C_COPY_HASH and copyhash.ISA == C_COPY_HASH_ISA
+
+
+def test_the_pure_python_path_copies_and_hashes_in_python_too():
+    import subprocess
+    import sys
+
+    code = "from cortex_cache import copyhash; print(copyhash.ISA, copyhash.copy_hash is copyhash.copy_hash_py)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, PURE_PYTHON_ENV: "1"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["python", "True"]
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_copy_hash_many_gathers_pieces_under_one_checksum(impl):
+    import xxhash
+
+    from cortex_cache import copyhash
+    from cortex_cache.core import C_COPY_HASH_MANY
+
+    fn = C_COPY_HASH_MANY if impl == "c" else copyhash.copy_hash_many_py
+    rng = np.random.default_rng(11)
+    sizes = [0, 5, 16 * 1024, 64 * 1024 + 9, 300 * 1024]
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    whole = bytearray(sum(sizes))
+    dsts, off = [], 0
+    mv = memoryview(whole)
+    for n in sizes:  # the pieces land side by side, as a page's pieces in a pool entry
+        dsts.append(mv[off : off + n])
+        off += n
+    assert fn(dsts, srcs, b"head") == xxhash.xxh3_64_intdigest(b"head" + b"".join(s.tobytes() for s in srcs))
+    assert bytes(whole) == b"".join(s.tobytes() for s in srcs)
+    assert fn([], [], b"h") == xxhash.xxh3_64_intdigest(b"h")
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_copy_hash_many_checks_every_pair_before_copying_any(impl):
+    from cortex_cache import copyhash
+    from cortex_cache.core import C_COPY_HASH_MANY
+
+    fn = C_COPY_HASH_MANY if impl == "c" else copyhash.copy_hash_many_py
+    first, second = bytearray(b"a" * 10), bytearray(b"b" * 10)
+    with pytest.raises(ValueError, match="dst 1 holds 10 bytes, src 9"):
+        fn([first, second], [b"x" * 10, b"y" * 9])
+    assert first == b"a" * 10 and second == b"b" * 10  # the good first pair was not copied either
+    with pytest.raises(ValueError, match="2 dsts, 1 srcs"):
+        fn([first, second], [b"x" * 10])
+    with pytest.raises(TypeError):
+        fn([first, b"read-only!"], [b"x" * 10, b"y" * 10])
+    assert first == b"a" * 10

@@ -48,8 +48,8 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
-import xxhash
 
+from ..copyhash import copy_hash
 from ..errors import UsageError
 from .copiers import Copiers
 from .pools import POOL_PARAMS, open_or_create
@@ -59,7 +59,6 @@ HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 MAGIC = b"CXLM"
 VERSION = 1
-_CHUNK = 256 * 1024  # copied, then hashed while in the CPU cache (L2)
 _PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
 
 Completion = tuple[int, bool, str, "list[bool] | None"]
@@ -201,14 +200,8 @@ class CortexConnector:
             return None
         head = _header(key, src.nbytes)
         w.memoryview[:HEADER_SIZE] = head  # type: ignore[index]
-        h = xxhash.xxh3_64(head)
-        dst = np.frombuffer(w.memoryview, np.uint8, src.nbytes, HEADER_SIZE)
-        # Copy and checksum a chunk at a time, hashing each while it is in the CPU cache:
-        # one pass over the memory instead of two (copies and hashes release the GIL).
-        for c in range(0, src.nbytes, _CHUNK):
-            np.copyto(dst[c : c + _CHUNK], src[c : c + _CHUNK])
-            h.update(dst[c : c + _CHUNK])
-        return h.intdigest()
+        # One pass over the memory: each step hashed while in the CPU cache, the GIL let go (copyhash.py).
+        return copy_hash(w.memoryview[HEADER_SIZE:], src, head)
 
     def _check(self, key: str, view: memoryview, want: int | None) -> bool:
         """Is `view` a value this adapter stored under `key` (of `want` payload bytes)?"""
@@ -240,18 +233,12 @@ class CortexConnector:
         src = ev.memoryview
         if not self._check(key, src, dst.nbytes):
             return "foreign"
-        payload = np.frombuffer(src, np.uint8, dst.nbytes, HEADER_SIZE)
         if not self.verify:
-            np.copyto(dst, payload)  # straight into LMCache's buffer, GIL released
+            np.copyto(dst, np.frombuffer(src, np.uint8, dst.nbytes, HEADER_SIZE))  # GIL released
             return "hits"
-        # Check what LMCache got a chunk at a time, each while it is still in the CPU cache:
-        # one pass over the pool's memory instead of two.
-        h = xxhash.xxh3_64(src[:HEADER_SIZE])
-        for c in range(0, dst.nbytes, _CHUNK):
-            np.copyto(dst[c : c + _CHUNK], payload[c : c + _CHUNK])
-            h.update(dst[c : c + _CHUNK])
-        del payload
-        if h.intdigest() != ev.checksum:
+        # Check what LMCache got, each step while it is still in the CPU cache: one pass over the
+        # pool's memory instead of two, the GIL let go (copyhash.py).
+        if copy_hash(dst, src[HEADER_SIZE:], src[:HEADER_SIZE]) != ev.checksum:
             dst[:] = 0  # nothing of a damaged value is left in LMCache's buffer
             return "corrupt"
         return "hits"

@@ -85,9 +85,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
-import xxhash
 
 from .. import segment
+from ..copyhash import copy_hash_many
 from ..errors import UsageError
 from ..pool import Pool
 from .copiers import Copiers
@@ -425,15 +425,16 @@ class CortexHiCache:
         if isinstance(w, Exception):
             return None
         mv = w.memoryview
-        mv[:HEADER_SIZE] = self._header(layout, pkey)
-        h = xxhash.xxh3_64(mv[:HEADER_SIZE])
-        off = HEADER_SIZE
+        head = self._header(layout, pkey)
+        mv[:HEADER_SIZE] = head
+        dsts, srcs, off = [], [], HEADER_SIZE
         for ptr, nbytes in run:
-            dst = np.frombuffer(mv, np.uint8, nbytes, off)
-            np.copyto(dst, _host_bytes(ptr, nbytes))  # GIL released
-            h.update(dst)  # the pool's checksum, taken while the piece is still in the CPU cache
+            dsts.append(mv[off : off + nbytes])
+            srcs.append(_host_bytes(ptr, nbytes))
             off += nbytes
-        return h.intdigest()
+        # The pieces gathered and the pool's checksum taken in one pass, each step hashed while in the
+        # CPU cache, the GIL let go (copyhash.py).
+        return copy_hash_many(dsts, srcs, head)
 
     def batch_get_v1(self, keys: list, host_indices: Any, extra_info: Any = None) -> list:
         """Load each page into its host slots; True for the leading run of hits only (all SGLang uses).
@@ -498,15 +499,16 @@ class CortexHiCache:
         if not self._ours(src, layout, pkey):
             self._count("foreign")
             return False
-        h = xxhash.xxh3_64(src[:HEADER_SIZE]) if self.verify else None
-        off = HEADER_SIZE
+        dsts, srcs, off = [], [], HEADER_SIZE
         for ptr, nbytes in run:
-            dst = _host_bytes(ptr, nbytes)
-            np.copyto(dst, np.frombuffer(src, np.uint8, nbytes, off))
-            if h is not None:
-                h.update(dst)  # what SGLang got, checked while still in the CPU cache
+            dsts.append(_host_bytes(ptr, nbytes))
+            srcs.append(src[off : off + nbytes])
             off += nbytes
-        if h is not None and h.intdigest() != ev.checksum:
+        if not self.verify:
+            for dst, piece in zip(dsts, srcs):
+                np.copyto(dst, np.frombuffer(piece, np.uint8))  # GIL released
+        # What SGLang got, checked in the same pass while still in the CPU cache (copyhash.py).
+        elif copy_hash_many(dsts, srcs, src[:HEADER_SIZE]) != ev.checksum:
             for ptr, nbytes in run:
                 _host_bytes(ptr, nbytes)[:] = 0  # nothing of a damaged page is left to SGLang
             self._fault("corrupt", 1, f"page {pkey!r} failed its checksum (damaged in place)")

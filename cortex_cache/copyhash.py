@@ -1,0 +1,62 @@
+"""Copy a value and take its xxh3_64 in one pass over memory.
+
+Each cache-sized step is hashed where it landed while it is still in the CPU
+cache, so a checksummed copy reads the source once.  The C build
+(`_fastpath.copy_hash`: xxHash vendored under third_party/, AVX2 where the CPU
+has it) copies and hashes a whole value with the GIL let go, so copy threads
+run side by side; the Python loop here is the fallback (no C compiler at
+install, or CORTEX_CACHE_PURE_PYTHON set) and gives the same checksum.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import xxhash
+
+from .core import C_COPY_HASH, C_COPY_HASH_ISA, C_COPY_HASH_MANY, PURE_PYTHON_ENV
+
+HASH_CHUNK = 256 * 1024  # the Python loop's step: a copy and a hash call per step
+
+
+def copy_hash_py(dst: Any, src: Any, head: bytes = b"") -> int:
+    """Copy buffer `src` into buffer `dst` (the same length) and return xxh3_64 of `head` + the copy."""
+    d = memoryview(dst).cast("B")
+    s = memoryview(src).cast("B")
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"copy_hash: dst holds {d.nbytes} bytes, src {s.nbytes}")
+    h = xxhash.xxh3_64(head)
+    for c in range(0, s.nbytes, HASH_CHUNK):
+        d[c : c + HASH_CHUNK] = s[c : c + HASH_CHUNK]
+        h.update(d[c : c + HASH_CHUNK])
+    return h.intdigest()
+
+
+def copy_hash_many_py(dsts: Sequence[Any], srcs: Sequence[Any], head: bytes = b"") -> int:
+    """Copy each of `srcs` into its buffer of `dsts` (pairs of the same length) and return xxh3_64 of
+    `head` followed by every copy, in order: a value gathered from (or scattered to) pieces."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_hash_many: {len(dsts)} dsts, {len(srcs)} srcs")
+    pairs = [(memoryview(d).cast("B"), memoryview(s).cast("B")) for d, s in zip(dsts, srcs)]
+    for i, (d, s) in enumerate(pairs):  # every pair checked before a byte is copied
+        if d.readonly:
+            raise TypeError(f"copy_hash_many: dst {i} is read-only")
+        if d.nbytes != s.nbytes:
+            raise ValueError(f"copy_hash_many: dst {i} holds {d.nbytes} bytes, src {s.nbytes}")
+    h = xxhash.xxh3_64(head)
+    for d, s in pairs:
+        for c in range(0, s.nbytes, HASH_CHUNK):
+            d[c : c + HASH_CHUNK] = s[c : c + HASH_CHUNK]
+            h.update(d[c : c + HASH_CHUNK])
+    return h.intdigest()
+
+
+_PURE = C_COPY_HASH is None or os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
+# copy_hash(dst, src, head=b"") -> int, as copy_hash_py; chosen once, at import.
+copy_hash: Any = copy_hash_py if _PURE else C_COPY_HASH
+# copy_hash_many(dsts, srcs, head=b"") -> int, as copy_hash_many_py.
+copy_hash_many: Any = copy_hash_many_py if _PURE else C_COPY_HASH_MANY
+ISA: str = "python" if _PURE else str(C_COPY_HASH_ISA)  # what runs it: "avx2", "baseline" or "python"
+
+__all__ = ["HASH_CHUNK", "ISA", "copy_hash", "copy_hash_many", "copy_hash_many_py", "copy_hash_py"]
