@@ -212,6 +212,11 @@ def scenario_get(a: dict) -> dict:
     exact = [bool(torch.equal(page(host, idx[i * PAGE]), page(expected, want_idx[i * PAGE]))) for i in range(len(keys))]
     out = {"exists": exists, "exists_gap": exists_gap, "loaded": loaded, "exact": exact, "stats": counters(backend),
            "single": backend.exists(keys[0]) if keys else None}
+    if not a["v1"] and len(keys) >= 2:
+        # The flat interface answers for every key of a batch: a miss in the middle, the hit after it loaded.
+        gap = backend.batch_get([keys[0], missing[0], keys[1]], [host.get_dummy_flat_data_page() for _ in range(3)])
+        out["flat_gap"] = [t is not None for t in gap]
+        out["flat_gap_exact"] = gap[2] is not None and bool(torch.equal(gap[2], page(expected, want_idx[PAGE])))
     backend.close()
     return out
 

@@ -463,9 +463,10 @@ class CortexHiCache:
         return out
 
     def _load_pages(self, pool: Pool, layout: _Layout, page_hashes: list,
-                    pages: list[list[tuple[int, int]]]) -> list[bool]:
+                    pages: list[list[tuple[int, int]]], upto_first_miss: bool = True) -> list[bool]:
         """Load pages into their host slots: pinned in one lock hold, copied, released in one.  Copy threads
-        load the whole batch at once; one thread stops at the first page it cannot load."""
+        load the whole batch at once; one thread stops at the first page it cannot load, unless
+        `upto_first_miss` is False (an answer for every page)."""
         pkeys = [self._key(h) for h in page_hashes]
         views = pool.view_many(pkeys)
         try:
@@ -475,9 +476,9 @@ class CortexHiCache:
             got = []
             for pkey, ev, run in zip(pkeys, views, pages):
                 got.append(self._load(layout, pkey, ev, run))
-                if not got[-1]:
+                if not got[-1] and upto_first_miss:
                     break
-            return got
+            return got + [False] * (len(pkeys) - len(got))
         finally:
             pool.release_many(views)
 
@@ -553,46 +554,66 @@ class CortexHiCache:
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """Load page `key` into `target_location` (a flat page tensor, else a new one); it, or None."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list, target_locations: Any = None, target_sizes: Any = None) -> list:
+        """Load each page into its target (a flat page tensor, else a new one): per key it, or None.
+
+        The whole batch is pinned in one lock hold, copied (on the copy threads when large) and
+        released in one."""
+        keys = list(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        out: list = [None] * len(keys)
         try:
             with self._attachment.use() as pool:
                 layout = self._flat
                 if pool is None or layout is None:
-                    self._unavailable(1, layout)
-                    return None
-                dst = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-                buf = _tensor_bytes(dst)
-                if buf is None or buf.nbytes != layout.page_bytes:
-                    self._fault("errors", 1, "get() was given a buffer that is not one flat host page")
-                    return None
-                ptr = buf.ctypes.data
-                return dst if self._load_pages(pool, layout, [key], [[(ptr, buf.nbytes)]])[0] else None
+                    self._unavailable(len(keys), layout)
+                    return out
+                todo, pages, dsts = [], [], []
+                for n, t in enumerate(targets[: len(keys)]):
+                    dst = t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                    buf = _tensor_bytes(dst)
+                    if buf is None or buf.nbytes != layout.page_bytes:
+                        self._fault("errors", 1, "get() was given a buffer that is not one flat host page")
+                        continue
+                    todo.append(n)
+                    pages.append([(buf.ctypes.data, buf.nbytes)])
+                    dsts.append(dst)
+                got = self._load_pages(pool, layout, [keys[n] for n in todo], pages, upto_first_miss=False)
+                for n, dst, ok in zip(todo, dsts, got):
+                    out[n] = dst if ok else None
         except Exception as e:
-            self._fault("errors", 1, f"get: {type(e).__name__}: {e}")
-            return None
-
-    def batch_get(self, keys: list, target_locations: Any = None, target_sizes: Any = None) -> list:
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+            self._fault("errors", 1, f"batch_get: {type(e).__name__}: {e}")
+        return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Store the flat page tensor `value` (a host pool's `get_data_page(i, flat=True)`) under `key`."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list, values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """Store each flat page tensor under its key, reserved in one lock hold and sealed in one; True
+        if every page was stored."""
+        keys, values = list(keys), list(values or [])
         try:
             with self._attachment.use() as pool:
                 layout = self._flat
                 if pool is None or layout is None:
-                    self._unavailable(1, layout)
+                    self._unavailable(len(keys), layout)
                     return False
-                buf = _tensor_bytes(value)
-                if buf is None or buf.nbytes != layout.page_bytes:
-                    self._fault("store_failed", 1, "set() was given a value that is not one flat host page")
-                    return False
-                return self._store_pages(pool, layout, [key], [[(buf.ctypes.data, buf.nbytes)]])[0]
+                todo, pages = [], []
+                for key, value in zip(keys, values):
+                    buf = _tensor_bytes(value)
+                    if buf is None or buf.nbytes != layout.page_bytes:
+                        self._fault("store_failed", 1, "set() was given a value that is not one flat host page")
+                        continue
+                    todo.append(key)
+                    pages.append([(buf.ctypes.data, buf.nbytes)])
+                stored = self._store_pages(pool, layout, todo, pages) if todo else []
+                return len(keys) == len(values) == len(todo) and all(stored)
         except Exception as e:
-            self._fault("errors", 1, f"set: {type(e).__name__}: {e}")
+            self._fault("errors", 1, f"batch_set: {type(e).__name__}: {e}")
             return False
-
-    def batch_set(self, keys: list, values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or []))
 
     # ------------------------------------------------------------------ housekeeping
 
