@@ -11,7 +11,8 @@ benchmark's full output.
 
   peers     cortex beside Redis (Unix socket and TCP), a naive shared-memory
             store, LMCache's CPU backend (if installed) and numpy copies
-  pool      put/get/get_into against numpy copies of the same footprint
+  pool      put/get/get_into against numpy copies of the same footprint; batched
+            calls against one call per key; copy-and-checksum, C against Python
   capacity  entries that fit in a 64 MiB pool against size / value
   scaling   get_into throughput of two reader processes against one
   eviction  put latency and throughput in a full pool against an empty one
@@ -138,6 +139,9 @@ def rows_pool(d: dict) -> list:
                      f"{b['get_many_into_us_per_key']:.2f} / {b['put_many_us_per_key']:.2f}",
                      f"one by one {b['get_into_us_per_key']:.2f} / {b['put_us_per_key']:.2f}",
                      b["get_many_vs_get_into"], None))
+    for c in d.get("copy_hash", []):
+        rows.append((f"{c['size'] // 1024} KiB x 32 copied + checksummed, {c['threads']} thread(s), GB/s",
+                     f"{c['c_gbps']:.1f} (C, {c['isa']})", f"Python loop {c['python_gbps']:.1f}", c["c_vs_python"], None))
     return rows
 
 

@@ -13,23 +13,34 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+import numpy as np
 import xxhash
 
 from .core import C_COPY_HASH, C_COPY_HASH_ISA, C_COPY_HASH_MANY, PURE_PYTHON_ENV
 
-HASH_CHUNK = 256 * 1024  # the Python loop's step: a copy and a hash call per step
+HASH_CHUNK = 256 * 1024  # the Python loop's step: a copy and a hash call per step, each without the GIL
+
+
+def _bytes(buf: Any) -> np.ndarray:
+    return np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+
+
+def _copy_hashing(h: Any, d: np.ndarray, s: np.ndarray) -> None:
+    # numpy's copy and xxhash's update each let the GIL go, a step at a time.
+    for c in range(0, s.nbytes, HASH_CHUNK):
+        np.copyto(d[c : c + HASH_CHUNK], s[c : c + HASH_CHUNK])
+        h.update(d[c : c + HASH_CHUNK])
 
 
 def copy_hash_py(dst: Any, src: Any, head: bytes = b"") -> int:
     """Copy buffer `src` into buffer `dst` (the same length) and return xxh3_64 of `head` + the copy."""
-    d = memoryview(dst).cast("B")
-    s = memoryview(src).cast("B")
+    d, s = _bytes(dst), _bytes(src)
+    if not d.flags.writeable:
+        raise TypeError("copy_hash: dst is read-only")
     if d.nbytes != s.nbytes:
         raise ValueError(f"copy_hash: dst holds {d.nbytes} bytes, src {s.nbytes}")
     h = xxhash.xxh3_64(head)
-    for c in range(0, s.nbytes, HASH_CHUNK):
-        d[c : c + HASH_CHUNK] = s[c : c + HASH_CHUNK]
-        h.update(d[c : c + HASH_CHUNK])
+    _copy_hashing(h, d, s)
     return h.intdigest()
 
 
@@ -38,17 +49,15 @@ def copy_hash_many_py(dsts: Sequence[Any], srcs: Sequence[Any], head: bytes = b"
     `head` followed by every copy, in order: a value gathered from (or scattered to) pieces."""
     if len(dsts) != len(srcs):
         raise ValueError(f"copy_hash_many: {len(dsts)} dsts, {len(srcs)} srcs")
-    pairs = [(memoryview(d).cast("B"), memoryview(s).cast("B")) for d, s in zip(dsts, srcs)]
+    pairs = [(_bytes(d), _bytes(s)) for d, s in zip(dsts, srcs)]
     for i, (d, s) in enumerate(pairs):  # every pair checked before a byte is copied
-        if d.readonly:
+        if not d.flags.writeable:
             raise TypeError(f"copy_hash_many: dst {i} is read-only")
         if d.nbytes != s.nbytes:
             raise ValueError(f"copy_hash_many: dst {i} holds {d.nbytes} bytes, src {s.nbytes}")
     h = xxhash.xxh3_64(head)
     for d, s in pairs:
-        for c in range(0, s.nbytes, HASH_CHUNK):
-            d[c : c + HASH_CHUNK] = s[c : c + HASH_CHUNK]
-            h.update(d[c : c + HASH_CHUNK])
+        _copy_hashing(h, d, s)
     return h.intdigest()
 
 
