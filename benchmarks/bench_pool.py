@@ -161,7 +161,7 @@ def main() -> int:
     try:
         rows = [bench_size(pool, s, rounds, budget) for s in SIZES]
         batches = [bench_batch(pool, s, rounds) for s in (4 << 10, 64 << 10)]
-        copy_hash = [bench_copy_hash(s, rounds, t) for s in (256 << 10, 1 << 20) for t in (1, 2)]
+        copy_rows = [bench_copy_hash(s, rounds, t) for s in (256 << 10, 1 << 20) for t in (1, 2)]
     finally:
         pool.close()
         Pool.unlink(name)
@@ -177,9 +177,9 @@ def main() -> int:
         print(f"{b['size'] >> 10:>6}Ki view {b['view_us_per_key']:.2f}/{b['view_many_us_per_key']:.2f} "
               f"get_into {b['get_into_us_per_key']:.2f}/{b['get_many_into_us_per_key']:.2f} "
               f"put {b['put_us_per_key']:.2f}/{b['put_many_us_per_key']:.2f}")
-    print(f"\ncopy and checksum a batch of {COPY_BATCH} values, GB/s (C copy_hash, {copy_hash[0]['isa']} / "
+    print(f"\ncopy and checksum a batch of {COPY_BATCH} values, GB/s (C copy_hash, {copy_rows[0]['isa']} / "
           "the Python loop):")
-    for c in copy_hash:
+    for c in copy_rows:
         print(f"{c['size'] >> 10:>6}Ki, {c['threads']} thread(s): {c['c_gbps']:.1f} / {c['python_gbps']:.1f} "
               f"({c['c_vs_python']:.2f}x)")
     small = rows[0]
@@ -200,7 +200,7 @@ def main() -> int:
     for t, ok in targets.items():
         print(f"target {t}: {'met' if ok else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "batches": batches, "copy_hash": copy_hash,
+        Path(args.json).write_text(json.dumps({"rows": rows, "batches": batches, "copy_hash": copy_rows,
                                                "targets": targets, "goals": goals}, indent=2))
     return 0
 

@@ -1183,6 +1183,30 @@ done:
     return r;
 }
 
+/* use_copy_hash_isa(name) -> str: run copy_hash on "baseline" or "avx2" (if built and the CPU has it) from
+ * now on; the previous name.  For tests, so that a machine with AVX2 checks the baseline build too. */
+static PyObject *use_copy_hash_isa(PyObject *module, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    PyObject *was = PyUnicode_FromString(copy_hash_isa);
+    if (was == NULL) return NULL;
+    if (strcmp(name, "baseline") == 0) {
+        copy_hash_impl = cortex_copy_hash_base;
+        copy_hash_isa = "baseline";
+        return was;
+    }
+#ifdef HAVE_AVX2_BUILD
+    if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2")) {
+        copy_hash_impl = cortex_copy_hash_avx2;
+        copy_hash_isa = "avx2";
+        return was;
+    }
+#endif
+    Py_DECREF(was);
+    PyErr_Format(PyExc_ValueError, "use_copy_hash_isa: %R is not built or not supported by this CPU", arg);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"copy_hash", copy_hash, METH_VARARGS,
      "copy_hash(dst, src, head=b'') -> int: copy src into dst (same length), and the xxh3_64 of head followed "
@@ -1190,6 +1214,8 @@ static PyMethodDef module_methods[] = {
     {"copy_hash_many", copy_hash_many, METH_VARARGS,
      "copy_hash_many(dsts, srcs, head=b'') -> int: copy each src into its dst, and the xxh3_64 of head "
      "followed by all the copies in order"},
+    {"use_copy_hash_isa", use_copy_hash_isa, METH_O,
+     "use_copy_hash_isa(name) -> str: run copy_hash on 'baseline' or 'avx2' from now on (tests); the previous"},
     {NULL, NULL, 0, NULL},
 };
 

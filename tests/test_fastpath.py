@@ -245,8 +245,30 @@ COPY_HASH_SIZES = [0, 1, 63, 16 * 1024 - 1, 16 * 1024, 64 * 1024 - 1, 64 * 1024,
                    256 * 1024 + 3, (4 << 20) + 7]
 
 
+@pytest.fixture(params=["widest", "baseline"])
+def c_build(request):
+    """The C copy_hash as the CPU picks it, then its baseline build (which an AVX2 machine never picks)."""
+    from cortex_cache import _fastpath
+
+    if request.param == "widest":
+        yield _fastpath.COPY_HASH_ISA
+        return
+    was = _fastpath.use_copy_hash_isa("baseline")
+    try:
+        yield "baseline"
+    finally:
+        _fastpath.use_copy_hash_isa(was)
+
+
+def test_copy_hash_refuses_a_build_it_does_not_have():
+    from cortex_cache import _fastpath
+
+    with pytest.raises(ValueError, match="not built or not supported"):
+        _fastpath.use_copy_hash_isa("avx512")
+
+
 @pytest.mark.parametrize("impl", ["c", "python"])
-def test_copy_hash_copies_and_gives_the_xxhash_packages_checksum(impl):
+def test_copy_hash_copies_and_gives_the_xxhash_packages_checksum(impl, c_build):
     import xxhash
 
     from cortex_cache import copyhash
@@ -304,7 +326,7 @@ def test_the_pure_python_path_copies_and_hashes_in_python_too():
 
 
 @pytest.mark.parametrize("impl", ["c", "python"])
-def test_copy_hash_many_gathers_pieces_under_one_checksum(impl):
+def test_copy_hash_many_gathers_pieces_under_one_checksum(impl, c_build):
     import xxhash
 
     from cortex_cache import copyhash

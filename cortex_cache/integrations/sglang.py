@@ -573,12 +573,12 @@ class CortexHiCache:
                 todo, pages, dsts = [], [], []
                 for n, t in enumerate(targets[: len(keys)]):
                     dst = t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
-                    buf = _tensor_bytes(dst)
-                    if buf is None or buf.nbytes != layout.page_bytes:
+                    run = _flat_page(layout, dst)
+                    if run is None:
                         self._fault("errors", 1, "get() was given a buffer that is not one flat host page")
                         continue
                     todo.append(n)
-                    pages.append([(buf.ctypes.data, buf.nbytes)])
+                    pages.append(run)
                     dsts.append(dst)
                 got = self._load_pages(pool, layout, [keys[n] for n in todo], pages, upto_first_miss=False)
                 for n, dst, ok in zip(todo, dsts, got):
@@ -603,12 +603,12 @@ class CortexHiCache:
                     return False
                 todo, pages = [], []
                 for key, value in zip(keys, values):
-                    buf = _tensor_bytes(value)
-                    if buf is None or buf.nbytes != layout.page_bytes:
+                    run = _flat_page(layout, value)
+                    if run is None:
                         self._fault("store_failed", 1, "set() was given a value that is not one flat host page")
                         continue
                     todo.append(key)
-                    pages.append([(buf.ctypes.data, buf.nbytes)])
+                    pages.append(run)
                 stored = self._store_pages(pool, layout, todo, pages) if todo else []
                 return len(keys) == len(values) == len(todo) and all(stored)
         except Exception as e:
@@ -647,6 +647,14 @@ class CortexHiCache:
         if self._copiers is not None:
             self._copiers.close()
         self._attachment.close()
+
+
+def _flat_page(layout: _Layout, t: Any) -> list[tuple[int, int]] | None:
+    """The one piece (address, bytes) of flat page tensor `t`, or None if it is not one page of `layout`."""
+    buf = _tensor_bytes(t)
+    if buf is None or buf.nbytes != layout.page_bytes:
+        return None
+    return [(buf.ctypes.data, buf.nbytes)]
 
 
 def _tensor_bytes(t: Any) -> np.ndarray | None:
