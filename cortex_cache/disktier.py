@@ -107,6 +107,7 @@ class DiskTier:
     def __init__(
         self, mm: Any, mv: memoryview, hdr: tuple, geometry: Geometry, flags: int, path: str,
         log: DiskLog | None, unavailable: str | None, clock: Callable[[], float],
+        unavailable_error: type | None = None,
     ) -> None:
         self._hu64, self._hi64 = hdr
         self.path = path
@@ -114,6 +115,10 @@ class DiskTier:
         self.o_direct = bool(flags & DISK_O_DIRECT)
         self.log = log
         self.unavailable = unavailable  # why this process could not open the files, or None
+        # The error class of that failure (PermissionDenied, StorageIOError...): what a spill refused
+        # for it raises (`writable`).  None while the files are open, or when they are gone altogether
+        # (no process can spill then, and the pool goes on from memory alone, each lost spill counted).
+        self.unavailable_error = unavailable_error
         self.clock = clock
         g = geometry
         self._n = g.n_dslots
@@ -168,11 +173,17 @@ class DiskTier:
         if not flags & DISK_ON:
             return None
         path = bytes(h.disk_path[0]).decode("utf-8", "surrogateescape")
-        why = None
+        why = err = None
         if log is None:
-            log, why = open_log(path, bool(flags & DISK_O_DIRECT))
+            log, e = _open_log(path, bool(flags & DISK_O_DIRECT))
+            if e is not None:
+                from .errors import CortexCacheError, StorageIOError
+
+                why, err = str(e), type(e) if isinstance(e, CortexCacheError) else StorageIOError
+                if _tier_gone(path):
+                    err = None  # nobody can spill to a tier that is gone: the pool works from memory alone
         return cls(mm, core.mv, (core.counters, core.signed_counters), core.geometry, flags, path, log, why,
-                   core.clock)
+                   core.clock, err)
 
     # ------------------------------------------------------------------ index
 
@@ -286,10 +297,25 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writes
 
-    def reserve(self, length: int) -> tuple[int, int, int] | None:
-        """Room for a record of `length` bytes: (file, offset, seq), or None (counted) when impossible."""
+    def writable(self, what: str) -> None:
+        """Raise (the tier's own error class: PermissionDenied, StorageIOError...) if this process has no
+        handle on the tier's files, so `what` -- an eviction whose entries would go to disk -- is refused
+        before anything leaves memory (docs/tiers.md, "When the disk tier cannot be written")."""
+        if self.log is not None or self.unavailable_error is None:
+            return  # a tier whose files are gone (for every process) is no tier: evictions drop, counted
+        cls = self.unavailable_error
+        raise cls(f"{what} refused: this process cannot write the pool's disk tier ({self.unavailable}); "
+                  "the entries stay in memory (evict with --tier all to drop them without spilling)")
+
+    def reserve(self, length: int, strict: bool = False) -> tuple[int, int, int] | None:
+        """Room for a record of `length` bytes: (file, offset, seq), or None (counted) when impossible.
+
+        `strict` (a spill, whose entry is still in memory): a tier that cannot be written raises
+        (StorageIOError, or why the tier is unavailable) instead, so the eviction is refused."""
         log = self.log
         if log is None:
+            if strict:
+                self.writable("evicting to the disk tier")
             self._hu64[H_DISK_ERRORS] += 1
             return None
         if length > log.file_size:
@@ -297,8 +323,10 @@ class DiskTier:
             return None
         try:
             file, off, seq = log.reserve(length)
-        except OSError:
+        except OSError as e:
             self._hu64[H_DISK_ERRORS] += 1
+            if strict:
+                raise _spill_error(self.path, e) from None
             return None
         if off == 0:
             self.drop_file(file)
@@ -310,13 +338,14 @@ class DiskTier:
         kh2 = key_hash2(kb)
         if self.write_through and self.find(kh, kh2, len(kb)) >= 0:
             return None
-        return kh2, self.reserve(DiskLog.record_length(len(kb), vlen))
+        return kh2, self.reserve(DiskLog.record_length(len(kb), vlen), strict=True)
 
     def begin_spill(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
                     checksum: int) -> Spill | None:
         """Start spilling an entry leaving memory: copy it aside, reserve its record, index it PENDING.
 
-        None when there is nothing to write or no room."""
+        None when there is nothing to write or no room (a record larger than a tier file: counted as
+        dropped); raises when the tier cannot be written (`reserve`), so the entry stays."""
         place = self._spill_place(kb, kh, value.nbytes)
         if place is None or place[1] is None:
             return None
@@ -330,16 +359,17 @@ class DiskTier:
     def spill_now(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
                   checksum: int) -> None:
         """Write an entry leaving memory to disk right here, under the lock (when copying it aside
-        would hold too much memory: see Tiers._spill)."""
+        would hold too much memory, for an explicit eviction, or after a spill failed: see Tiers._spill).
+        A write that fails raises StorageIOError before the entry leaves memory."""
         place = self._spill_place(kb, kh, value.nbytes)
         if place is None or place[1] is None:
             return
         kh2, where = place
         try:
             loc = self.log.write(*where, kb, value, expiry, priority, flags, checksum=checksum)  # type: ignore[union-attr]
-        except OSError:
+        except OSError as e:
             self._hu64[H_DISK_ERRORS] += 1
-            return
+            raise _spill_error(self.path, e) from None
         self.note_written(kh, kh2, len(kb), flags, loc, value.nbytes, expiry, priority)
 
     def write_spill(self, sp: Spill) -> bool:
@@ -354,11 +384,14 @@ class DiskTier:
             return False
         return True
 
-    def finish_spill(self, sp: Spill, written: bool) -> None:
-        """Confirm a written spill if its entry is still the PENDING one it made; else leave it pending."""
+    def finish_spill(self, sp: Spill, written: bool) -> bool:
+        """Confirm a written spill if its entry is still the PENDING one it made; else leave it pending.
+
+        False when the entry is still current but its record could not be written or confirmed: its
+        index entry is dropped, and the caller must put the value back in memory or report it lost."""
         d = sp.slot
         if self._state[d] != DPENDING or self._seq[d] != sp.loc.seq:
-            return  # deleted, replaced or dropped meanwhile: the pending record is never read
+            return True  # deleted, replaced or dropped meanwhile: the pending record is never read
         if written:
             try:
                 self.log.confirm(sp.loc)  # type: ignore[union-attr]
@@ -367,12 +400,13 @@ class DiskTier:
         if not written:
             self._hu64[H_DISK_ERRORS] += 1
             self._drop(d)
-            return
+            return False
         self._state[d] = DLIVE
         self._spilled[d] = self.clock()
         hu64 = self._hu64
         hu64[H_DISK_SPILLS] += 1
         hu64[H_DISK_BYTES_WRITTEN] += sp.loc.length
+        return True
 
     def spill_orphaned(self, d: int) -> bool:
         """Is PENDING slot `d` a spill whose writer died (so it will never be written)?"""
@@ -578,14 +612,39 @@ def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: b
         raise
 
 
+def _spill_error(path: str, e: OSError) -> Exception:
+    from .errors import StorageIOError
+
+    return StorageIOError(f"cannot write the disk tier in {path!r} ({e.strerror or e}): the entry stays in memory")
+
+
+def _tier_gone(path: str) -> bool:
+    """Is there no tier in `path` at all (its directory or meta file does not exist)?  A tier this
+    process only cannot reach (EACCES, a descriptor limit) is not gone: other processes may write it."""
+    from .disklog import META_NAME
+
+    try:
+        os.lstat(os.path.join(path, META_NAME))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, str | None]:
     """This process's handle on a pool's tier files, or None and why not."""
+    log, e = _open_log(path, o_direct)
+    return log, None if e is None else str(e)
+
+
+def _open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, Exception | None]:
     from .errors import CortexCacheError
 
     try:
         return DiskLog.open(path, o_direct=o_direct), None
     except (CortexCacheError, OSError) as e:
-        return None, str(e)
+        return None, e
 
 
 def check_disk_path(path: str | os.PathLike) -> str:

@@ -21,7 +21,7 @@ from .copyhash import copy_hash
 from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import CORRUPT, DiskLog, Found
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
-from .errors import BufferTooSmall, CortexCacheError, PoolFull, UsageError, ValueTooLarge
+from .errors import BufferTooSmall, CortexCacheError, PoolFull, StorageIOError, UsageError, ValueTooLarge
 from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
 
 # How long a reader waits for a key whose spill to disk another process is writing (normally
@@ -55,6 +55,10 @@ class Tiers:
         # aside is lost with its writer).  Evictions that make room for a put copy aside, to keep
         # the lock short.
         self.spill_in_place = False
+        # Set once a spill written outside the lock failed: from then on this process spills in place,
+        # so the next failure refuses its eviction instead of losing the entry; cleared by a success.
+        self.spill_failing = False
+        self._no_evict = False  # set while a failed spill's entry is put back: no eviction may make room
         if disk is not None:
             core.on_evict = self._spill
             core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
@@ -160,19 +164,28 @@ class Tiers:
 
     def _spill(self, i: int) -> None:
         """`on_evict`: begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are
-        copied aside and its disk entry made PENDING here; `_write_spills` writes it once the lock is free."""
+        copied aside and its disk entry made PENDING here; `_write_spills` writes it once the lock is free.
+
+        An entry whose spill cannot happen never leaves memory: when this process cannot write the tier
+        (it cannot open its files, a reservation or an in-place write fails), this raises and the
+        eviction is refused -- an explicit `evict` fails, and so does a put that needed the room
+        (docs/tiers.md, "When the disk tier cannot be written")."""
         core = self.core
         d = self.disk
         assert d is not None
+        if self._no_evict:
+            raise StorageIOError(f"pool {core.name!r}: no room to put back an entry its disk tier could not take")
+        d.writable(f"pool {core.name!r}: evicting to the disk tier")
         off, vlen = core.value_offset(i), core.columns["value_len"][i]
         vlen = int(vlen)
         c = core.columns
         args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
                 core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
-        if self.spill_in_place or self._spill_bytes + vlen > SPILL_ASIDE:
+        if self.spill_in_place or self.spill_failing or self._spill_bytes + vlen > SPILL_ASIDE:
             # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
-            # holding copies of it all.
+            # holding copies of it all.  A write that fails raises here, before the entry leaves memory.
             d.spill_now(*args)
+            self.spill_failing = False
             return
         sp = d.begin_spill(*args)
         if sp is not None:
@@ -191,10 +204,12 @@ class Tiers:
         if d is None or not spills:
             return
         written = [d.write_spill(sp) for sp in spills]
+        lost: list[Spill] = []
 
         def finish() -> None:
             for sp, ok in zip(spills, written):
-                d.finish_spill(sp, ok)
+                if not d.finish_spill(sp, ok) and not self._put_back(sp):
+                    lost.append(sp)
 
         try:
             self.core.locked(finish)
@@ -202,6 +217,38 @@ class Tiers:
             # The caller's own operation is done; this is the tier's business.  Entries left
             # PENDING read as misses once this process is gone, or go when their key is written.
             pass
+        if not all(written):
+            self.spill_failing = True  # spill in place from now on: the next failure refuses its eviction
+        if lost:
+            n = len(lost)
+            raise StorageIOError(
+                f"pool {self.core.name!r}: {n} {'entry' if n == 1 else 'entries'} evicted to make room could not "
+                f"be written to the disk tier in {d.path!r} and {'was' if n == 1 else 'were'} lost "
+                f"(first: {lost[0].key[:60]!r}); the operation itself completed, and later evictions by this "
+                "process are refused while the tier cannot be written"
+            )
+
+    def _put_back(self, sp: Spill) -> bool:
+        """A spill whose record could not be written: put its value back in memory if there is room
+        without evicting anything else (lock held).  False if it could not be (the entry is lost)."""
+        core = self.core
+        kb = sp.key
+        kh = xxh3_64_intdigest(kb)
+        if core.find(kb, kh) >= 0:
+            return True  # written again meanwhile: nothing was lost
+        if sp.expiry and sp.expiry <= core.clock():
+            return True  # it expired meanwhile: gone anyway
+        vlen = len(sp.value)
+        self._no_evict = True
+        try:
+            i, off = core.reserve(kb, kh, sp.flags, vlen, core.blocks_or_raise(vlen))
+        except CortexCacheError:
+            return False
+        finally:
+            self._no_evict = False
+        core.mv[off : off + vlen] = sp.value
+        core.seal(i, kb, kh, sp.checksum, None, sp.priority, False, sp.expiry)
+        return True
 
     # ------------------------------------------------------------------ reads
 
@@ -423,12 +470,19 @@ class Tiers:
         expired moves to disk as any eviction's does.  (entries, value bytes) freed."""
         core = self.core
         spill = spill and self.disk is not None
+        if spill and not (expired and not all and keys is None and prefix is None):
+            # Refused before anything leaves memory when this process cannot write the tier; expired
+            # entries are dropped, not spilled, so `--expired` needs no tier.
+            self.disk.writable(f"pool {core.name!r}: evicting to the disk tier")  # type: ignore[union-attr]
 
         def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
             # Set under the lock: each record is written before its entry leaves memory (see _spill).
             self.spill_in_place = spill
             try:
                 return fn(*args)
+            except StorageIOError as e:  # a record could not be written: that entry and the rest stay
+                raise StorageIOError(f"pool {core.name!r}: evicting stopped: {e}; entries evicted before it "
+                                     "went to disk (evict with --tier all to drop them without spilling)") from None
             finally:
                 self.spill_in_place = False
 

@@ -1,0 +1,151 @@
+"""Evictions by a process that cannot write the disk tier never lose entries silently (issue 29, item 5).
+
+A process that cannot open the tier's files (another user's tier, a low
+descriptor limit) or whose writes to it fail must not evict entries that
+were meant to go to disk: the eviction is refused (the entry stays in
+memory and the command fails), or an entry that did leave memory and could
+not be written is reported as an error -- never an exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+from cortex_cache import Pool
+from tests.helpers import REPO, run_py
+
+VALUE = 20_000  # five 4 KiB blocks
+LIMIT = 12  # descriptors: enough for the interpreter and a segment, not for the tier's 17 files
+
+
+def low_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, hard))
+
+
+def cli_limited(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cortex_cache", *args], capture_output=True, cwd=REPO,
+                          preexec_fn=low_fd_limit, timeout=60)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    err = r.stderr.decode()
+    assert r.returncode != 0, (r.returncode, r.stdout, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def tier_pool(make_pool, tmp_path, n: int = 3, **kw) -> Pool:
+    p = make_pool("256K", block_size="4K", disk_path=tmp_path / "tier", disk_size="1M", **kw)
+    for i in range(n):
+        p.put(f"k{i}", bytes([i]) * VALUE)
+    return p
+
+
+def present(p: Pool, n: int) -> list[str]:
+    return [f"k{i}" for i in range(n) if p.get(f"k{i}") == bytes([i % 256]) * VALUE]
+
+
+def test_evict_by_a_process_that_cannot_open_the_tier_keeps_the_entries(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path)
+    r = cli_limited("cache", "evict", p.name, "--all")
+    err = one_line_error(r)
+    assert r.returncode in (71, 74, 75, 77), err
+    assert "disk tier" in err and "--tier all" in err
+    assert len(p) == 3 and present(p, 3) == ["k0", "k1", "k2"]
+    assert p.stats()["evictions"] == 0
+    # Dropping them without spilling is still possible, and says so.
+    r = cli_limited("cache", "evict", p.name, "--all", "--tier", "all")
+    assert r.returncode == 0, r.stderr
+    assert len(p) == 0
+
+
+def test_evict_by_key_and_percent_refused_too(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path)
+    for sel in (["--key", "k1"], ["--percent", "50"], ["--prefix", "k"], ["--bytes", "1"]):
+        one_line_error(cli_limited("cache", "evict", p.name, *sel))
+    assert present(p, 3) == ["k0", "k1", "k2"]
+    # Expired entries are not spilled: evicting them needs no tier.
+    r = cli_limited("cache", "evict", p.name, "--expired")
+    assert r.returncode == 0, r.stderr
+
+
+def test_puts_that_need_room_refuse_to_evict_what_cannot_be_spilled(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path)
+    code = f"""
+    import json, os, resource
+    from cortex_cache import Pool, CortexCacheError
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+    q = Pool.open({p.name!r})
+    assert not q.stats()["disk"]["available"]
+    stored, errors = [], []
+    for i in range(3, 40):
+        try:
+            q.put(f"k{{i}}", bytes([i]) * {VALUE})
+            stored.append(i)
+        except CortexCacheError as e:
+            errors.append((type(e).__name__, e.exit_code, str(e)))
+    q.close()
+    print(json.dumps({{"stored": stored, "errors": errors}}))
+    """
+    out = json.loads(run_py(code).stdout)
+    assert out["errors"], "a full pool whose tier this process cannot write accepted every put"
+    assert all(code in (71, 74, 75, 77) and "disk tier" in msg for _, code, msg in out["errors"]), out["errors"]
+    # Nothing that was stored is gone: the old entries and every put that succeeded are still there.
+    want = [f"k{i}" for i in [0, 1, 2, *out["stored"]]]
+    assert present(p, 40) == sorted(want, key=lambda k: int(k[1:]))
+
+
+FAILING_WRITES = """
+import errno, json, re, sys
+from cortex_cache import Pool, CortexCacheError
+from cortex_cache.disklog import DiskLog
+def fail(*a, **k):
+    raise OSError(errno.EIO, "Input/output error")
+DiskLog.write = fail
+"""
+
+
+def test_a_failed_spill_write_never_loses_an_entry_silently(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path)
+    code = FAILING_WRITES + f"""
+q = Pool.open({p.name!r})
+stored, lost, refused = [], 0, 0
+for i in range(3, 30):
+    try:
+        q.put(f"k{{i}}", bytes([i]) * {VALUE})
+        stored.append(i)
+    except CortexCacheError as e:
+        assert e.exit_code == 74 and "disk tier" in str(e), str(e)
+        if "lost" in str(e):
+            lost += int(re.search(r"(\\d+) entr", str(e)).group(1))
+            stored.append(i)  # the put itself stored its value; an evicted entry was lost and said so
+        else:
+            refused += 1
+q.close()
+print(json.dumps({{"stored": stored, "lost": lost, "refused": refused}}))
+"""
+    out = json.loads(run_py(code).stdout)
+    assert out["refused"] > 0
+    want = [0, 1, 2, *out["stored"]]
+    missing = [i for i in want if p.get(f"k{i}") != bytes([i]) * VALUE]
+    # Every entry that is gone was reported as lost by the put that evicted it.
+    assert len(missing) <= out["lost"], (missing, out)
+
+
+def test_explicit_evict_whose_spill_write_fails_keeps_the_entry(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path)
+    code = FAILING_WRITES + f"""
+from cortex_cache.cli import main
+sys.exit(main(["cache", "evict", {p.name!r}, "--all"]))
+"""
+    r = run_py(code, check=False)
+    err = one_line_error(r)
+    assert r.returncode == 74 and "disk tier" in err, err
+    assert present(p, 3) == ["k0", "k1", "k2"]
+    assert p.stats()["disk"]["entries"] == 0
