@@ -41,6 +41,7 @@ _EXPORTS = {
     "SnapshotNotFound": ".errors",
     "Snapshot": ".persist",
     "PoolClosed": ".errors",
+    "TooManyOpenFiles": ".errors",
     "ServiceUnavailable": ".errors",
     "StorageIOError": ".errors",
     "GpuUnavailable": ".errors",

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from . import header, procs, segment
 from . import persist as snap
-from . import procs, segment
 from .disklog import DiskLog
 from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt
 from .pool import Pool
@@ -30,10 +30,21 @@ def status_word(e: CortexCacheError) -> str:
     return "unavailable"
 
 
+def open_listed(name: str) -> Pool:
+    """Pool.open for a listing: a segment still without its header is reported at once, never waited for
+    (hundreds of planted empty segments must not cost a wait each)."""
+    seg = header.open_segment(name, wait=False)
+    try:
+        return Pool(seg, lock_timeout=5)
+    except BaseException:
+        seg.close()
+        raise
+
+
 def pool_summary(name: str) -> dict[str, Any]:
     """Pool `name`'s stats with "status": "ok", or its name, state and error when it cannot be read."""
     try:
-        with Pool.open(name, lock_timeout=5) as p:
+        with open_listed(name) as p:
             st = p.stats()
         st["status"] = "ok"
         return st
@@ -41,20 +52,35 @@ def pool_summary(name: str) -> dict[str, Any]:
         return {"name": name, "status": status_word(e), "error": str(e)}
 
 
+def listed_names() -> list[str]:
+    """The pools `list` and `status` show: every segment under the prefix but restore's staging ones
+    (not pools yet; `doctor` reports those left behind, and anyone may plant such a name)."""
+    return [e.name for e in segment.scan() if not e.name.startswith(snap.STAGING_PREFIX)]
+
+
 def all_pool_summaries() -> list[dict[str, Any]]:
-    """pool_summary of every pool under the current prefix."""
-    return [pool_summary(n) for n in segment.list_names()]
+    """pool_summary of every pool under the current prefix (restore's staging segments left out)."""
+    return [pool_summary(n) for n in listed_names()]
 
 
-def others_attached(name: str) -> list[int]:
-    """Pids that have the pool mapped, this process (which may just have read it) aside."""
-    return [p for p in segment.attached_pids(name) if p != os.getpid()]
+def others_attached(name: str, attached: dict[str, list[int]] | None = None) -> list[int]:
+    """Pids that have the pool mapped, this process (which may just have read it) aside; `attached`:
+    segment.attached_map() read once for many pools."""
+    pids = attached.get(name, []) if attached is not None else segment.attached_pids(name)
+    return [p for p in pids if p != os.getpid()]
 
 
-def add_operating_facts(row: dict[str, Any]) -> None:
-    """What status adds to a pool's stats: who has it mapped, and its snapshots."""
-    row["attached_pids"] = others_attached(row["name"])
-    row["attached"] = [procs.describe(p) for p in row["attached_pids"]]
+def add_operating_facts(row: dict[str, Any], attached: dict[str, list[int]] | None = None,
+                        described: dict[int, dict[str, Any]] | None = None) -> None:
+    """What status adds to a pool's stats: who has it mapped, and its snapshots (`attached`, `described`:
+    what was read of /proc once for many pools)."""
+    row["attached_pids"] = others_attached(row["name"], attached)
+    if described is None:
+        described = {}
+    for p in row["attached_pids"]:
+        if p not in described:
+            described[p] = procs.describe(p)
+    row["attached"] = [dict(described[p]) for p in row["attached_pids"]]
     row["snapshots"] = snap.snapshot_usage(row["name"])
 
 
@@ -76,9 +102,11 @@ def pool_status(name: str, missing_ok: bool = False) -> dict[str, Any]:
 def all_pool_statuses() -> list[dict[str, Any]]:
     """What `status` shows of every pool: pool_summary, with the operating facts of those that could be read."""
     rows = all_pool_summaries()
+    attached = segment.attached_map()  # /proc read once, not once per pool
+    described: dict[int, dict[str, Any]] = {}
     for r in rows:
         if r["status"] == "ok":
-            add_operating_facts(r)
+            add_operating_facts(r, attached, described)
     return rows
 
 
@@ -126,4 +154,4 @@ def remove_disk_tier(path: str) -> None:
 
 
 __all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "add_operating_facts",
-           "pool_status", "all_pool_statuses", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier"]
+           "pool_status", "all_pool_statuses", "listed_names", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier"]

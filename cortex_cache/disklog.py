@@ -51,7 +51,10 @@ from typing import Iterator
 import xxhash
 
 from . import safefs
-from .errors import CannotCreate, CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError
+from .errors import (
+    OUT_OF_FILES, CannotCreate, CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError,
+    too_many_open_files,
+)
 from .layout import MAX_KEY_BYTES
 from .lock import RecordLock, default_timeout
 
@@ -225,7 +228,13 @@ class DiskLog:
             if isinstance(e, OSError) and not isinstance(e, CortexCacheError):
                 raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
             raise
-        return cls(d, meta_fd, FILES, file_size, o_direct)
+        try:
+            return cls(d, meta_fd, FILES, file_size, o_direct)
+        except BaseException:  # out of descriptors opening the files, say: a failed create leaves nothing
+            for p in made:  # (the handle closed meta_fd)
+                p.unlink(missing_ok=True)
+            safefs.remove_dirs(new_dirs)
+            raise
 
     @classmethod
     def open(cls, directory: str | os.PathLike, o_direct: bool = False) -> "DiskLog":
@@ -524,6 +533,8 @@ def _parse(data: bytes, seq: int, key: bytes | None) -> Found | str:
 
 
 def _os_error(e: OSError, what: str) -> Exception:
+    if e.errno in OUT_OF_FILES:
+        return too_many_open_files(what, e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"{what}: {e.strerror}")
     return StorageIOError(f"{what}: {e.strerror}")

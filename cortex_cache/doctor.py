@@ -28,12 +28,12 @@ def _finding(check: str, ok: bool, message: str, fix: str = "") -> Finding:
 
 def _pools() -> list[tuple[str, dict[str, Any] | None, str | None]]:
     """(name, configuration and stats, or None and why) of every pool under the prefix."""
-    from .pool import Pool
+    from .admin import listed_names, open_listed
 
     out = []
-    for name in segment.list_names():
+    for name in listed_names():
         try:
-            with Pool.open(name, lock_timeout=2) as p:
+            with open_listed(name) as p:
                 out.append((name, {"config": p.configuration(), "stats": p.stats()}, None))
         except CortexCacheError as e:
             out.append((name, None, str(e)))
@@ -166,9 +166,14 @@ def check_staging() -> list[Finding]:
 
     if not os.path.isdir(segment.SHM_DIR):
         return []
-    left = [n for n in segment.list_names() if n.startswith(STAGING_PREFIX) and not segment.attached_pids(n)]
+    staging = [e for e in segment.scan() if e.name.startswith(STAGING_PREFIX)]
+    attached = segment.attached_map() if staging else {}
+    left = [e.name for e in staging if e.ours and not attached.get(e.name)]
+    # Another user's are not ours to remove (anyone can plant such a name), so they are no finding here.
+    others = sum(1 for e in staging if not e.ours)
+    aside = f" ({others} of other users left alone)" if others else ""
     return [_finding("staging", not left,
-                     f"{len(left)} leftover restore staging segment(s)" + (f": {', '.join(left)}" if left else ""),
+                     f"{len(left)} leftover restore staging segment(s)" + (f": {', '.join(left)}" if left else "") + aside,
                      "the next restore removes them after a minute; or `cortex cache delete NAME` each")]
 
 

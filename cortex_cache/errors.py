@@ -7,6 +7,8 @@ raises these; only the CLI turns them into messages and exit codes.
 
 from __future__ import annotations
 
+import errno
+
 EX_OK = 0
 EX_PROBLEM = 1  # a check (verify) found a problem
 EX_USAGE = 2
@@ -18,6 +20,8 @@ EX_CANTCREAT = 73
 EX_IOERR = 74
 EX_TEMPFAIL = 75
 EX_NOPERM = 77
+EX_SIGINT = 130  # interrupted by SIGINT (128 + 2), what the command had made removed (interrupts.py)
+EX_SIGTERM = 143  # interrupted by SIGTERM (128 + 15)
 
 
 class CortexCacheError(Exception):
@@ -129,6 +133,21 @@ class PoolBusy(CortexCacheError):
     exit_code = EX_TEMPFAIL
 
 
+class TooManyOpenFiles(CortexCacheError, OSError):
+    """This process (ulimit -n) or the system ran out of file descriptors (EMFILE, ENFILE); retry later."""
+
+    exit_code = EX_TEMPFAIL
+
+
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def too_many_open_files(what: str, e: OSError) -> TooManyOpenFiles:
+    """The error for an OSError whose errno is in OUT_OF_FILES, met doing `what`."""
+    scope = "this process's limit (ulimit -n)" if e.errno == errno.EMFILE else "the system's limit"
+    return TooManyOpenFiles(f"{what}: too many open files ({scope}); close some or raise the limit, and retry")
+
+
 class PoolClosed(CortexCacheError, ValueError):
     """An operation on a pool handle that was closed."""
 
@@ -175,6 +194,9 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "SnapshotCorrupt",
     "SnapshotNotFound",
     "PoolClosed",
+    "TooManyOpenFiles",
+    "OUT_OF_FILES",
+    "too_many_open_files",
     "ServiceUnavailable",
     "GpuUnavailable",
     "LayoutMismatch",

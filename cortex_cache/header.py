@@ -57,15 +57,25 @@ def publish(seg: segment.Segment) -> None:
     """Write the magic: the segment is a complete pool from now on."""
     np.frombuffer(seg.mm, np.uint8, 8, 0)[:] = np.frombuffer(MAGIC, np.uint8)
 
-def open_segment(name: str) -> segment.Segment:
-    """Open and validate pool `name`'s segment, waiting (bounded) for a creator still initialising it."""
-    seg = _open_complete_segment(name)
+def open_segment(name: str, wait: bool = True) -> segment.Segment:
+    """Open and validate pool `name`'s segment, waiting (bounded) for a creator still initialising it;
+    without `wait` (listing many pools) such a segment is SegmentCorrupt at once."""
+    seg = _open_complete_segment(name) if wait else _open_now(name)
     try:
         _validate(seg)
     except BaseException:
         seg.close()
         raise
     return seg
+
+
+def _open_now(name: str) -> segment.Segment:
+    seg = segment.Segment.open(name)
+    if seg.size >= HEADER_SIZE and bytes(seg.mm[0:8]) == MAGIC:
+        return seg
+    seg.close()
+    raise SegmentCorrupt(f"segment of pool {name!r} is not a complete pool (still being created, or its creator "
+                         "died mid-create)")
 
 
 def _open_complete_segment(name: str) -> segment.Segment:

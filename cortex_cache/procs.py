@@ -43,7 +43,8 @@ def me() -> tuple[int, int]:
 
 
 def alive(pid: int, start: int) -> bool:
-    """True if the process `pid` that started at `start` still runs."""
+    """True if the process `pid` that started at `start` still runs; `start` 0: any process `pid` (for
+    records that carry no start time).  Records that do carry one are checked with `record_alive`."""
     if pid <= 0:
         return False
     st = start_time(pid)
@@ -52,20 +53,30 @@ def alive(pid: int, start: int) -> bool:
     return start == 0 or st == start
 
 
+def record_alive(pid: int, start: int) -> bool:
+    """True if the process named by a (pid, start time) record -- a pin, a writer's reservation --
+    still runs.  Both must match, as for a lock's owner: a start of 0 (or any other time) on a live pid
+    is not that process's record -- the pid was reused, or the record was forged by someone who can
+    write the segment (pid 1, start 0 would otherwise hold a pin record for ever)."""
+    if pid <= 0 or start <= 0:
+        return False
+    return start_time(pid) == start
+
+
 def alive_checker():
-    """An `alive(pid, start)` that asks /proc once per process, for one scan."""
+    """A `record_alive(pid, start)` that asks /proc once per process, for one scan."""
     seen: dict[tuple[int, int], bool] = {}
 
     def check(pid: int, start: int) -> bool:
         key = (pid, start)
         if key not in seen:
-            seen[key] = alive(pid, start)
+            seen[key] = record_alive(pid, start)
         return seen[key]
 
     return check
 
 
-__all__ = ["start_time", "me", "alive", "alive_checker"]
+__all__ = ["start_time", "me", "alive", "record_alive", "alive_checker", "describe"]
 
 
 def describe(pid: int) -> dict[str, object]:

@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from . import procs
+from .errors import PoolBusy, SegmentCorrupt
 from .chains import build_chains, chain_members
 from .disklog import CORRUPT, Found
 from .disktier import DiskTier, key_hash2
@@ -237,6 +238,32 @@ def _free_list_ok(head: int, state: np.ndarray, nxt: np.ndarray) -> bool:
     return i == -1 and seen == int(np.count_nonzero(state == FREE))
 
 
+def _pin_or_check(core: "Core", slots: list[int]) -> tuple[list[Any], int, list[tuple[int, int]]]:
+    """Pin the sealed entries among `slots` to check them outside the lock (lock held); an entry that
+    finds no free pin record (a process holding many views, records forged by a writer) is checked
+    now, under the lock, so verify never depends on the pin table having room.  (pinned, checked here,
+    bad ones found here)."""
+    pinned: list[Any] = []
+    checked = 0
+    bad: list[tuple[int, int]] = []
+    for i in slots:
+        try:
+            got = core.pin_batch([i])
+        except PoolBusy:
+            if not core.is_sealed(i):
+                continue
+            try:
+                off, vlen = core.value_at(i)
+            except SegmentCorrupt:
+                continue  # the structural pass reports it
+            if xxhash.xxh3_64_intdigest(core.mv[off : off + vlen]) != core.checksum(i):
+                bad.append((i, core.insert_seq(i)))
+            checked += 1
+            continue
+        pinned += got
+    return pinned, checked, bad
+
+
 def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = None) -> dict[str, Any]:
     """Check metadata (lock held briefly) and entry checksums (outside the lock); with `repair`, fix what
     is wrong and drop entries whose bytes no longer match.  `disk`: the pool's disk tier, if any."""
@@ -255,7 +282,9 @@ def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = 
     bad: list[tuple[int, int]] = []
     if checksums:
         for k in range(0, len(sealed), _CHECKSUM_BATCH):
-            batch = core.locked(core.pin_batch, sealed[k : k + _CHECKSUM_BATCH])
+            batch, done, failed = core.locked(_pin_or_check, core, sealed[k : k + _CHECKSUM_BATCH])
+            bad += failed
+            checked += done
             try:
                 for p in batch:
                     if xxhash.xxh3_64_intdigest(core.mv[p.offset : p.offset + p.length]) != core.checksum(p.slot):

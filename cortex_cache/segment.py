@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from .errors import (
+    OUT_OF_FILES,
     InvalidName,
     NoSpace,
     PermissionDenied,
@@ -26,6 +27,7 @@ from .errors import (
     ServiceUnavailable,
     StorageIOError,
     UsageError,
+    too_many_open_files,
 )
 from .units import format_size
 
@@ -35,7 +37,8 @@ PREFIX_ENV = "CORTEX_CACHE_SHM_PREFIX"
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap does not name it
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{0,128}")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # shm_open's, and never a symlink or FIFO
 
 
 def validate_name(name: str) -> str:
@@ -51,8 +54,13 @@ def validate_name(name: str) -> str:
 def prefix() -> str:
     """The segment name prefix in force (CORTEX_CACHE_SHM_PREFIX)."""
     p = os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
+    if p == "":
+        # An empty prefix would make every segment in /dev/shm (other programs' too) look like a pool
+        # to `list`, and `delete --force` could remove them.
+        raise UsageError(f"{PREFIX_ENV} is set but empty: unset it for the default ({DEFAULT_PREFIX}), "
+                         "or give 1-128 characters from A-Z a-z 0-9 . _ -")
     if not _PREFIX_RE.fullmatch(p):
-        raise UsageError(f"invalid {PREFIX_ENV} {p!r}: use at most 128 characters from A-Z a-z 0-9 . _ -")
+        raise UsageError(f"invalid {PREFIX_ENV} {p!r}: use 1-128 characters from A-Z a-z 0-9 . _ -")
     return p
 
 
@@ -95,7 +103,6 @@ class Segment:
         memory) is NoSpace (73).
         """
         _check_shm_available()
-        path = shm_name(name)
         if reserve:
             free = shm_free_bytes()
             if size > free:
@@ -104,12 +111,12 @@ class Segment:
                     f"{SHM_DIR} has {format_size(free)} free"
                 )
         try:
-            shm = posix_ipc.SharedMemory(path, posix_ipc.O_CREX, mode=mode & 0o777)
-        except posix_ipc.ExistentialError:
+            # What shm_open(O_CREAT | O_EXCL) does, with an errno to tell a full descriptor table by.
+            fd = os.open(shm_path(name), _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode & 0o777)
+        except FileExistsError:
             raise PoolExists(f"pool {name!r} already exists") from None
-        except posix_ipc.PermissionsError as e:
-            raise PermissionDenied(f"cannot create pool {name!r}: {e}") from None
-        fd = shm.fd
+        except OSError as e:
+            raise _open_error(e, name, f"cannot create pool {name!r}") from None
         try:
             os.fchmod(fd, mode & 0o777)  # shm_open applies the umask; we want exactly `mode`
             if reserve:
@@ -132,7 +139,7 @@ class Segment:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException as e:
             os.close(fd)
-            _unlink_quietly(path)
+            _unlink_quietly(shm_name(name))
             if isinstance(e, (OverflowError, ValueError)) or (
                 isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC, errno.EINVAL)
             ):
@@ -144,29 +151,37 @@ class Segment:
 
     @classmethod
     def open(cls, name: str) -> "Segment":
-        """Open and map an existing segment (its layout is checked by the caller)."""
+        """Open and map an existing segment (its layout is checked by the caller).
+
+        PoolNotFound (66), PermissionDenied (77), SegmentCorrupt (65) for
+        something that is not a regular file (a symlink, a directory, a FIFO),
+        TooManyOpenFiles (75) when out of file descriptors.  Its owner is not
+        checked here: see `check_owner`.
+        """
         _check_shm_available()
-        path = shm_name(name)
         squatter = squatter_kind(name)
         if squatter:
             raise SegmentCorrupt(
                 f"{shm_path(name)} is {squatter}, not a pool segment; remove it with `cortex cache delete --force {name}`"
             )
         try:
-            shm = posix_ipc.SharedMemory(path, 0)
-        except posix_ipc.ExistentialError:
-            raise PoolNotFound(f"no pool named {name!r}") from None
-        except posix_ipc.PermissionsError:
-            raise PermissionDenied(f"permission denied opening pool {name!r}") from None
-        except (OSError, ValueError) as e:  # swapped for a symlink or a directory since we looked
-            raise SegmentCorrupt(f"{shm_path(name)} is not a pool segment ({_why(e)})") from None
-        fd = shm.fd
+            fd = os.open(shm_path(name), _OPEN_FLAGS)
+        except OSError as e:
+            raise _open_error(e, name, f"cannot open pool {name!r}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # swapped for something else since we looked
+                raise SegmentCorrupt(f"{shm_path(name)} is not a regular file, not a pool segment")
+            size = st.st_size
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
         except OSError as e:
             os.close(fd)
+            if e.errno in OUT_OF_FILES:
+                raise too_many_open_files(f"cannot map pool {name!r}", e) from None
             raise StorageIOError(f"cannot map pool {name!r}: {e.strerror or e}") from e
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(name, fd, mm, size)  # type: ignore[arg-type]
 
     def prefault(self) -> None:
@@ -201,6 +216,21 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _open_error(e: OSError, name: str, what: str) -> Exception:
+    """The library's error for an open(2) of pool `name`'s path that failed with `e`."""
+    if e.errno == errno.ENOENT:
+        return PoolNotFound(f"no pool named {name!r}")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"permission denied: {what}")
+    if e.errno in OUT_OF_FILES:
+        return too_many_open_files(what, e)
+    if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):  # swapped since we looked
+        return SegmentCorrupt(f"{shm_path(name)} is not a pool segment ({_why(e)})")
+    if e.errno in (errno.ENOSPC, errno.ENOMEM):
+        return NoSpace(f"{what}: {_why(e)}")
+    return StorageIOError(f"{what}: {_why(e)}")
 
 
 def _why(e: BaseException) -> str:
@@ -315,37 +345,140 @@ def exists(name: str) -> bool:
 def attached_pids(name: str) -> list[int]:
     """Pids of processes that have pool `name` mapped (as lsof would find them).
 
-    Only processes whose /proc/PID/maps this user may read are seen.
+    Only processes whose /proc/PID/maps this user may read are seen.  For
+    many pools at once use `attached_map`, which reads /proc once.
     """
-    path = shm_path(name).encode()
-    out = []
+    validate_name(name)
+    return attached_map().get(name, [])
+
+
+def attached_map() -> dict[str, list[int]]:
+    """{pool name: pids that have it mapped} for every segment under the current prefix, from one pass
+    over /proc (a pass per pool would cost O(pools x processes x mappings))."""
+    needle = (SHM_DIR + "/" + prefix()).encode()
+    out: dict[str, set[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/maps", "rb") as f:
-                for line in f:
-                    if line.rstrip().endswith(path):
-                        out.append(int(entry.name))
-                        break
+                data = f.read()
         except OSError:
             continue
-    return sorted(out)
+        pid = int(entry.name)
+        at = data.find(needle)
+        while at >= 0:
+            end = data.find(b"\n", at)
+            if end < 0:
+                end = len(data)
+            rest = data[at + len(needle) : end].rstrip()
+            # A mapping of an unlinked segment ends " (deleted)": not the pool under that name now.
+            if data[at - 1 : at] == b" " and rest and b" " not in rest:
+                out.setdefault(rest.decode("utf-8", "replace"), set()).add(pid)
+            at = data.find(needle, end)
+    return {n: sorted(p) for n, p in out.items()}
 
 
-def list_names() -> list[str]:
-    """Names of every segment under the current prefix that is a valid pool name."""
+@dataclass(frozen=True)
+class Listed:
+    """A segment under the current prefix, as `scan` found it (lstat, never followed)."""
+
+    name: str
+    uid: int
+    mtime: float
+    ctime: float
+
+    @property
+    def ours(self) -> bool:
+        return self.uid == os.geteuid()
+
+
+def scan() -> list[Listed]:
+    """Every regular file under the current prefix whose rest is a valid pool name, sorted by name:
+    one directory pass, no segment opened."""
     _check_shm_available()
     p = prefix()
     out = []
     for entry in os.scandir(SHM_DIR):
         if entry.name.startswith(p) and _NAME_RE.fullmatch(entry.name[len(p):]):
             try:
-                if stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
-                    out.append(entry.name[len(p):])
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed while we looked
                 continue
-    return sorted(out)
+            if stat.S_ISREG(st.st_mode):
+                out.append(Listed(entry.name[len(p):], st.st_uid, st.st_mtime, st.st_ctime))
+    return sorted(out, key=lambda e: e.name)
 
 
-__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids"]
+def list_names() -> list[str]:
+    """Names of every segment under the current prefix that is a valid pool name."""
+    return [e.name for e in scan()]
+
+
+# ---------------------------------------------------------------- whose pool is it
+
+
+def trusted_owner(uid: int) -> bool:
+    """Whether a segment of `uid` may be used on this user's behalf unasked: it is ours, or root's.
+
+    Root's pools are trusted because root can change any of ours anyway, and a
+    service run as root that makes a 0660/0666 pool for its users is a real use.
+    """
+    return uid == os.geteuid() or uid == 0
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse_owner(name: str, uid: int) -> PermissionDenied:
+    return PermissionDenied(
+        f"pool {name!r} belongs to {_user(uid)}, not to you: not used on your behalf (another user may have "
+        f"taken the name first); delete it, use your own {PREFIX_ENV}, or pass --allow-other-owner "
+        "(allow_other_owner=True) if you trust that user"
+    )
+
+
+def check_owner(seg: "Segment", allow_other_owner: bool = False) -> None:
+    """PermissionDenied (77) unless the open segment (fstat of its descriptor) is ours or root's, or
+    `allow_other_owner`.  For the paths that open a pool by name on a user's behalf (create --if-missing,
+    restore, the engine adapters); a plain open of a named pool (a group pool, 0660) is not checked."""
+    uid = os.fstat(seg.fd).st_uid
+    if not allow_other_owner and not trusted_owner(uid):
+        raise _refuse_owner(seg.name, uid)
+
+
+def check_owner_of(name: str, allow_other_owner: bool = False) -> None:
+    """check_owner for pool `name` without mapping it (restore --if-missing, which leaves a pool alone).
+
+    Nothing there, or not a regular file: nothing to check (the caller's own
+    open says what is wrong)."""
+    if allow_other_owner:
+        return
+    try:
+        fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in OUT_OF_FILES:
+            raise too_many_open_files(f"cannot open pool {name!r}", e) from None
+        try:  # unreadable to us: its owner by name (it is not ours to use either way)
+            st = os.lstat(shm_path(name))
+        except OSError:
+            return
+        if stat.S_ISREG(st.st_mode) and not trusted_owner(st.st_uid):
+            raise _refuse_owner(name, st.st_uid) from None
+        return
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if stat.S_ISREG(st.st_mode) and not trusted_owner(st.st_uid):
+        raise _refuse_owner(name, st.st_uid)
+
+
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids",
+           "attached_map", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of"]
