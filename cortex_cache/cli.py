@@ -550,6 +550,7 @@ def restore(
     replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)."),
     if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)."),
     mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
+    trust_tiers: bool = typer.Option(False, "--trust-tiers", help="Attach the snapshot's disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -564,7 +565,10 @@ def restore(
     attached to the old one keep it until they reopen).  A snapshot whose
     entries do not all fit exits 73 and changes nothing.  Expired entries
     are not restored.  A damaged, truncated or foreign file exits 65; a
-    FIFO or device exits 2.
+    FIFO or device exits 2.  Tiers and retention come back only from a
+    snapshot this user wrote (the file and its directory theirs, writable by
+    nobody else, as persist makes them) or with --trust-tiers; from another
+    file the entries come back and one line names what was not attached.
 
     Example: cortex cache restore llama --if-missing
     """
@@ -576,7 +580,7 @@ def restore(
     pool, report = run_with_progress(
         f"restore {name}",
         lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
-                                mode=_parse_mode(mode) if mode is not None else None),
+                                mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers),
     )
     if pool is None:  # --if-missing, and the pool is there
         if as_json:
@@ -591,6 +595,15 @@ def restore(
         print_json(report)
     else:
         say_restored(report)
+        left = report.get("not_attached")
+        if left:
+            what = ", ".join(
+                f"{label} {left[k]}" for k, label in (("disk", "disk tier"), ("remote", "remote tier"),
+                                                      ("keep", "retention")) if k in left
+            )
+            console(stderr=True).print(
+                f"cortex: warning: not attached: {what} ({left['why']}); restore --trust-tiers attaches them"
+            )
 
 
 @cache.command()

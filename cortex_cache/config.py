@@ -11,9 +11,10 @@ to show.
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
-from .errors import PoolExists, SnapshotCorrupt
+from .errors import PoolExists, SnapshotCorrupt, UsageError
 from .layout import (
     DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, FLAG_MULTI_THREADED, FLAG_RESERVED, REMOTE_CLUSTER, REMOTE_ON,
 )
@@ -106,12 +107,26 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
         )
         if not ok:
             raise bad("has a bad disk tier")
+        if os.path.normpath(disk["path"]) != disk["path"]:
+            raise bad(f"has a disk tier path that is not in normal form ({disk['path']!r})")
+        from .disktier import check_disk_path
+
+        try:
+            check_disk_path(disk["path"])  # what `create --disk-path` refuses, a snapshot may not ask for
+        except UsageError as e:
+            raise bad(f"has a disk tier the command line would refuse: {e}") from None
         out["disk"] = {k: disk[k] for k in ("path", "size", "write", "o_direct", "max_entries")}
     remote = cfg.get("remote")
     if remote is not None:
         if not (isinstance(remote, dict) and isinstance(remote.get("url"), str)
                 and isinstance(remote.get("cluster"), bool)):
             raise bad("has a bad remote tier")
+        from .remote import check_url
+
+        try:
+            check_url(remote["url"])  # what `create --remote` refuses, a snapshot may not ask for
+        except UsageError as e:
+            raise bad(f"has a remote tier the command line would refuse: {e}") from None
         out["remote"] = {"url": remote["url"], "cluster": remote["cluster"]}
     return out
 

@@ -650,6 +650,7 @@ def _open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, Exception | No
 def check_disk_path(path: str | os.PathLike) -> str:
     from .errors import UsageError
     from .layout import DISK_PATH_BYTES
+    from .safefs import unsafe_dir
 
     raw = os.fspath(path)
     if not raw or (isinstance(raw, str) and not raw.strip()):
@@ -657,6 +658,9 @@ def check_disk_path(path: str | os.PathLike) -> str:
     p = os.path.abspath(raw)
     if len(p.encode("utf-8", "surrogateescape")) >= DISK_PATH_BYTES or "\0" in p:
         raise UsageError(f"disk path is too long (at most {DISK_PATH_BYTES - 1} bytes): {p[:60]!r}...")
+    why = unsafe_dir(p)  # a tier fills its directory with files of its own
+    if why:
+        raise UsageError(f"disk path {why}: give a directory of the pool's own, like /var/lib/cortex-cache/disk/NAME")
     return p
 
 

@@ -47,7 +47,9 @@ def persist(
     """Write a snapshot of `pool`'s live entries and its whole configuration (snapshot.write has the details).
 
     Retention: as many snapshots as the pool keeps (`Pool.snapshot_keep`,
-    default 3); a `keep` given here is stored with the pool first."""
+    default 3); a `keep` given here is stored with the pool first, which
+    only the pool's owner (or root) may do: PermissionDenied (77) for
+    anyone else, before anything is written."""
     return write(pool.core, pool.configuration, path, keep, progress)
 
 
@@ -59,12 +61,14 @@ def restore(
     clock: Callable[[], float] | None = None,
     mode: int | None = None,
     if_missing: bool = False,
+    trust_tiers: bool = False,
 ) -> tuple[Pool | None, dict[str, Any]]:
     """Rebuild a pool from a snapshot; return (pool, report) (restore.restore has the details).
 
-    `if_missing`: a pool that exists is left alone: (None, a report with "skipped": True)."""
+    `if_missing`: a pool that exists is left alone: (None, a report with "skipped": True).
+    `trust_tiers`: attach the snapshot's tiers even from a file this user may not have written."""
     return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode,
-                         if_missing=if_missing)
+                         if_missing=if_missing, trust_tiers=trust_tiers)
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",

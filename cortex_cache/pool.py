@@ -812,16 +812,22 @@ class Pool:
         replace: bool = False,
         progress: Callable[[int, int], None] | None = None,
         mode: int | None = None,
+        trust_tiers: bool = False,
     ) -> "Pool":
         """Rebuild a pool from a snapshot (verified whole first) and return it open.
 
         Creates the pool from the snapshot's configuration when it does not
         exist; an existing pool only with `replace`, swapped in atomically
-        (restore.py).  `mode` defaults to 0600 (with `replace`, the old
-        pool's).  Raises SnapshotCorrupt (65), SnapshotNotFound (66),
-        PoolExists and NoSpace (73), PermissionDenied (77).
+        (restore.py).  The snapshot's disk tier, remote tier and retention
+        are attached only from a file this user wrote (theirs, in a
+        directory of theirs that nobody else may write) or with
+        `trust_tiers`; from any other file the entries alone come back.
+        `mode` defaults to 0600 (with `replace`, the old pool's).  Raises
+        SnapshotCorrupt (65), SnapshotNotFound (66), PoolExists and NoSpace
+        (73), PermissionDenied (77).
         """
-        return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode)[0]
+        return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode,
+                                trust_tiers=trust_tiers)[0]
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).

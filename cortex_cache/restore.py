@@ -23,7 +23,6 @@ from .errors import (
     CortexCacheError,
     NoSpace,
     PermissionDenied,
-    PersistBusy,
     PoolExists,
     PoolFull,
     PoolNotFound,
@@ -35,7 +34,7 @@ from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 from .remote import redact, redis_missing
-from .snapshot import Record, Snapshot, latest_path, pool_config
+from .snapshot import RESTORE_BYTE, Record, Snapshot, busy, checked_snapshot_dir, latest_path, pool_config
 from .units import entries
 
 if TYPE_CHECKING:
@@ -51,6 +50,7 @@ def restore(
     clock: Callable[[], float] | None = None,
     mode: int | None = None,
     if_missing: bool = False,
+    trust_tiers: bool = False,
 ) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
@@ -68,6 +68,17 @@ def restore(
     is: other hosts share it).  Processes attached to a replaced pool keep
     the old one, as after a delete, until they open it again.  The report's
     "tiers" says what happened to each tier.
+
+    Whose word the tiers are: a snapshot names directories and servers the
+    restoring process would then write every entry to, so a new pool gets
+    the snapshot's disk tier, remote tier and retention only from a file
+    this user wrote (ours, writable by nobody else, in a directory of ours
+    nobody else may write: what persist makes), or with `trust_tiers`.
+    From any other file the entries come back and those settings do not;
+    the report's "not_attached" names them and says why ("trusted": False).
+    Whatever the file says is checked as the command line's options are
+    (config.decode): a snapshot asking for what `create` refuses is
+    SnapshotCorrupt (65), with or without `trust_tiers`.
 
     `if_missing`: a pool that exists is left alone, and (None, a report with
     "skipped": True) returned.  `mode`: the new segment's permission bits
@@ -91,7 +102,7 @@ def restore(
         if if_missing and segment.exists(name):
             return None, _skipped(name, path)
     if private:
-        check_snapshot_dir(Path(path).parent, mode if mode is not None else 0o600)
+        checked_snapshot_dir(mode if mode is not None else _pool_mode(name) if replace else 0o600)
     if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
         raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
     t0 = time.perf_counter()
@@ -105,8 +116,10 @@ def restore(
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
             pool, report = _replace(Pool, target, snap, mode, progress, clock)
             report["tiers"] = _tiers_kept(pool)
+            report["not_attached"] = None  # the pool's own configuration is kept, not the snapshot's
         else:
-            pool, report = _restore_new(Pool, snap, target, mode, progress, clock)
+            pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers)
+        report["trusted"] = snap.untrusted is None
     report["seconds"] = round(time.perf_counter() - t0, 6)
     report["path"] = str(Path(path))
     report["pool"] = target
@@ -116,7 +129,32 @@ def restore(
 
 def _skipped(name: str, path) -> dict[str, Any]:
     return {"pool": name, "path": str(Path(path)), "skipped": True, "entries": 0, "bytes": 0,
-            "expired_skipped": 0, "seconds": 0.0, "tiers": {}}
+            "expired_skipped": 0, "seconds": 0.0, "tiers": {}, "not_attached": None, "trusted": None}
+
+
+def _pool_mode(name: str | None) -> int:
+    """The permission bits of pool `name`'s segment (what restore --replace gives its replacement); 0600 if none."""
+    if name is None:
+        return 0o600
+    try:
+        return os.stat(segment.shm_path(name)).st_mode & 0o777
+    except OSError:
+        return 0o600
+
+
+def _untrusted_settings(snap: Snapshot, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """What of the snapshot's configuration is not applied from a file this user may not have written."""
+    out: dict[str, Any] = {}
+    if cfg["disk"] is not None:
+        out["disk"] = cfg["disk"]["path"]
+    if cfg["remote"] is not None:
+        out["remote"] = redact(cfg["remote"]["url"])
+    if cfg["keep"] is not None:
+        out["keep"] = cfg["keep"]
+    if not out:
+        return None
+    out["why"] = f"snapshot {str(snap.path)!r} may not be this user's: {snap.untrusted}"
+    return out
 
 
 def _tiers_kept(pool: "Pool") -> dict[str, str]:
@@ -131,10 +169,14 @@ def _tiers_kept(pool: "Pool") -> dict[str, str]:
 
 
 def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
-                 clock) -> tuple["Pool", dict[str, Any]]:
+                 clock, trust_tiers: bool = False) -> tuple["Pool", dict[str, Any]]:
     """Create pool `target` from the snapshot's whole configuration, under a staging name first."""
     h = snap.header
     cfg = h.config or {"reserve": True, "keep": None, "disk": None, "remote": None}
+    not_attached = None
+    if snap.untrusted is not None and not trust_tiers:
+        not_attached = _untrusted_settings(snap, cfg)
+        cfg = {**cfg, "disk": None, "remote": None, "keep": None}
     disk, remote = cfg["disk"], cfg["remote"]
     tier_kw: dict[str, Any] = {}
     tiers: dict[str, str] = {}
@@ -156,12 +198,19 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
     _sweep_stale_staging()
     staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
-    pool = Pool.create(
-        staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
+    pool = _create_staging(
+        Pool, target, staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
         mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
         prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], **tier_kw,
     )
     try:
+        if new_mode & 0o060 and snap.untrusted is None and snap.file_gid != os.getegid():
+            # A group pool comes back in the group its snapshot was persisted for (persist gives the
+            # file the pool's group); where we may not give it that group, it stays in ours.
+            try:
+                os.fchown(pool.core.seg.fd, -1, snap.file_gid)
+            except PermissionError:
+                pass
         if disk is not None:
             d = pool.stats()["disk"]
             tiers["disk"] = (f"attached {disk['path']}: {entries(d['entries'])} found on it" if tier_kw["disk_size"] is None
@@ -182,7 +231,16 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     pool.close()
     Pool.unlink(staging)
     report["tiers"] = tiers
+    report["not_attached"] = not_attached
     return Pool.open(target, clock=clock), report
+
+
+def _create_staging(Pool: "type[Pool]", target: str, staging: str, size: int, **kw: Any) -> "Pool":
+    """Pool.create of the staging segment; its NoSpace names the pool being restored, not the staging name."""
+    try:
+        return Pool.create(staging, size, **kw)
+    except NoSpace as e:
+        raise NoSpace(str(e).replace(staging, target)) from None
 
 
 def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
@@ -191,12 +249,16 @@ def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
 
 
 def _restored_mode(snap: "Snapshot", mode: int) -> int:
-    """`mode`, unless it lets someone read what the snapshot file does not let them read."""
-    wider = mode & 0o066 & ~snap.file_mode
+    """`mode`, unless it lets someone read what the snapshot file does not let them read.
+
+    Read bits only: a snapshot is never writable by others (persist writes a
+    group pool's as 0640), and who may write the pool is the operator's
+    choice; who may read its data is bounded by who could read the file."""
+    wider = mode & 0o044 & ~snap.file_mode
     if wider:
         raise PermissionDenied(
             f"mode {mode:04o} would let more users read pool data than snapshot {str(snap.path)!r} "
-            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~wider:04o} or narrower"
+            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~(wider | wider >> 1):04o} or narrower"
         )
     return mode
 
@@ -227,7 +289,9 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
     try:
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
         if not lock.try_acquire():
-            raise PersistBusy(f"a persist of pool {target!r} is running; restore later")
+            raise busy(old.core.seg.fd, target, "restore")
+        running = RecordLock(old.core.seg.fd, RESTORE_BYTE)  # says "a restore" to whoever waits on PERSIST_BYTE
+        running.try_acquire()
         try:
             cfg = old.core.locked(pool_config, old.core)
             keep = _tier_header(old.core)
@@ -242,8 +306,8 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
             _sweep_stale_staging()
             staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
             try:
-                pool = Pool.create(
-                    staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
+                pool = _create_staging(
+                    Pool, target, staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
                     max_entries=cfg["max_entries"], mode=new_mode,
                     multi_threaded=bool(cfg["flags"] & FLAG_MULTI_THREADED),
                     lfu_period=cfg["lfu_period"], clock=clock, prefault=False, **tier_kw,
@@ -276,6 +340,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                 except CortexCacheError:
                     pass
         finally:
+            running.release()
             lock.release()
     finally:
         old.close()
@@ -316,7 +381,7 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
     core = pool.core
     lock = RecordLock(core.seg.fd, PERSIST_BYTE)
     if not lock.try_acquire():
-        raise PersistBusy(f"a persist of pool {pool.name!r} is running; restore later")
+        raise busy(core.seg.fd, pool.name, "restore")
     try:
         now = core.clock()
         restored = expired = nbytes = 0

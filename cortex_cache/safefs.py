@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 
-from .errors import PermissionDenied, StorageIOError
+from .errors import CannotCreate, PermissionDenied, StorageIOError
 
 
 def dir_mode(mode: int) -> int:
@@ -38,7 +38,7 @@ def check_dir(path: str | os.PathLike, mode: int = 0o600, what: str = "directory
         raise _os_error(e, f"cannot inspect {what} {os.fspath(path)!r}") from None
     p = os.fspath(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise PermissionDenied(f"{what} {p!r} is not a directory")
+        raise CannotCreate(f"{what} {p!r} is not a directory: a file is in the way")
     if st.st_uid != os.geteuid():
         raise PermissionDenied(f"{what} {p!r} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}): refused")
     allowed = 0o020 if mode & 0o060 else 0
@@ -48,6 +48,130 @@ def check_dir(path: str | os.PathLike, mode: int = 0o600, what: str = "directory
             f"{what} {p!r} is writable by {'others' if loose & 0o002 else 'its group'} "
             f"(mode {stat.S_IMODE(st.st_mode):04o}): refused; chmod it {dir_mode(mode):04o}"
         )
+
+
+def check_tree(anchor: str | os.PathLike, path: str | os.PathLike, mode: int = 0o600,
+               what: str = "directory") -> None:
+    """Refuse (PermissionDenied) `path` if a component of it below `anchor` is a symlink or not ours alone.
+
+    `anchor` is where the trusted part of the path ends (the state
+    directory, which may be shared with other users, like /tmp): each
+    component from there down to `path` is opened without following
+    symlinks and checked on its descriptor, owned by us and writable by
+    nobody else (the last one by the group too where `mode` shares the pool
+    with it).  A component that is not a directory is CannotCreate (73),
+    whether it is `path` itself or one of its parents.  Missing components
+    pass: the caller creates them (and checks again) or finds nothing there.
+    """
+    a = os.path.abspath(os.fspath(anchor))
+    p = os.path.abspath(os.fspath(path))
+    rel = os.path.relpath(p, a)
+    if rel == ".":
+        parts: list[str] = []
+    elif rel.startswith(".."):
+        raise ValueError(f"{p!r} is not below {a!r}")
+    else:
+        parts = rel.split(os.sep)
+    try:
+        fd = os.open(a, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise CannotCreate(f"{what} {p!r}: {a!r} is not a directory: a file is in the way") from None
+    except OSError as e:
+        raise _os_error(e, f"cannot inspect {what} {p!r}") from None
+    here = a
+    try:
+        if not parts:
+            _check_dir_fd(fd, p, p, mode, what)
+        for i, part in enumerate(parts):
+            here = os.path.join(here, part)
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise _os_error(e, f"cannot inspect {what} {p!r}") from None
+                try:
+                    link = stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
+                except OSError:
+                    link = False
+                if link:
+                    raise PermissionDenied(f"{what} {p!r}: {here!r} is a symbolic link: refused") from None
+                raise CannotCreate(f"{what} {p!r}: {here!r} is not a directory: a file is in the way") from None
+            os.close(fd)
+            fd = nxt
+            _check_dir_fd(fd, here, p, mode if i == len(parts) - 1 else 0o600, what)
+    finally:
+        os.close(fd)
+
+
+def _check_dir_fd(fd: int, here: str, path: str, mode: int, what: str) -> None:
+    st = os.fstat(fd)
+    where = f"{what} {path!r}" + ("" if here == path else f": {here!r}")
+    if st.st_uid != os.geteuid():
+        raise PermissionDenied(f"{where} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}): refused")
+    loose = st.st_mode & 0o022 & ~(0o020 if mode & 0o060 else 0)
+    if loose:
+        raise PermissionDenied(
+            f"{where} is writable by {'others' if loose & 0o002 else 'its group'} "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}): refused; chmod it {dir_mode(mode):04o}"
+        )
+
+
+def written_by_us(fd: int, path: str | os.PathLike) -> str | None:
+    """None if the open file `fd` (found at `path`) is one only this user could have written; else why not.
+
+    Only this user: the file is ours and writable by nobody else, and so is
+    the directory that holds it (read again now: `path`'s directory as it
+    resolves, checked on a descriptor of its own).  What such a file says
+    this user said; anything else may come from another user.
+    """
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid != me:
+        return f"it belongs to uid {st.st_uid}, not to us (uid {me})"
+    if st.st_mode & 0o022:
+        return f"others may write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    d = os.path.dirname(os.path.realpath(os.fspath(path)))
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        return f"its directory {d!r} cannot be inspected ({e.strerror})"
+    try:
+        dst = os.fstat(dfd)
+        try:
+            again = os.stat(os.path.basename(os.path.realpath(os.fspath(path))), dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            again = None
+    finally:
+        os.close(dfd)
+    if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+        return f"it is no longer in {d!r}"
+    if dst.st_uid != me:
+        return f"its directory {d!r} belongs to uid {dst.st_uid}"
+    if dst.st_mode & 0o022:
+        return f"others may write its directory {d!r} (mode {stat.S_IMODE(dst.st_mode):04o})"
+    return None
+
+
+# Directories that are never a pool's own (a disk tier fills its directory with files of its own).
+SYSTEM_DIRS = frozenset({
+    "/", "/bin", "/boot", "/dev", "/dev/shm", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media",
+    "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/bin", "/usr/lib",
+    "/usr/local", "/usr/sbin", "/usr/share", "/var", "/var/lib", "/var/log", "/var/tmp", "/var/cache", "/var/run",
+})
+
+
+def unsafe_dir(path: str) -> str | None:
+    """Why the absolute, normalised `path` must never hold a pool's files (a system directory, a home), or None."""
+    if path in SYSTEM_DIRS:
+        return f"{path!r} is a system directory"
+    home = os.path.expanduser("~")
+    if home not in ("", "/") and path == os.path.normpath(home):
+        return f"{path!r} is a home directory"
+    return None
 
 
 def make_dir(path: str | os.PathLike, mode: int = 0o600, what: str = "directory") -> list[str]:
@@ -128,4 +252,4 @@ def _os_error(e: OSError, what: str) -> Exception:
     return StorageIOError(f"{what}: {e.strerror}")
 
 
-__all__ = ["check_dir", "make_dir", "remove_dirs", "open_file", "check_fd", "dir_mode"]
+__all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs", "open_file", "check_fd", "dir_mode"]

@@ -69,6 +69,7 @@ from .errors import (
     CortexCacheError,
     PermissionDenied,
     PersistBusy,
+    PoolBusy,
     SnapshotCorrupt,
     SnapshotNotFound,
     StorageIOError,
@@ -105,13 +106,58 @@ _STAMP_RE = r"\d{8}T\d{6}\.\d{6}Z"
 
 def snapshot_dir() -> Path:
     """CORTEX_CACHE_SNAPSHOT_DIR, else $XDG_STATE_HOME/cortex-cache/snapshots, else /var/lib/... for root."""
+    return snapshot_places()[1]
+
+
+def snapshot_places() -> tuple[Path, Path]:
+    """(anchor, snapshot directory): the directory, and where the part of its path that must be ours begins.
+
+    Below the anchor every component is checked without following symlinks
+    (safefs.check_tree): the state directory itself may be shared (a
+    world-writable XDG_STATE_HOME), `cortex-cache/snapshots` in it may not.
+    An explicit CORTEX_CACHE_SNAPSHOT_DIR is the operator's path: only its
+    last component is checked so.
+    """
     env = os.environ.get(SNAPSHOT_DIR_ENV)
     if env:
-        return Path(env)
+        d = Path(os.path.abspath(env))
+        return d.parent, d
     if os.geteuid() == 0 and not os.environ.get("XDG_STATE_HOME"):
-        return Path("/var/lib/cortex-cache/snapshots")
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(state) / "cortex-cache" / "snapshots"
+        state = "/var/lib"
+    else:
+        state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state), Path(state) / "cortex-cache" / "snapshots"
+
+
+def checked_snapshot_dir(mode: int = 0o600, make: bool = False) -> Path:
+    """The snapshot directory, once every component of it below its anchor checked out (safefs.check_tree).
+
+    A component that is a symlink or not ours alone is PermissionDenied
+    (77), one that is not a directory CannotCreate (73).  `mode`: the
+    pool's mode (a group pool's directory may be group-writable).  With
+    `make`, missing components are made (the last one private: every pool of
+    this user shares it), then checked again.
+    """
+    anchor, directory = snapshot_places()
+    safefs.check_tree(anchor, directory, mode, "snapshot directory")
+    if make and not os.path.lexists(directory):
+        # Every pool of this user shares it, so it is made private whatever this pool's mode: a group
+        # pool that made it 0770 would lock every private pool out of it.  A directory the operator
+        # opened to the group is still accepted for a group pool.
+        safefs.make_dir(directory, 0o600, "snapshot directory")
+        safefs.check_tree(anchor, directory, mode, "snapshot directory")
+    return directory
+
+
+def snapshot_file_mode(pool_mode: int) -> int:
+    """A snapshot file's mode for a pool of `pool_mode`: 0600, plus read for whom the pool lets read.
+
+    Never writable by anyone but us (a snapshot only we can write is one
+    restore trusts), and readable as the pool is, so that restore can bring
+    a group pool back with its mode (restore never makes a pool readable by
+    more users than its snapshot file is).
+    """
+    return 0o600 | (pool_mode & 0o044)
 
 
 def namespaced(name: str) -> str:
@@ -192,15 +238,16 @@ def write(
         raise UsageError(f"--keep must be at least 1, not {keep}")
     if path is not None and keep is not None:
         raise UsageError("--keep applies to the snapshot directory; it cannot be combined with --output")
-    busy = PersistBusy(f"a persist of pool {core.name!r} is already running")
+    if keep is not None:
+        check_owner(core, "change its retention (--keep)", f"it keeps {int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP}")
     with _running_guard:
         if core.name in _running:
-            raise busy
+            raise PersistBusy(f"a persist of pool {core.name!r} is already running")
         _running.add(core.name)
     try:
         lock = RecordLock(core.seg.fd, PERSIST_BYTE)
         if not lock.try_acquire():  # another process persists (or restores) this pool
-            raise busy
+            raise busy(core.seg.fd, core.name, "persist")
         try:
             if keep is not None:
                 core.fields.snapshot_keep[0] = keep
@@ -210,6 +257,38 @@ def write(
     finally:
         with _running_guard:
             _running.discard(core.name)
+
+
+# Held by a restore --replace beside PERSIST_BYTE (which excludes persists and other restores), so
+# that whoever finds PERSIST_BYTE taken can say which of the two runs.
+RESTORE_BYTE = 2
+
+
+def busy(fd: int, name: str, doing: str) -> PersistBusy:
+    """The error for a `doing` (persist, restore) of pool `name` (its segment's `fd`) that found PERSIST_BYTE taken."""
+    probe = RecordLock(fd, RESTORE_BYTE)
+    if probe.try_acquire():
+        probe.release()
+        running = "a persist"
+    else:
+        running = "a restore"
+    return PersistBusy(f"{running} of pool {name!r} is already running; {doing} it again when it is done")
+
+
+def check_owner(core: Core, what: str, instead: str) -> None:
+    """PermissionDenied (77) unless this process's user owns the pool's segment (or is root).
+
+    Settings stored in the pool's header outlive the command and bind
+    every user of the pool: only its owner may change them (root may too:
+    it can write the header anyway).  The owner is read on the segment's
+    descriptor, never from the header, which any writer of the pool can forge.
+    """
+    owner = core.seg.stat().st_uid
+    me = os.geteuid()
+    if me not in (0, owner):
+        raise PermissionDenied(
+            f"only the owner of pool {core.name!r} (uid {owner}) may {what}; you are uid {me} ({instead})"
+        )
 
 
 def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
@@ -223,13 +302,9 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
         directory = target.parent if str(target.parent) else Path(".")
         if target.is_dir():
             raise UsageError(f"{str(target)!r} is a directory; give a file name")
+    pool_mode = core.seg.stat().st_mode & 0o777
     if path is None:  # our own directory: make it (private), and refuse one others could plant files in
-        # Every pool of this user shares it, so it is made private whatever this pool's mode: a group
-        # pool that made it 0770 would lock every private pool out of it.  A directory the operator
-        # opened to the group is still accepted for a group pool.
-        if not os.path.lexists(directory):
-            safefs.make_dir(directory, 0o600, "snapshot directory")
-        safefs.check_dir(directory, core.seg.stat().st_mode & 0o777, "snapshot directory")
+        checked_snapshot_dir(pool_mode, make=True)
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, namespaced(core.name), target.name)
@@ -239,6 +314,8 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
     except OSError as e:
         raise _os_error(e, f"writing in {str(directory)!r}") from None
     try:
+        if snapshot_file_mode(pool_mode) != 0o600:
+            os.fchmod(fd, snapshot_file_mode(pool_mode))  # a group pool's snapshot is readable by its group
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             f = WriteBehind(raw)
             entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)
@@ -357,6 +434,7 @@ class SnapshotEntry(NamedTuple):
     access_count: int  # aged to the current LFU epoch
     priority: int
     checksum: int
+    copy: bytes | None = None  # the value, copied under the lock when no pin record was free (pin -1)
 
 
 def _pin_entries(core: Core, slots: list[int]) -> list[SnapshotEntry]:
@@ -368,11 +446,19 @@ def _pin_entries(core: Core, slots: list[int]) -> list[SnapshotEntry]:
         if not core.is_sealed(i) or core.expired(i):
             continue
         age = epoch - int(c["lfu_epoch"][i])
+        off, vlen = core.value_offset(i), int(c["value_len"][i])
+        try:
+            pin, copy = core.pin(i), None
+        except PoolBusy:
+            # Every pin record is taken (a process holding many views, or records forged by a writer of
+            # the segment): copy this value now, under the lock, so a persist never depends on the pin
+            # table having room.  Writers wait for one value's copy, as they may for a pinned one's.
+            pin, copy = -1, bytes(core.mv[off : off + vlen])
         out.append(SnapshotEntry(
-            core.pin(i), i, core.key_bytes(i), int(c["flags"][i]), core.value_offset(i), int(c["value_len"][i]),
+            pin, i, core.key_bytes(i), int(c["flags"][i]), off, vlen,
             float(c["created"][i]), float(c["last_access"][i]), float(c["expiry"][i]), int(c["insert_seq"][i]),
             int(c["access_seq"][i]), int(c["access_count"][i]) >> min(63, age), int(c["priority"][i]),
-            core.checksum(i),
+            core.checksum(i), copy,
         ))
     return out
 
@@ -422,7 +508,7 @@ def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple
         try:
             for e in batch:
                 vlen = e.length
-                value = core.mv[e.offset : e.offset + vlen]
+                value = core.mv[e.offset : e.offset + vlen] if e.copy is None else e.copy
                 if xxhash.xxh3_64_intdigest(value) != e.checksum:
                     skipped += 1  # bytes damaged in memory: never write them as good
                     continue
@@ -436,7 +522,7 @@ def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple
                 if progress is not None:
                     progress(nbytes, total)
         finally:
-            core.locked(core.unpin_batch, batch)
+            core.locked(core.unpin_batch, [e for e in batch if e.pin >= 0])
     out_trailer = TRAILER.pack(END_MAGIC, entries, nbytes, file_hash.intdigest())
     f.write(out_trailer)
     return entries, nbytes, skipped
@@ -610,6 +696,9 @@ class Snapshot:
         but a regular file (a FIFO, a device) is refused before a read could
         block on it; with `private` (a file of our snapshot directory) so is
         a symbolic link or a file that is not ours (PermissionDenied, 77).
+        `untrusted` says why the file may not be this user's own word (None:
+        it is ours, in a directory of ours, and nobody else may write either),
+        for restore to decide whether to attach the tiers it names.
         """
         self.path = Path(path)
         self._mv = None
@@ -632,6 +721,9 @@ class Snapshot:
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"{str(self.path)!r} is not a regular file, so not a snapshot")
             self.file_mode = stat.S_IMODE(st.st_mode)
+            self.file_gid = st.st_gid
+            # Why what this file says may not come from this user (None: only this user could have written it).
+            self.untrusted = safefs.written_by_us(fd, self.path)
             size = st.st_size
             if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
                 raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
@@ -761,4 +853,5 @@ class Snapshot:
 
 
 __all__ = ["write", "Snapshot", "Record", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
-           "snapshots_of", "list_snapshots", "snapshot_usage", "namespaced", "pool_config", "COUNTERS"]
+           "snapshots_of", "list_snapshots", "snapshot_usage", "namespaced", "pool_config", "COUNTERS",
+           "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_owner", "busy", "RESTORE_BYTE"]
