@@ -31,7 +31,7 @@ EXIT_CODES_HELP = (
     "Exit status: 0 ok; 1 verify found a problem; 2 usage error; 65 corrupt or "
     "incompatible data; 66 no such pool, key or snapshot; 69 service unavailable; "
     "70 internal error; 73 cannot create (exists, not enough memory); 74 I/O error; "
-    "75 temporary failure (lock held); 77 permission denied."
+    "75 temporary failure (lock held, out of file descriptors); 77 permission denied."
 )
 
 
@@ -174,7 +174,8 @@ def create(
     remote: Optional[str] = typer.Option(None, "--remote", metavar="URL", help="A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N."),
     remote_cluster: bool = typer.Option(False, "--remote-cluster", help="The --remote URL names a node of a Valkey/Redis cluster."),
     keep: Optional[int] = typer.Option(None, "--keep", metavar="N", help="Snapshots of this pool that persist keeps (stored with the pool; default 3)."),
-    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs; 77 if it is neither yours nor root's)."),
+    allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -211,6 +212,7 @@ def create(
         remote_cluster=remote_cluster,
         keep=keep,
         exist_ok=if_missing,
+        allow_other_owner=allow_other_owner,
     )
     with p:
         st = p.stats()
@@ -550,6 +552,7 @@ def restore(
     replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)."),
     if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)."),
     mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
+    allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing or --replace: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     trust_tiers: bool = typer.Option(False, "--trust-tiers", help="Attach the snapshot's disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
@@ -580,7 +583,8 @@ def restore(
     pool, report = run_with_progress(
         f"restore {name}",
         lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
-                                mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers),
+                                mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers,
+                                allow_other_owner=allow_other_owner),
     )
     if pool is None:  # --if-missing, and the pool is there
         if as_json:

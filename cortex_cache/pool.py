@@ -136,6 +136,7 @@ class Pool:
         remote_cluster: bool = False,
         keep: int | None = None,
         exist_ok: bool = False,
+        allow_other_owner: bool = False,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -162,7 +163,11 @@ class Pool:
         it; default 3).  `exist_ok`: a pool of this name that exists is opened
         and returned if it is configured as asked (what the call gives
         explicitly, defaults for the rest of size, block size, policy and
-        index); PoolExists naming each difference if not.
+        index); PoolExists naming each difference if not.  Such a pool must be
+        this user's or root's (its segment's owner, by fstat): another user may
+        have taken the name first under the shared prefix, and what its header
+        says (mode included) is theirs to forge.  PermissionDenied (77) for
+        another owner's, unless `allow_other_owner`.
         """
         segment.validate_name(name)
         nbytes = parse_size(size)
@@ -173,6 +178,7 @@ class Pool:
             return cls._open_as_asked(
                 name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
                 disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
+                allow_other_owner,
             )
         if policy not in POLICIES:
             raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
@@ -222,6 +228,7 @@ class Pool:
                 return cls._open_as_asked(
                     name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
                     disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
+                    allow_other_owner,
                 )
             raise
         init_lock = RecordLock(seg.fd)
@@ -278,7 +285,7 @@ class Pool:
     @classmethod
     def _open_as_asked(cls, name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path,
                        disk_size, disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock,
-                       lock_timeout) -> "Pool":
+                       lock_timeout, allow_other_owner) -> "Pool":
         """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
         geo = Geometry.compute(nbytes, bsize, max_entries)
         dpath = None
@@ -286,7 +293,7 @@ class Pool:
             dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
         want = config.requested(geo, policy, mode, multi_threaded, keep, dpath, disk_size, disk_write, disk_o_direct,
                                 disk_max_entries, remote, remote_cluster)
-        pool = cls.open(name, clock=clock, lock_timeout=lock_timeout)
+        pool = cls.open(name, clock=clock, lock_timeout=lock_timeout, require_owner=not allow_other_owner)
         try:
             config.require_same(pool, want)
         except BaseException:
@@ -358,17 +365,26 @@ class Pool:
         multi_threaded: bool | None = None,
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
+        require_owner: bool = False,
     ) -> "Pool":
         """Attach to existing pool `name`.
 
         Raises PoolNotFound (exit 66), PermissionDenied (77), SegmentCorrupt or
-        IncompatibleVersion (65) for a segment that is not a usable pool.
+        IncompatibleVersion (65) for a segment that is not a usable pool,
+        TooManyOpenFiles (75) when out of file descriptors.
         `multi_threaded=None` uses the pool's default chosen at create.
         `lock_timeout`: seconds an operation waits for the pool's lock before
         LockTimeout (75); default CORTEX_CACHE_LOCK_TIMEOUT, else 30 s.
+        `require_owner`: refuse (PermissionDenied) a pool whose segment belongs
+        to neither this user nor root, checked on the open descriptor before
+        anything in it is used: for code that opens a pool by a configured name
+        on a user's behalf (the engine adapters, create(exist_ok=True),
+        restore).  A plain open (a group member's, of a 0660 pool) does not.
         """
         seg = header.open_segment(name)
         try:
+            if require_owner:
+                segment.check_owner(seg)
             return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
         except BaseException:
             seg.close()
@@ -813,6 +829,7 @@ class Pool:
         progress: Callable[[int, int], None] | None = None,
         mode: int | None = None,
         trust_tiers: bool = False,
+        allow_other_owner: bool = False,
     ) -> "Pool":
         """Rebuild a pool from a snapshot (verified whole first) and return it open.
 
@@ -822,12 +839,13 @@ class Pool:
         are attached only from a file this user wrote (theirs, in a
         directory of theirs that nobody else may write) or with
         `trust_tiers`; from any other file the entries alone come back.
-        `mode` defaults to 0600 (with `replace`, the old pool's).  Raises
-        SnapshotCorrupt (65), SnapshotNotFound (66), PoolExists and NoSpace
-        (73), PermissionDenied (77).
+        `mode` defaults to 0600 (with `replace`, the old pool's).  A pool
+        replaced must be this user's or root's unless `allow_other_owner`.
+        Raises SnapshotCorrupt (65), SnapshotNotFound (66), PoolExists and
+        NoSpace (73), PermissionDenied (77).
         """
         return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode,
-                                trust_tiers=trust_tiers)[0]
+                                trust_tiers=trust_tiers, allow_other_owner=allow_other_owner)[0]
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).

@@ -51,6 +51,7 @@ def restore(
     mode: int | None = None,
     if_missing: bool = False,
     trust_tiers: bool = False,
+    allow_other_owner: bool = False,
 ) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
@@ -81,7 +82,11 @@ def restore(
     SnapshotCorrupt (65), with or without `trust_tiers`.
 
     `if_missing`: a pool that exists is left alone, and (None, a report with
-    "skipped": True) returned.  `mode`: the new segment's permission bits
+    "skipped": True) returned.  A pool that exists must be this user's or
+    root's, for `if_missing` and `replace` alike (the segment's owner, by
+    fstat): under the shared prefix another user may have taken the name
+    first.  PermissionDenied (77) for another owner's, unless
+    `allow_other_owner`.  `mode`: the new segment's permission bits
     (default 0600; with `replace`, the replaced pool's); PermissionDenied
     (77) if it would let more users read the data than the snapshot file
     does.  Raises NoSpace (73), and changes nothing, when the entries do not
@@ -100,6 +105,7 @@ def restore(
     if name is not None:
         segment.validate_name(name)
         if if_missing and segment.exists(name):
+            segment.check_owner_of(name, allow_other_owner)
             return None, _skipped(name, path)
     if private:
         checked_snapshot_dir(mode if mode is not None else _pool_mode(name) if replace else 0o600)
@@ -111,10 +117,11 @@ def restore(
         target = name or segment.validate_name(h.name)
         if segment.exists(target):
             if if_missing:
+                segment.check_owner_of(target, allow_other_owner)
                 return None, _skipped(target, path)
             if not replace:
                 raise PoolExists(f"pool {target!r} exists; use --replace to overwrite it from the snapshot")
-            pool, report = _replace(Pool, target, snap, mode, progress, clock)
+            pool, report = _replace(Pool, target, snap, mode, progress, clock, allow_other_owner)
             report["tiers"] = _tiers_kept(pool)
             report["not_attached"] = None  # the pool's own configuration is kept, not the snapshot's
         else:
@@ -272,7 +279,7 @@ def _discard(Pool: "type[Pool]", pool: "Pool", staging: str) -> None:
 
 
 def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None, progress,
-             clock) -> tuple["Pool", dict[str, Any]]:
+             clock, allow_other_owner: bool = False) -> tuple["Pool", dict[str, Any]]:
     """Build the snapshot's pool beside `target` with target's configuration, then rename it over target.
 
     Held meanwhile: target's persist lock, so no persist or second restore of
@@ -285,7 +292,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
     import tempfile
 
     snap.verify()  # the cheap refusal first: a damaged file never costs a staging pool
-    old = Pool.open(target, clock=clock)
+    old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
     try:
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
         if not lock.try_acquire():
