@@ -316,6 +316,12 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
     try:
         if snapshot_file_mode(pool_mode) != 0o600:
             os.fchmod(fd, snapshot_file_mode(pool_mode))  # a group pool's snapshot is readable by its group
+            gid = core.seg.stat().st_gid
+            if pool_mode & 0o060 and gid != os.fstat(fd).st_gid:
+                try:  # and in its group, which restore gives the pool back
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    pass
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             f = WriteBehind(raw)
             entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)

@@ -221,6 +221,21 @@ def test_a_group_pool_restores_as_it_was(make_pool, pool_name):
         assert q.get("k") == b"shared"
 
 
+@root_only
+def test_a_group_pool_comes_back_in_its_group(make_pool, pool_name):
+    p = make_pool("1M", name=pool_name, mode=0o660)
+    os.chown(segment.shm_path(pool_name), -1, 54321)  # the operators' group
+    p.put("k", b"shared")
+    snap = p.persist()
+    assert os.stat(snap).st_gid == 54321 and stat.S_IMODE(os.stat(snap).st_mode) == 0o640
+    p.close()
+    Pool.unlink(pool_name)
+    r = cli("cache", "restore", pool_name, "--if-missing", "--mode", "0660")
+    assert r.returncode == 0, r.stderr
+    st = os.stat(segment.shm_path(pool_name))
+    assert st.st_gid == 54321 and stat.S_IMODE(st.st_mode) == 0o660
+
+
 # ---------------------------------------------------------------- item 7: retention is the owner's
 
 
