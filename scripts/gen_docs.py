@@ -631,8 +631,12 @@ EXIT_STATUS = {
     "EX_CANTCREAT": "Cannot create: the pool or output file exists, not enough shared memory or disk, the pool is full.",
     "EX_IOERR": "I/O error reading or writing a file.",
     "EX_TEMPFAIL": "Temporary failure: the pool's lock is held, a persist of the pool is already running, "
-    "the pool is in use (\\fBdelete\\fR without \\fB\\-\\-force\\fR); retry later.",
+    "the pool is in use (\\fBdelete\\fR without \\fB\\-\\-force\\fR), this process or the system ran out of "
+    "file descriptors (EMFILE, ENFILE: see \\fBulimit \\-n\\fR); retry later.",
     "EX_NOPERM": "Permission denied.",
+    "EX_SIGINT": "Interrupted by SIGINT (Ctrl-C): the command stopped and removed what it had made "
+    "(a signal that arrives once its work is committed waits, and the command reports success).",
+    "EX_SIGTERM": "Interrupted by SIGTERM, as for SIGINT.",
 }
 
 
@@ -791,7 +795,11 @@ def man(m: Model) -> str:
     for var, text in (
         ("CORTEX_CACHE_SHM_PREFIX", "Prefix of segment names in \\fI/dev/shm\\fR (default \\fBcortex\\-cache.\\fR, so "
          "pool \\fIllama\\fR is \\fI/dev/shm/cortex\\-cache.llama\\fR).  Pools under another prefix are invisible; "
-         "tests and parallel deployments set their own.  At most 128 of A\\-Z a\\-z 0\\-9 . _ \\-."),
+         "tests and parallel deployments set their own.  1 to 128 of A\\-Z a\\-z 0\\-9 . _ \\- (empty is a usage error: "
+         "it would make every segment in \\fI/dev/shm\\fR look like a pool).  The default is shared by all users: "
+         "commands that use a pool on your behalf (\\fBcreate \\-\\-if\\-missing\\fR, \\fBrestore\\fR, the engine "
+         "adapters) refuse one that is neither yours nor root's (exit 77, \\fB\\-\\-allow\\-other\\-owner\\fR accepts it); "
+         "a prefix of your own gives you a private namespace."),
         ("CORTEX_CACHE_SNAPSHOT_DIR", "Directory of snapshots written by \\fBpersist\\fR and read by \\fBrestore\\fR "
          "without \\fB\\-\\-output\\fR/\\fB\\-\\-input\\fR.  Default: \\fI$XDG_STATE_HOME/cortex\\-cache/snapshots\\fR "
          "(\\fI~/.local/state/cortex\\-cache/snapshots\\fR), or \\fI/var/lib/cortex\\-cache/snapshots\\fR for root "
