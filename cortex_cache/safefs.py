@@ -6,7 +6,8 @@ symlink to any file we may write (or a file of theirs we would then read as
 ours).  So every file of ours is opened with O_NOFOLLOW and checked on the
 open descriptor (regular file, owned by us), and every directory is checked
 before use (owned by us, not writable by others, by the group only where the
-pool's mode shares it with the group).  Refusals are PermissionDenied (77).
+pool's mode shares it with the group).  Refusals are PermissionDenied (77);
+a file where a directory should be is CannotCreate (73).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def check_tree(anchor: str | os.PathLike, path: str | os.PathLike, mode: int = 0
     """Refuse (PermissionDenied) `path` if a component of it below `anchor` is a symlink or not ours alone.
 
     `anchor` is where the trusted part of the path ends (the state
-    directory, which may be shared with other users, like /tmp): each
+    directory, which may be shared with other users if it is sticky, like
+    /tmp: one writable by others without the sticky bit is refused): each
     component from there down to `path` is opened without following
     symlinks and checked on its descriptor, owned by us and writable by
     nobody else (the last one by the group too where `mode` shares the pool
@@ -84,6 +86,15 @@ def check_tree(anchor: str | os.PathLike, path: str | os.PathLike, mode: int = 0
     try:
         if not parts:
             _check_dir_fd(fd, p, p, mode, what)
+        else:
+            st = os.fstat(fd)
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                # Shared like /tmp is fine (sticky: nobody may rename what is ours in it); shared without
+                # the sticky bit, anyone could swap our directory in it for a symlink after we checked it.
+                raise PermissionDenied(
+                    f"{what} {p!r}: {a!r} is writable by others without the sticky bit "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o}): refused; chmod it o-w or +t"
+                )
         for i, part in enumerate(parts):
             here = os.path.join(here, part)
             try:

@@ -330,6 +330,16 @@ def test_a_planted_snapshot_directory_in_a_shared_state_dir_is_refused(make_pool
     assert not Pool.exists(p.name + "-x")
 
 
+def test_a_state_dir_anyone_may_rename_in_is_refused(make_pool, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o777)  # no sticky bit: anyone could swap cortex-cache for a symlink after the check
+    p = make_pool("1M")
+    env = {"CORTEX_CACHE_SNAPSHOT_DIR": "", "XDG_STATE_HOME": str(state)}
+    assert "sticky" in one_line(cli("cache", "persist", p.name, env=env), 77)
+    assert os.listdir(state) == []
+
+
 # ---------------------------------------------------------------- item 13: words and codes
 
 
