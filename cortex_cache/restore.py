@@ -125,7 +125,12 @@ def restore(
             report["tiers"] = _tiers_kept(pool)
             report["not_attached"] = None  # the pool's own configuration is kept, not the snapshot's
         else:
-            pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers)
+            try:
+                pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers)
+            except PoolExists:
+                if not if_missing or not segment.exists(target):
+                    raise
+                return None, _skipped(target, path)  # another restore (a second boot line) published it first
         report["trusted"] = snap.untrusted is None
     report["seconds"] = round(time.perf_counter() - t0, 6)
     report["path"] = str(Path(path))

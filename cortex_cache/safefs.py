@@ -16,7 +16,7 @@ import errno
 import os
 import stat
 
-from .errors import CannotCreate, PermissionDenied, StorageIOError
+from .errors import OUT_OF_FILES, CannotCreate, PermissionDenied, StorageIOError, too_many_open_files
 
 
 def dir_mode(mode: int) -> int:
@@ -258,6 +258,8 @@ def check_fd(fd: int, path: str, what: str = "file") -> os.stat_result:
 
 
 def _os_error(e: OSError, what: str) -> Exception:
+    if e.errno in OUT_OF_FILES:
+        return too_many_open_files(what, e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"{what}: {e.strerror}")
     return StorageIOError(f"{what}: {e.strerror}")

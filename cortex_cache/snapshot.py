@@ -74,6 +74,7 @@ from .errors import (
     SnapshotNotFound,
     StorageIOError,
     UsageError,
+    too_many_open_files,
 )
 from .layout import FLAG_MULTI_THREADED, MAX_KEY_BYTES, Geometry
 from .lock import PERSIST_BYTE, RecordLock
@@ -183,6 +184,8 @@ def _timestamped(name: str, directory: Path, now: float) -> Path:
 
 
 def _os_error(e: OSError, what: str) -> CortexCacheError:
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return too_many_open_files(what, e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"permission denied {what}: {e.strerror}")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

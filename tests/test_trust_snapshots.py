@@ -374,6 +374,39 @@ def test_a_restore_running_is_named_a_restore(make_pool, tmp_path):
         child.wait(timeout=60)
 
 
+def test_two_boot_restores_at_once_leave_one_pool_and_both_succeed(make_pool, tmp_path, pool_name):
+    path = snapshot_with(make_pool, tmp_path / "s.ccsnap")
+    child = spawn_py(
+        """
+        import sys
+        from cortex_cache import persist
+        def progress(done, total):
+            if done == total:
+                print("ready", flush=True)
+                sys.stdin.readline()
+        pool, report = persist.restore(sys.argv[1], name=sys.argv[2], if_missing=True, progress=progress)
+        print("skipped" if pool is None and report["skipped"] else "restored", flush=True)
+        """,
+        str(path), pool_name,
+    )
+    try:
+        assert child.stdout.readline() == b"ready\n", child.stderr.read()
+        r = cli("cache", "restore", pool_name, "-i", str(path), "--if-missing")  # the other boot line wins
+        assert r.returncode == 0, r.stderr
+    finally:
+        child.stdin.write(b"\n")
+        child.stdin.close()
+        out = child.stdout.readline()
+        child.wait(timeout=60)
+    try:
+        assert out == b"skipped\n", (out, child.stderr.read())
+        with Pool.open(pool_name) as q:
+            assert q.get("k") == b"from the snapshot"
+        assert not [n for n in segment.list_names() if n.startswith(persist_mod.STAGING_PREFIX)]
+    finally:
+        cleanup(pool_name)
+
+
 def test_no_space_names_the_pool_not_its_staging_segment(make_pool, tmp_path, pool_name):
     path = snapshot_with(make_pool, tmp_path / "s.ccsnap")
     data = bytearray(path.read_bytes())
