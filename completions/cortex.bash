@@ -52,7 +52,7 @@ _cortex_files()
 _cortex_options()
 {
     case $1 in
-        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --json -q --quiet --help' ;;
+        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --allow-other-owner --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
         status) _cortex_words '--json --format --watch --count -q --quiet --help' ;;
         delete) _cortex_words '-f --force -q --quiet --help' ;;
@@ -62,7 +62,7 @@ _cortex_options()
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --json -q --quiet --help' ;;
-        restore) _cortex_words '-i --input --replace --if-missing --mode --json -q --quiet --help' ;;
+        restore) _cortex_words '-i --input --replace --if-missing --mode --allow-other-owner --trust-tiers --json -q --quiet --help' ;;
         snapshots) _cortex_words '--json -q --quiet --help' ;;
         doctor) _cortex_words '--json -q --quiet --help' ;;
     esac

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import header, procs, segment
+from . import header, interrupts, procs, segment
 from . import persist as snap
 from .disklog import DiskLog
 from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt
@@ -124,16 +124,27 @@ class Deleted:
     """What delete_pool removed."""
 
     squatter: str | None  # what squatted on the name instead of a pool ("a symlink"), removed; None for a pool
-    disk_tier: str | None  # the deleted pool's disk tier directory, still in place (remove_disk_tier removes it)
+    disk_tier: str | None  # the deleted pool's disk tier directory
+    tier_removed: bool = False  # `force`: the tier's files went too (else it is still in place)
+    orphan: bool = False  # there was no segment, only a tier of the name that a killed delete left
 
 
 def delete_pool(name: str, force: bool = False) -> Deleted:
-    """Remove pool `name`'s segment; its disk tier stays (a pool created again on it finds its entries).
+    """Remove pool `name`'s segment; its disk tier stays (a pool created again on it finds its entries),
+    unless `force`, which removes the tier first, then the segment, as one step that SIGINT and SIGTERM
+    wait for (interrupts.commit): a delete killed in between leaves the segment, and running it again
+    finishes it.  With `force` and no segment, an orphaned tier of the name at the default place
+    (`orphaned_tier`: what a delete killed by an older version left) is removed.
 
     Processes that have the pool mapped keep their mapping; without `force` such a pool is PoolBusy.
     Something else on the name (a symlink, a directory...) is SegmentCorrupt, and removed with `force`."""
     segment.validate_name(name)
     if not segment.exists(name):
+        orphan = orphaned_tier(name) if force else None
+        if orphan is not None:
+            with interrupts.commit():
+                DiskLog.destroy(orphan)
+            return Deleted(squatter=None, disk_tier=orphan, tier_removed=True, orphan=True)
         raise PoolNotFound(f"no pool named {name!r}")
     squatter = segment.squatter_kind(name)
     if squatter:  # a symlink, a directory...: not a pool, so nothing maps it and there is no tier
@@ -144,8 +155,12 @@ def delete_pool(name: str, force: bool = False) -> Deleted:
     if users and not force:
         raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
     tier = disk_tier_of(name)
-    segment.unlink(name)
-    return Deleted(squatter=None, disk_tier=tier)
+    removed = force and tier is not None
+    with interrupts.commit():
+        if removed:
+            DiskLog.destroy(tier)  # type: ignore[arg-type]
+        segment.unlink(name)
+    return Deleted(squatter=None, disk_tier=tier, tier_removed=removed)
 
 
 def remove_disk_tier(path: str) -> None:
@@ -153,5 +168,32 @@ def remove_disk_tier(path: str) -> None:
     DiskLog.destroy(path)
 
 
+def orphaned_tier(name: str) -> str | None:
+    """The default disk tier directory of pool `name` (pool.default_disk_path) if it holds tier files
+    while no segment of the name exists: ours (owner checked, no symlink), left by a killed delete or
+    create.  None otherwise."""
+    import stat
+
+    from .disklog import FILES, META_NAME
+    from .pool import default_disk_path
+
+    if segment.exists(name):
+        return None
+    path = default_disk_path(name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    names = {META_NAME, *(f"tier-{i:02d}.log" for i in range(FILES))}
+    try:
+        found = any(e.name in names for e in os.scandir(path))
+    except OSError:
+        return None
+    return path if found else None
+
+
 __all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "add_operating_facts",
-           "pool_status", "all_pool_statuses", "listed_names", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier"]
+           "pool_status", "all_pool_statuses", "listed_names", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier",
+           "orphaned_tier"]

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from . import cli_io
+from . import cli_io, interrupts
 from .cli_render import (
     WATCH_HEADER, Output, console, fmt_size, json_key, keys_table, pools_table, print_json, print_status,
     print_table, prometheus, run_with_progress, say, say_created, say_restored, show_key, snapshots_table,
@@ -31,7 +31,8 @@ EXIT_CODES_HELP = (
     "Exit status: 0 ok; 1 verify found a problem; 2 usage error; 65 corrupt or "
     "incompatible data; 66 no such pool, key or snapshot; 69 service unavailable; "
     "70 internal error; 73 cannot create (exists, not enough memory); 74 I/O error; "
-    "75 temporary failure (lock held, out of file descriptors); 77 permission denied."
+    "75 temporary failure (lock held, out of file descriptors); 77 permission denied; 130 interrupted by SIGINT; "
+    "143 interrupted by SIGTERM (what the command had made is removed)."
 )
 
 
@@ -310,7 +311,7 @@ def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None
                     sys.stdout.write(watch_line(r))
                 sys.stdout.flush()
                 n += 1
-        except KeyboardInterrupt:  # the way to stop it: not an error
+        except (KeyboardInterrupt, interrupts.Interrupted):  # the way to stop it (Ctrl-C, SIGTERM): not an error
             pass
 
 
@@ -324,7 +325,9 @@ def delete(
 
     Processes that still have it mapped keep their mapping until they close
     it; without --force such a pool is not deleted.  A disk tier is kept
-    (a pool created again on it finds its entries) unless --force is given.
+    (a pool created again on it finds its entries) unless --force is given;
+    --force also removes a tier left at the default place by a delete that
+    was killed after its segment went.
 
     Example: cortex cache delete llama
     """
@@ -334,12 +337,14 @@ def delete(
     if gone.squatter is not None:
         say(f"removed {gone.squatter} at {segment.shm_path(name)}", stderr=True)
         return
-    say(f"deleted pool {name}")
     tier = gone.disk_tier
+    if gone.orphan:
+        say(f"removed the orphaned disk tier {tier} of pool {name} (its segment was already gone)")
+        return
+    say(f"deleted pool {name}")
     if tier is None:
         return
-    if force:
-        admin.remove_disk_tier(tier)
+    if gone.tier_removed:
         say(f"removed disk tier {tier}", stderr=True)
     else:
         say(f"kept disk tier {tier}: a pool created with --disk-path {tier} finds its entries; "
@@ -646,8 +651,10 @@ def doctor(
 
     Looks at /dev/shm (size against the pools, huge pages), the snapshot and
     disk-tier directories (owner, mode, free space), the remote tiers
-    (redis-py installed, server answering), restore staging segments left
-    behind, and which `cortex` a cron job would run.  Changes nothing.
+    (redis-py installed, server answering), restore staging segments and
+    what else killed restores, persists and deletes left behind (each with
+    the command that sweeps it), and which `cortex` a cron job would run.
+    Changes nothing.
 
     Example: cortex cache doctor
     """
@@ -706,13 +713,15 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("--debug")
     as_json = "--json" in options  # errors, too, are JSON then (on stderr)
     args = _watch_default(args)
-    return cli_io.run_guarded(
-        lambda: typer.main.get_command(app).main(
-            args=args, prog_name="cortex", complete_var=COMPLETE_VAR, standalone_mode=False
-        ),
-        debug,
-        as_json,
-    )
+    # SIGINT and SIGTERM interrupt a command as an error would, its cleanup included (interrupts.py).
+    with interrupts.handled():
+        return cli_io.run_guarded(
+            lambda: typer.main.get_command(app).main(
+                args=args, prog_name="cortex", complete_var=COMPLETE_VAR, standalone_mode=False
+            ),
+            debug,
+            as_json,
+        )
 
 
 def run() -> None:

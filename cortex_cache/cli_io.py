@@ -20,8 +20,10 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from . import interrupts
 from .cli_render import now_iso
 from .errors import EX_IOERR, EX_SOFTWARE, EX_USAGE, CortexCacheError, UsageError
+from .interrupts import Interrupted
 
 # ---------------------------------------------------------------- values in and out
 
@@ -152,10 +154,19 @@ def run_guarded(command: Callable[[], Any], debug: bool, as_json: bool) -> int:
         if isinstance(rc, int):
             code = rc
         sys.stdout.flush()  # a full disk or /dev/full shows here, as exit 74, not at interpreter exit
+        late = interrupts.pending()
+        if late is not None:  # it arrived once the command's work was committed: that stands
+            sys.stderr.write(f"cortex: {late} arrived after the command had completed; its result stands\n")
     except typer.Exit as e:
         code = e.exit_code
     except typer.Abort:
         code = 130
+    except Interrupted as e:
+        # Raised by the handlers of cortex_cache.interrupts: what the command had made is removed
+        # already (the cleanup every error gets ran on the way here).
+        error(f"interrupted by {e.signal_name}: stopped before it completed, and removed what it had made",
+              e.exit_code, as_json)
+        code = e.exit_code
     except CortexCacheError as e:
         if debug:
             import traceback

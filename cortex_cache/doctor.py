@@ -174,7 +174,83 @@ def check_staging() -> list[Finding]:
     aside = f" ({others} of other users left alone)" if others else ""
     return [_finding("staging", not left,
                      f"{len(left)} leftover restore staging segment(s)" + (f": {', '.join(left)}" if left else "") + aside,
-                     "the next restore removes them after a minute; or `cortex cache delete NAME` each")]
+                     "the next restore removes them (at once when the restore that made one is gone, "
+                     "else after a minute); or `cortex cache delete NAME` each")]
+
+
+PERSIST_TMP_STALE_AFTER = 60.0  # seconds without a write: a persist writes its temp file as it goes
+
+
+def check_leftovers() -> list[Finding]:
+    """What killed commands left (SIGKILL, a power cut: SIGINT and SIGTERM clean up as they go) and the
+    command that sweeps each: restore --replace's temp tier directories, persist's temp files, disk tiers
+    of pools whose segment is gone."""
+    import re
+    import time
+
+    from .admin import orphaned_tier
+    from .persist import snapshot_dir
+    from .restore import stale_tmp_dirs
+
+    out = []
+    dirs = stale_tmp_dirs()
+    out.append(_finding("restore-tmp", not dirs,
+                        f"{len(dirs)} temp tier director(y/ies) of killed restores" + (f": {', '.join(dirs)}" if dirs else ""),
+                        "the next `cortex cache restore NAME --replace` removes them; or rm -r each"))
+    temps: list[tuple[str, str]] = []  # (file, pool)
+    pat = re.compile(r"^\.(.+?)(?:-\d{8}T\d{6}(?:\.\d+)?Z?)?\.ccsnap\.tmp-[0-9a-f]{12}$")
+    now = time.time()
+    try:
+        with os.scandir(snapshot_dir()) as it:
+            for e in it:
+                m = pat.match(e.name)
+                if not m:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_uid == os.geteuid() and now - st.st_mtime >= PERSIST_TMP_STALE_AFTER:
+                    temps.append((e.name, _pool_of(m.group(1))))
+    except OSError:
+        pass
+    pools = sorted({p for _, p in temps})
+    out.append(_finding("persist-tmp", not temps,
+                        f"{len(temps)} temp file(s) of killed persists in {snapshot_dir()}"
+                        + (f": {', '.join(n for n, _ in temps)}" if temps else ""),
+                        "the next persist of the pool removes them: "
+                        + "; ".join(f"`cortex cache persist {p}`" for p in pools)))
+    orphans = []
+    try:
+        from .persist import namespaced
+        from .pool import default_disk_path
+
+        top = os.path.dirname(default_disk_path("x"))
+        stem = namespaced("")  # what the names are namespaced by ("" under the default prefix)
+        with os.scandir(top) as it:
+            for e in it:
+                name = e.name[len(stem):] if e.name.startswith(stem) else ""
+                try:
+                    segment.validate_name(name)
+                except CortexCacheError:
+                    continue
+                if orphaned_tier(name):
+                    orphans.append(name)
+    except (OSError, CortexCacheError):
+        pass
+    out.append(_finding("orphaned-tier", not orphans,
+                        f"{len(orphans)} disk tier(s) at the default place whose pool is gone"
+                        + (f": {', '.join(orphans)}" if orphans else ""),
+                        "; ".join(f"`cortex cache delete {n} --force`" for n in orphans)))
+    return out
+
+
+def _pool_of(stem: str) -> str:
+    """The pool name in a snapshot file's stem (namespaced by the prefix, as persist.namespaced makes it)."""
+    from .persist import namespaced
+
+    p = namespaced("")
+    return stem[len(p):] if p and stem.startswith(p) else stem
 
 
 def check_cron_cortex(running: str | None = None) -> list[Finding]:
@@ -193,7 +269,7 @@ def diagnose(running: str | None = None, ping: Callable[[str, bool], str | None]
     """Every check's findings, in a stable order."""
     pools = _pools() if os.path.isdir(segment.SHM_DIR) else []
     return (check_shm(pools) + check_snapshots(pools) + check_disk_tiers(pools) + check_remotes(pools, ping)
-            + check_staging() + check_cron_cortex(running))
+            + check_staging() + check_leftovers() + check_cron_cortex(running))
 
 
 __all__ = ["diagnose", "Finding"]

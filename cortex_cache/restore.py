@@ -8,14 +8,17 @@ file itself is read by snapshot.py.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import xxhash
 
-from . import safefs, segment
+from . import interrupts, procs, safefs, segment
 from .core import COPY_IN_LOCK, Core
 from .disklog import DiskLog
 from .disktier import live_owner
@@ -209,7 +212,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
             raise ServiceUnavailable(f"the snapshot's pool has a remote tier ({redact(remote['url'])}): {why}")
     new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
     _sweep_stale_staging()
-    staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+    staging = _staging_name()
     pool = _create_staging(
         Pool, target, staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
         mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
@@ -236,9 +239,12 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         disk_tier = pool.tiers.disk
         if disk_tier is not None and disk_tier.log is not None:
             disk_tier.log.set_owner(segment.shm_path(target))
-        segment.publish(staging, target)
+        with interrupts.commit():  # published: a signal now waits, and the restore reports success
+            segment.publish(staging, target)
     except BaseException:
         _discard(Pool, pool, staging)
+        if tier_kw and tier_kw["disk_size"] is not None and not segment.exists(target):
+            DiskLog.destroy(tier_kw["disk_path"])  # the tier this restore made anew goes with it
         raise
     pool.close()
     Pool.unlink(staging)
@@ -294,8 +300,6 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
     kill in between leaves only unreachable records, which a later restart
     scan could find again).
     """
-    import tempfile
-
     snap.verify()  # the cheap refusal first: a damaged file never costs a staging pool
     old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
     try:
@@ -312,11 +316,13 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
             tier_kw: dict[str, Any] = {}
             tmp_tier = None
             if old.disk_path is not None:
-                tmp_tier = tempfile.mkdtemp(prefix="cortex-restore-")
+                _sweep_stale_tmp()
+                pid, start = procs.me()  # in the name, so the next restore knows a killed one's leftovers
+                tmp_tier = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{pid}-{start}-")
                 tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
                            "disk_max_entries": int(old.geometry.n_dslots)}
             _sweep_stale_staging()
-            staging = f"{STAGING_PREFIX}{secrets.token_hex(8)}"
+            staging = _staging_name()
             try:
                 pool = _create_staging(
                     Pool, target, staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
@@ -338,7 +344,8 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                     for field, value in keep.items():
                         pool.core.header[field] = value
                     pool.close()
-                    segment.replace(staging, target)
+                    with interrupts.commit():  # swapped in: a signal now waits, and the restore reports success
+                        segment.replace(staging, target)
                 except BaseException:
                     _discard(Pool, pool, staging)
                     raise
@@ -368,23 +375,74 @@ def _tier_header(core: Core) -> dict[str, Any]:
 
 STAGING_PREFIX = "restoring-"
 STAGING_STALE_AFTER = 60.0  # seconds without a change, and no process mapping it
+# Staging segments and restore --replace's temp tier directories name their restore: pid, start time.
+_WRITER = re.compile(r"(\d+)-(\d+)-\w+$")  # mkdtemp's random part: letters, digits, _
+TMP_PREFIX = "cortex-restore-"
+
+
+def _staging_name() -> str:
+    pid, start = procs.me()
+    return f"{STAGING_PREFIX}{pid}-{start}-{secrets.token_hex(4)}"
+
+
+def _writer_dead(rest: str) -> bool:
+    """Is the restore named in `rest` ("PID-START-HEX") gone?  False for a name without one."""
+    m = _WRITER.match(rest)
+    return m is not None and not procs.alive(int(m.group(1)), int(m.group(2)))
 
 
 def _sweep_stale_staging() -> None:
-    """Remove the staging segments of restores that were killed (nobody maps them, and they sit still)."""
+    """Remove the staging segments of restores that were killed (nobody maps them, and their restore is
+    gone or they sit still for a minute).
+
+    Only our own: anyone can plant such names in /dev/shm, and root must not
+    remove another user's files.  One directory pass and one pass over /proc,
+    whatever is planted."""
     now = time.time()
-    for n in segment.list_names():
-        if not n.startswith(STAGING_PREFIX):
-            continue
-        try:
-            st = os.stat(segment.shm_path(n))
-        except OSError:
-            continue
-        if now - max(st.st_mtime, st.st_ctime) < STAGING_STALE_AFTER or segment.attached_pids(n):
+    stale = [e.name for e in segment.scan() if e.name.startswith(STAGING_PREFIX) and e.ours
+             and (now - max(e.mtime, e.ctime) >= STAGING_STALE_AFTER
+                  or _writer_dead(e.name[len(STAGING_PREFIX):]))]
+    if not stale:
+        return
+    attached = segment.attached_map()
+    for n in stale:
+        if attached.get(n):
             continue
         try:
             segment.unlink(n)
         except CortexCacheError:
+            pass
+
+
+def stale_tmp_dirs() -> list[str]:
+    """restore --replace's temp tier directories (TMPDIR/cortex-restore-PID-START-XXXX) of ours whose
+    restore is gone: what a SIGKILL left behind (`doctor` reports them, the next restore --replace sweeps)."""
+    top = tempfile.gettempdir()
+    out = []
+    try:
+        with os.scandir(top) as it:
+            for e in it:
+                if not e.name.startswith(TMP_PREFIX) or not _writer_dead(e.name[len(TMP_PREFIX):]):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                    out.append(e.path)
+    except OSError:
+        pass
+    return out
+
+
+def _sweep_stale_tmp() -> None:
+    """Remove what killed restores left in TMPDIR: the throw-away tier's files (by their names, never a
+    tree walk) and the directory."""
+    for d in stale_tmp_dirs():
+        try:
+            DiskLog.destroy(os.path.join(d, "tier"))
+            os.rmdir(d)
+        except OSError:
             pass
 
 
@@ -483,4 +541,4 @@ def _restore_end(core: Core, counters: dict[str, int] | None) -> None:
     core.victims.invalidate()
 
 
-__all__ = ["restore", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER"]
+__all__ = ["restore", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]

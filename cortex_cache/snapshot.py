@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import xxhash
 
-from . import config, safefs, segment
+from . import config, interrupts, safefs, segment
 from .core import Core
 from .errors import (
     CannotCreate,
@@ -330,10 +330,11 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
             entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)
             f.finish()
             os.fsync(raw.fileno())
-        os.rename(tmp, target)
-        if path is None:
-            _link_latest(target, latest_path(core.name, directory))
-        _fsync_dir(directory)
+        with interrupts.commit():  # renamed into place: a signal now waits, and the persist reports success
+            os.rename(tmp, target)
+            if path is None:
+                _link_latest(target, latest_path(core.name, directory))
+            _fsync_dir(directory)
     except BaseException as e:
         try:
             os.unlink(tmp)
