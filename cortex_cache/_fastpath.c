@@ -53,6 +53,9 @@ static const char *copy_hash_isa = "baseline";
 #define KEY_CELL 32
 #define SPIN 20        /* non-blocking lock attempts before answering SLOW */
 #define SEQ_RETRIES 3  /* seqlock copies tried before answering SLOW */
+/* A load from the segment that the compiler may not repeat: a field another process may change is loaded
+ * once into a local and only the local checked and used (find()). */
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 
 enum { POL_LRU, POL_LFU, POL_FIFO, POL_PRIORITY, POL_TTL, POL_SIZE };
 
@@ -358,25 +361,44 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Slot of key kb's sealed entry, -1 if none, -2 if the metadata looks damaged (the Python path reports). */
-static int64_t find(Fast *self, const char *kb, Py_ssize_t klen, uint64_t kh) {
-    int32_t i = self->buckets[kh & self->mask];
+/* What a lookup found: every field the read uses, each loaded once from the segment and checked, for the
+ * copy (inside or outside the lock) and the Pin.  Nothing here is read from the segment again. */
+typedef struct {
+    int64_t slot;
+    uint64_t off, len, iseq, cks;
+} Found;
+
+/* Key kb's sealed entry into *out: 1 found, 0 none, -1 if the metadata looks damaged (the Python path
+ * reports and repairs).  Another process that can write the segment may change any field at any moment,
+ * even while we hold the lock (docs/reliability.md, "Trust model"): each is loaded once (LOAD) into a
+ * local, checked, and only that local used, so a field changed between the check and its use cannot
+ * send a copy outside the data region or the caller's buffer. */
+static int find(Fast *self, const char *kb, Py_ssize_t klen, uint64_t kh, Found *out) {
+    int32_t i = LOAD(self->buckets[kh & self->mask]);
     uint64_t steps = 0;
     while (i >= 0) {
-        if ((uint64_t)i >= self->n_slots) return -2;
-        if (self->khash[i] == kh && self->klen[i] == (uint64_t)klen) {
-            uint64_t kc = self->kcell[i];
-            if (kc > self->n_kcells || ((uint64_t)klen + KEY_CELL - 1) / KEY_CELL > self->n_kcells - kc) return -2;
+        if ((uint64_t)i >= self->n_slots) return -1;
+        if (LOAD(self->khash[i]) == kh && LOAD(self->klen[i]) == (uint64_t)klen) {
+            uint64_t kc = LOAD(self->kcell[i]);
+            if (kc > self->n_kcells || ((uint64_t)klen + KEY_CELL - 1) / KEY_CELL > self->n_kcells - kc) return -1;
             if (memcmp(self->base + self->keys_off + kc * KEY_CELL, kb, (size_t)klen) == 0) {
-                uint64_t f = self->first[i], nb = self->nblk[i];
-                if (f > self->n_blocks || nb > self->n_blocks - f || self->vlen[i] > nb * self->bs) return -2;
-                return i;
+                uint64_t f = LOAD(self->first[i]), nb = LOAD(self->nblk[i]), len = LOAD(self->vlen[i]);
+                /* Inside the data region, and filling exactly its blocks (repair.py's rule). */
+                if (f > self->n_blocks || nb > self->n_blocks - f || len > nb * self->bs ||
+                    (nb > 0 && len <= (nb - 1) * self->bs))
+                    return -1;
+                out->slot = i;
+                out->off = self->data_off + f * self->bs;
+                out->len = len;
+                out->iseq = LOAD(self->iseq[i]);
+                out->cks = LOAD(self->cks[i]);
+                return 1;
             }
         }
-        i = self->next[i];
-        if (++steps > self->n_slots) return -2;
+        i = LOAD(self->next[i]);
+        if (++steps > self->n_slots) return -1;
     }
-    return -1;
+    return 0;
 }
 
 static inline int expired(Fast *self, int64_t i, double t) {
@@ -459,9 +481,10 @@ static int unpin(Fast *self, uint64_t j, int64_t i) {
     }
     if (p != 0) return 0;
     PyObject *hook = NULL;
-    if (self->state[i] == ZOMBIE) {
+    uint32_t st = LOAD(self->state[i]);
+    if (st == ZOMBIE) {
         hook = self->free_entry;
-    } else if (self->state[i] == SEALED && *self->cand_valid) {
+    } else if (st == SEALED && *self->cand_valid) {
         /* VictimCache.on_unpin: nothing to do when the entry scores above the last listed victim
          * (it cannot belong in the list) and has not expired; then only its expiry matters. */
         double t = now(), p1 = primary(self, i), mp = *self->cand_max_primary;
@@ -614,12 +637,6 @@ static PyObject *new_pin(Fast *f, uint64_t j, int64_t slot, uint64_t off, uint64
 
 /* ------------------------------------------------------------------ reads */
 
-/* What a lookup found, for a copy outside the lock. */
-typedef struct {
-    int64_t slot;
-    uint64_t off, len, iseq;
-} Found;
-
 /* Modes of a read: GET counts hits and misses; HITS counts hits, and a miss is SLOW (a tier below looks);
  * QUIET counts nothing and moves nothing in the eviction order (Pool.peek). */
 enum { MODE_GET = 0, MODE_HITS = 1, MODE_QUIET = 2 };
@@ -629,31 +646,27 @@ enum { MODE_GET = 0, MODE_HITS = 1, MODE_QUIET = 2 };
  * caller copies the value (without the seqlock, a large value is left to the Python path, which pins). */
 static int lookup(Fast *self, const char *kb, Py_ssize_t klen, uint64_t kh, int mode, Py_ssize_t room, double t,
                   int touch_now, int for_copy, Found *out) {
-    int64_t i = find(self, kb, klen, kh);
-    if (i == -2) return 2;
-    if (i >= 0 && expired(self, i, t)) {
+    int rc = find(self, kb, klen, kh, out);
+    if (rc < 0) return 2;
+    if (rc == 1 && expired(self, out->slot, t)) {
         if (mode != MODE_QUIET) return 2; /* Python expires it and counts */
-        i = -1;
+        rc = 0;
     }
-    if (i < 0) {
+    if (rc == 0) {
         if (mode == MODE_HITS) return 2;
         if (mode == MODE_GET) *self->misses += 1;
         return 0;
     }
-    if (room >= 0 && (uint64_t)room < self->vlen[i]) return 2; /* Python raises BufferTooSmall */
-    if (for_copy && !self->seqlock && self->vlen[i] > self->copy_in_lock) return 2;
-    out->slot = i;
-    out->off = self->data_off + self->first[i] * self->bs;
-    out->len = self->vlen[i];
-    out->iseq = self->iseq[i];
-    if (touch_now && mode != MODE_QUIET && touch(self, i, t) < 0) return -1;
+    if (room >= 0 && (uint64_t)room < out->len) return 2; /* Python raises BufferTooSmall */
+    if (for_copy && !self->seqlock && out->len > self->copy_in_lock) return 2;
+    if (touch_now && mode != MODE_QUIET && touch(self, out->slot, t) < 0) return -1;
     return 1;
 }
 
 /* Is the entry still the one `f` found (the seqlock check after a copy outside the lock)? */
 static inline int still(Fast *self, const Found *f) {
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    return self->state[f->slot] == SEALED && self->iseq[f->slot] == f->iseq;
+    return LOAD(self->state[f->slot]) == SEALED && LOAD(self->iseq[f->slot]) == f->iseq;
 }
 
 static void copy_out(char *dst, const char *src, uint64_t n) {
@@ -883,7 +896,7 @@ static PyObject *do_pin_many(Fast *self, PyObject *const *args, Py_ssize_t nargs
                 unpin(self, (uint64_t)j, f.slot);
                 break;
             }
-            PyObject *tup = new_pin(self, (uint64_t)j, f.slot, f.off, f.len, self->cks[f.slot]);
+            PyObject *tup = new_pin(self, (uint64_t)j, f.slot, f.off, f.len, f.cks);
             if (tup == NULL) {
                 unpin(self, (uint64_t)j, f.slot);
                 break;

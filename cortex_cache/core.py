@@ -755,6 +755,23 @@ class Core:
         i = self.find(kb, kh)
         return -1 if i >= 0 and self.expired(i) else i
 
+    def value_at(self, i: int) -> tuple[int, int]:
+        """(offset, length) of entry `i`'s value, for a read (lock held).
+
+        Another process that can write the segment may change a slot's fields at any moment, even under
+        the lock (docs/reliability.md, "Trust model"): each is read once, checked, and only what was
+        checked is used.  Raises SegmentCorrupt (and the next lock holder repairs) when they are
+        impossible: outside the data region, or not filling exactly the entry's blocks (repair.py's rule).
+        """
+        first, nblk, vlen = self._c_first[i], self._c_nblk[i], self._c_vlen[i]
+        bs = self._bs
+        if first + nblk > self._n_blocks or vlen > nblk * bs or (nblk and vlen <= (nblk - 1) * bs):
+            raise SegmentCorrupt(
+                f"pool {self.name!r}: entry {i} has impossible metadata (block {first} + {nblk}, "
+                f"{vlen} bytes); it is repaired on the pool's next use, or with `cortex cache verify --repair`"
+            )
+        return self._data_off + first * bs, vlen
+
     def read(self, kb: bytes, kh: int, out: memoryview | None) -> bytes | int | Pinned | None:
         """Look `kb` up and count the hit or miss (lock held).
 
@@ -765,11 +782,10 @@ class Core:
         i = self.lookup_live(kb, kh)
         if i < 0:
             return None
-        vlen = self._c_vlen[i]
+        off, vlen = self.value_at(i)
         if out is not None and out.nbytes < vlen:
             raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
         self.touch(i)
-        off = self._data_off + self._c_first[i] * self._bs
         if vlen <= GET_COPY_IN_LOCK:
             if out is None:
                 return self.mv[off : off + vlen].tobytes()
@@ -782,8 +798,9 @@ class Core:
         i = self.lookup_live(kb, kh) if count_miss else self.find_live(kb, kh)
         if i < 0:
             return None
+        off, vlen = self.value_at(i)
         self.touch(i)
-        return Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i])
+        return Pinned(self.pin(i), i, off, vlen)
 
     def pin_quietly(self, kb: bytes, kh: int) -> Pinned | None:
         """Pin the live entry of `kb` counting nothing and leaving its place in the eviction order
@@ -791,7 +808,8 @@ class Core:
         i = self.find_live(kb, kh)
         if i < 0:
             return None
-        return Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, self._c_vlen[i])
+        off, vlen = self.value_at(i)
+        return Pinned(self.pin(i), i, off, vlen)
 
     def delete(self, kb: bytes, kh: int, counted: bool) -> bool:
         """Remove `kb`'s entry if it is in memory; count a delete if it was or `counted` (lock held)."""
@@ -906,9 +924,17 @@ class Core:
                 self.victims.on_unpin(i)
 
     def pin_batch(self, slots: list[int]) -> list[Pinned]:
-        """Pin the sealed entries among `slots` (lock held)."""
-        return [Pinned(self.pin(i), i, self.value_offset(i), self._c_vlen[i])
-                for i in slots if self._c_state[i] == SEALED]
+        """Pin the sealed entries among `slots` whose metadata is possible (lock held)."""
+        out = []
+        for i in slots:
+            if self._c_state[i] != SEALED:
+                continue
+            try:
+                off, vlen = self.value_at(i)
+            except SegmentCorrupt:
+                continue  # verify's structural pass reports it; nothing to pin
+            out.append(Pinned(self.pin(i), i, off, vlen))
+        return out
 
     def pin_many(self, encoded: list[tuple[bytes, int]], rooms: list[int] | None, count_miss: bool) -> list[Any]:
         """Pin the live entries of many keys in this one lock hold (the batched reads' bookkeeping).
@@ -924,13 +950,13 @@ class Core:
                 if i < 0:
                     out.append(None)
                     continue
-                vlen = self._c_vlen[i]
+                off, vlen = self.value_at(i)
                 if rooms is not None and rooms[n] < vlen:
                     out.append(BufferTooSmall(f"buffer of {rooms[n]} bytes is too small for a value of {vlen} bytes"))
                     continue
                 self.touch(i)
                 try:
-                    out.append(Pinned(self.pin(i), i, self._data_off + self._c_first[i] * self._bs, vlen))
+                    out.append(Pinned(self.pin(i), i, off, vlen))
                 except PoolBusy as e:
                     out.append(e)
         except BaseException:

@@ -753,3 +753,159 @@ def test_the_memory_bound_is_real():
     with pytest.raises(MemoryError):
         np.ones(FUZZ_MEMORY_BOUND + (64 << 20), dtype=np.uint8)
     assert np.ones(16 << 20, dtype=np.uint8).sum() == 16 << 20
+
+
+# ---------------------------------------------------------------------------
+# 3. A writer racing the readers: slot fields flipped between a good and an impossible value while
+# another process reads (docs/reliability.md, "Trust model").  Every field is read once from the
+# segment, checked, and only that copy used: a reader sees the value whole, a miss, or a clean 65;
+# never a crash, never bytes past the caller's buffer, never another entry's bytes.
+
+RACE_ROUNDS = int(os.environ.get("CORTEX_FUZZ_RACE_ROUNDS", "3000"))  # per read entry point
+# field -> the impossible value the writer flips it to, from the entry's own (good) one and the block
+# size: source text, as the reader child evaluates it
+RACE_FIELDS = {
+    "first_block": "lambda good, bs: 2**40",
+    "value_len": "lambda good, bs: good + 3 * bs",  # past the entry's blocks (100 -> 12388 at 4 KiB)
+    "n_blocks": "lambda good, bs: 2**40",
+    "key_cell": "lambda good, bs: 2**40",
+    "next": "lambda good, bs: 2**31 - 1",  # a chain link past the slot table
+}
+
+RACE_READER = r"""
+import faulthandler, json, subprocess, sys
+faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where it is, before the test's timeout
+from cortex_cache import CortexCacheError, KeyNotFound, Pool
+from cortex_cache.layout import SLOT_COLUMNS
+from cortex_cache.values import key_bytes
+from xxhash import xxh3_64_intdigest
+import numpy as np
+from tests.helpers import make_value
+
+name, path, field, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+values = {"small": make_value(1, 1, 100), "large": make_value(2, 1, 100_000)}  # in-lock and outside-lock copies
+fillers = {f"f{i}": make_value(10 + i, 1, 5000) for i in range(6)}  # what a wrong offset would read
+p = Pool.open(name)
+core, geo = p.core, p.geometry
+fmt = dict(SLOT_COLUMNS)[field]
+size = np.dtype(fmt).itemsize
+col_off = geo.slot_columns()[field]
+writer = subprocess.Popen([sys.executable, "-m", "tests.race_writer", path], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+
+def targets():
+    out = []
+    for k in values:
+        kb = key_bytes(k)[0]
+        i = core.locked(core.find, kb, xxh3_64_intdigest(kb))
+        good = int(core.columns[field][i])
+        bad = {BADS}[field](good, geo.block_size)
+        out += [col_off + i * size, size, bad, good]  # the writer stores them as signed words
+    return " ".join(map(str, out))
+
+def resync():
+    writer.stdin.write("pause\n"); writer.stdin.flush()
+    assert writer.stdout.readline().strip() == "ok"
+    for k, v in {**values, **fillers}.items():
+        if p.peek(k) != v:
+            p.put(k, v)
+    writer.stdin.write("go " + targets() + "\n"); writer.stdin.flush()
+
+def guarded_get_into(k):
+    want = len(values[k])
+    buf = bytearray(b"\xa5" * (want + 8192))
+    n = p.get_into(k, memoryview(buf)[:want])
+    assert buf[want:] == b"\xa5" * 8192, f"get_into wrote past its {want}-byte buffer"
+    return None if n is None else bytes(buf[:n])
+
+def many_into(k):
+    want = len(values[k])
+    bufs = [bytearray(b"\xa5" * (want + 8192)) for _ in range(2)]
+    got = p.get_many_into([k, k], [memoryview(b)[:want] for b in bufs])
+    for b in bufs:
+        assert b[want:] == b"\xa5" * 8192, f"get_many_into wrote past its {want}-byte buffer"
+    for g in got:
+        if isinstance(g, Exception):
+            raise g
+    return None if got[0] is None else bytes(bufs[0][:got[0]])
+
+def view(k):
+    with p.view(k) as mv:
+        return bytes(mv)
+
+def view_many(k):
+    vs = p.view_many([k])
+    try:
+        if isinstance(vs[0], Exception):
+            raise vs[0]
+        return None if vs[0] is None else bytes(vs[0].memoryview)
+    finally:
+        p.release_many(vs)
+
+ops = {"get": p.get, "peek": p.peek, "get_into": guarded_get_into, "get_many_into": many_into,
+       "view": view, "view_many": view_many}
+seen = {"whole": 0, "miss": 0, "refused": 0}
+wrong = []
+resync()
+for r in range(rounds * len(ops)):
+    op = list(ops)[r % len(ops)]
+    k = "small" if (r // len(ops)) % 2 else "large"
+    try:
+        got = ops[op](k)
+    except KeyNotFound:
+        got = None
+    except CortexCacheError as e:
+        if e.exit_code != 65:
+            wrong.append(f"{op}({k}): {type(e).__name__} (exit {e.exit_code}): {e}")
+        seen["refused"] += 1
+        continue
+    except Exception as e:
+        wrong.append(f"{op}({k}): {type(e).__name__}: {e}")
+        continue
+    if got is None:
+        seen["miss"] += 1
+        resync()
+    elif got == values[k]:
+        seen["whole"] += 1
+    else:
+        wrong.append(f"{op}({k}): {len(got)} bytes, not the {len(values[k])} put")
+writer.stdin.write("stop\n"); writer.stdin.flush()
+flips = int(writer.stdout.readline())
+assert writer.wait() == 0
+p.close()
+print(json.dumps({"seen": seen, "wrong": wrong[:10], "n_wrong": len(wrong), "flips": flips}))
+"""
+
+
+@pytest.mark.parametrize("path", ["fast", "pure"])
+@pytest.mark.parametrize("field", list(RACE_FIELDS))
+def test_a_racing_writer_never_crashes_a_reader_or_overruns_its_buffer(path, field):
+    """A process flips a slot field without the lock while another runs every read entry point.
+
+    The reader runs in a child process: a crash (SIGSEGV, SIGBUS) shows as its exit status."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    name = _fresh_name("race")
+    p = Pool.create(name, "1M", block_size="4K", max_entries=64)
+    p.close()
+    bads = "{" + ", ".join(f"{f!r}: {src}" for f, src in RACE_FIELDS.items()) + "}"
+    env = {**os.environ}
+    if path == "pure":
+        env["CORTEX_CACHE_PURE_PYTHON"] = "1"
+    else:
+        env.pop("CORTEX_CACHE_PURE_PYTHON", None)
+    try:
+        r = subprocess.run([sys.executable, "-c", RACE_READER.replace("{BADS}", bads), name,
+                            segment.shm_path(name), field, str(RACE_ROUNDS)],
+                           capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+        assert r.returncode == 0, f"the reader died (status {r.returncode}):\n{r.stderr[-3000:]}"
+        out = json.loads(r.stdout.splitlines()[-1])
+        assert out["n_wrong"] == 0, out["wrong"]
+        assert out["flips"] > 0 and out["seen"]["whole"] > 0, out
+    finally:
+        Pool.unlink(name)
+
