@@ -278,6 +278,11 @@ def busy(fd: int, name: str, doing: str) -> PersistBusy:
     return PersistBusy(f"{running} of pool {name!r} is already running; {doing} it again when it is done")
 
 
+def is_owner(core: Core) -> bool:
+    """Whether this process's user owns the pool's segment (read on its descriptor), or is root."""
+    return os.geteuid() in (0, core.seg.stat().st_uid)
+
+
 def check_owner(core: Core, what: str, instead: str) -> None:
     """PermissionDenied (77) unless this process's user owns the pool's segment (or is root).
 
@@ -286,9 +291,8 @@ def check_owner(core: Core, what: str, instead: str) -> None:
     it can write the header anyway).  The owner is read on the segment's
     descriptor, never from the header, which any writer of the pool can forge.
     """
-    owner = core.seg.stat().st_uid
-    me = os.geteuid()
-    if me not in (0, owner):
+    if not is_owner(core):
+        owner, me = core.seg.stat().st_uid, os.geteuid()
         raise PermissionDenied(
             f"only the owner of pool {core.name!r} (uid {owner}) may {what}; you are uid {me} ({instead})"
         )
@@ -349,7 +353,8 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
     def note() -> None:
         core.header["last_snapshot"] = now
 
-    core.locked(note)
+    if is_owner(core):  # another user's snapshot (in their directory) is not the owner's last one
+        core.locked(note)
     return PersistResult(target, entries, nbytes, time.perf_counter() - t0, skipped)
 
 

@@ -289,8 +289,10 @@ def test_a_group_member_cannot_change_the_owners_retention(make_pool, pool_name)
         assert code == 77 and "owner" in err, (code, err)
         assert p.snapshot_keep == 4
         assert not os.path.exists(os.path.join(theirs, "snaps"))  # refused before anything was written
+        last = p.stats()["last_snapshot"]
         assert as_member(persist(None), env) == (0, "")  # a plain persist by a member still works
         assert p.snapshot_keep == 4 and len(os.listdir(os.path.join(theirs, "snaps"))) == 2
+        assert p.stats()["last_snapshot"] == last  # their snapshot is not the owner's last one
         assert cli("cache", "persist", pool_name, "--keep", "2").returncode == 0  # the owner may
         assert p.snapshot_keep == 2
     finally:
