@@ -33,6 +33,7 @@ _EXPORTS = {
     "BufferTooSmall": ".errors",
     "SegmentCorrupt": ".errors",
     "IncompatibleVersion": ".errors",
+    "ValueCorrupt": ".errors",
     "PermissionDenied": ".errors",
     "LockTimeout": ".errors",
     "PoolBusy": ".errors",

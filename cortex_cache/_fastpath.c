@@ -75,7 +75,7 @@ typedef struct {
     PyObject *on_unpin;                        /* VictimCache.on_unpin */
     PyObject *free_entry;                      /* Core's free of a slot (a zombie's last unpin) */
     PyObject *late_unpin;                      /* unpin(pin, slot) for a Pin whose last user went */
-    int policy, monotone, seqlock;
+    int policy, monotone, seqlock, verify; /* verify: check each value copied out against its checksum */
     uint64_t bs, n_blocks, n_slots, mask, n_pins, data_off, keys_off, n_kcells, copy_in_lock;
     uint32_t pid;
     uint64_t pstart, pin_hint;
@@ -131,13 +131,14 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->fd = fd;
     uint64_t size = (uint64_t)self->buf.len;
 
-    uint64_t lock_byte, policy, monotone, seqlock, pid, n_buckets;
+    uint64_t lock_byte, policy, monotone, seqlock, verify, pid, n_buckets;
     uint64_t o_dirty, o_cand_valid, o_seq, o_hits, o_misses, o_ops, o_lfu_epoch, o_lfu_period;
     uint64_t o_cmax_p, o_cmax_s, o_cnext, o_buckets, o_pins_region;
     uint64_t c_state, c_pins, c_klen, c_next, c_khash, c_vlen, c_first, c_nblk, c_cks, c_lastacc;
     uint64_t c_expiry, c_iseq, c_aseq, c_acount, c_lfuep, c_prio, c_kcell;
     struct { const char *name; uint64_t *out; } fields[] = {
         {"lock_byte", &lock_byte}, {"policy", &policy}, {"monotone", &monotone}, {"seqlock", &seqlock},
+        {"verify", &verify},
         {"pid", &pid}, {"start", &self->pstart}, {"block_size", &self->bs}, {"n_blocks", &self->n_blocks},
         {"n_slots", &self->n_slots}, {"n_buckets", &n_buckets}, {"n_pins", &self->n_pins},
         {"data_off", &self->data_off}, {"keys_off", &self->keys_off}, {"n_kcells", &self->n_kcells},
@@ -183,6 +184,7 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->policy = (int)policy;
     self->monotone = (int)monotone;
     self->seqlock = (int)seqlock;
+    self->verify = (int)verify;
     self->pid = (uint32_t)pid;
     self->pin_hint = 0;
     char *b = self->base;
@@ -679,6 +681,20 @@ static void copy_out(char *dst, const char *src, uint64_t n) {
     }
 }
 
+/* Does a value copied out match the checksum its entry records?  (Pool.open(verify_reads=True): a
+ * slot whose fields point at other bytes, or bytes changed in place, is then refused, not returned.) */
+static int matches(const char *p, uint64_t n, uint64_t cks) {
+    uint64_t h;
+    if (n >= 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        h = XXH3_64bits(p, (size_t)n);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = XXH3_64bits(p, (size_t)n);
+    }
+    return h == cks;
+}
+
 static int parse_key(PyObject *kb, PyObject *kh, const char **p, Py_ssize_t *n, uint64_t *h) {
     if (!PyBytes_Check(kb)) {
         PyErr_SetString(PyExc_TypeError, "key must be bytes");
@@ -725,6 +741,7 @@ static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
         }
         counted = 1;
         const char *src = self->base + f.off;
+        /* A value that fails verification goes to the Python path, which refuses it (ValueCorrupt). */
         if (f.len <= self->copy_in_lock) {
             if (have_out) {
                 memcpy(ob.buf, src, f.len);
@@ -733,13 +750,17 @@ static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
                 result = PyBytes_FromStringAndSize(src, (Py_ssize_t)f.len);
             }
             give(self, 1);
+            if (result != NULL && self->verify &&
+                !matches(have_out ? (const char *)ob.buf : PyBytes_AS_STRING(result), f.len, f.cks))
+                Py_SETREF(result, Py_NewRef(SLOW));
             break;
         }
         give(self, 1);
         if (have_out) {
             copy_out(ob.buf, src, f.len);
             if (still(self, &f)) {
-                result = PyLong_FromUnsignedLongLong(f.len);
+                result = !self->verify || matches(ob.buf, f.len, f.cks) ? PyLong_FromUnsignedLongLong(f.len)
+                                                                       : Py_NewRef(SLOW);
                 break;
             }
         } else {
@@ -747,7 +768,12 @@ static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
             if (b == NULL) break;
             copy_out(PyBytes_AS_STRING(b), src, f.len);
             if (still(self, &f)) {
-                result = b;
+                if (self->verify && !matches(PyBytes_AS_STRING(b), f.len, f.cks)) {
+                    Py_DECREF(b);
+                    result = Py_NewRef(SLOW);
+                } else {
+                    result = b;
+                }
                 break;
             }
             Py_DECREF(b);
@@ -777,7 +803,7 @@ static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t narg
     if (result == NULL) return NULL;
     Py_buffer *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     Found *found = PyMem_Calloc(n ? n : 1, sizeof(Found));
-    char *status = PyMem_Calloc(n ? n : 1, 1); /* 0 none, 1 found: copy later */
+    char *status = PyMem_Calloc(n ? n : 1, 1); /* 0 done, 1 found: copy later, 2 copied: verify later */
     Py_ssize_t nbufs = 0;
     int ok = 0;
     if (!bufs || !found || !status) {
@@ -818,6 +844,7 @@ static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t narg
         }
         if (rc == 1 && found[k].len <= self->copy_in_lock) {
             memcpy(bufs[k].buf, self->base + found[k].off, found[k].len);
+            status[k] = self->verify ? 2 : 0; /* verified once the lock is let go */
             PyList_SET_ITEM(result, k, PyLong_FromUnsignedLongLong(found[k].len));
         } else if (rc == 1) {
             status[k] = 1;
@@ -827,13 +854,20 @@ static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t narg
     }
     give(self, 1);
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (!status[k]) {
+        if (status[k] != 1) {
             if (PyList_GET_ITEM(result, k) == NULL) goto done; /* PyLong_From... failed */
+            if (status[k] == 2 && !matches(bufs[k].buf, found[k].len, found[k].cks)) {
+                PyObject *was = PyList_GET_ITEM(result, k);
+                PyList_SET_ITEM(result, k, Py_NewRef(SLOW));
+                Py_DECREF(was);
+            }
             continue;
         }
         copy_out(bufs[k].buf, self->base + found[k].off, found[k].len);
-        /* A value changed under the copy: the Python path reads it again, pinned (counting a second hit). */
-        PyList_SET_ITEM(result, k, still(self, &found[k]) ? PyLong_FromUnsignedLongLong(found[k].len) : Py_NewRef(SLOW));
+        /* A value changed under the copy (or failing verification): the Python path reads it again, pinned
+         * (counting a second hit). */
+        int ok_copy = still(self, &found[k]) && (!self->verify || matches(bufs[k].buf, found[k].len, found[k].cks));
+        PyList_SET_ITEM(result, k, ok_copy ? PyLong_FromUnsignedLongLong(found[k].len) : Py_NewRef(SLOW));
         if (PyList_GET_ITEM(result, k) == NULL) goto done;
     }
     ok = 1;

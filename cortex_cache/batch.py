@@ -144,7 +144,11 @@ def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | 
                 pinned.append(r)
                 _, _, off, vlen = r
                 omvs[n][:vlen] = core.mv[off : off + vlen]
-                results[n] = vlen
+                try:
+                    core.check_copy(r, omvs[n][:vlen])
+                    results[n] = vlen
+                except CortexCacheError as e:
+                    results[n] = e
     finally:
         if pinned:
             core.release_pins(pinned)
@@ -174,6 +178,7 @@ def finish_read_into(core: Core, tiers: Tiers, kb: bytes, kh: int, r: Any, omv: 
         _, _, off, n = r
         try:
             omv[:n] = core.mv[off : off + n]
+            core.check_copy(r, omv[:n])
         finally:
             core.release_pins([r])
         return n
@@ -208,6 +213,13 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
     below = tiers.disk is not None or tiers.remote is not None
     got = pin_many(core, enc, not below)
     results = EntryView.of_pins(core, views, got)
+    if core.verify_reads:
+        for n, r in enumerate(results):
+            if r.__class__ is EntryView:
+                try:
+                    verified(core, r)
+                except CortexCacheError as e:
+                    results[n] = e
     if below:
         for n, r in enumerate(results):
             if r is None:
@@ -218,6 +230,15 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
                 except CortexCacheError as e:
                     results[n] = e
     return results
+
+
+def verified(core: Core, view: EntryView) -> EntryView:
+    """`view`, or with `verify_reads` ValueCorrupt (the view released) when its bytes do not match the
+    checksum taken at put."""
+    if core.verify_reads and not view.verify():
+        view.release()
+        raise core.value_corrupt()
+    return view
 
 
 def release_many(core: Core, views: Any) -> None:

@@ -380,12 +380,14 @@ def get(
     key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout ('-': stdout)."),
     peek: bool = typer.Option(False, "--peek", help="Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)."),
+    verify: bool = typer.Option(False, "--verify", help="Check the value against the checksum taken at put; exit 65 (and write nothing) if it does not match. CORTEX_CACHE_VERIFY_READS=1 turns it on too."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
 
     Output that cannot be written (a full disk, /dev/full) exits 74, and
-    with -o the file is removed rather than left short.
+    with -o the file is removed rather than left short.  An entry whose
+    metadata is impossible (damaged, or changed by another writer) exits 65.
 
     Example: cortex cache get llama greeting -o greeting.bin
     """
@@ -395,7 +397,7 @@ def get(
         output = None
     fd = cli_io.create_output(output) if output is not None else -1
     try:
-        with Pool.open(name, lock_timeout=10) as p:
+        with Pool.open(name, lock_timeout=10, verify_reads=verify or None) as p:
             value = p.peek(key) if peek else p.get(key)
         if value is None:
             raise KeyNotFound(f"no key {key!r} in pool {name!r}")

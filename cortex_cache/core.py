@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from . import procs, segment
 from .allocator import find_run, run_around
@@ -39,6 +40,7 @@ from .errors import (
     PoolFull,
     SegmentCorrupt,
     UsageError,
+    ValueCorrupt,
     ValueTooLarge,
 )
 from .eviction import VictimCache, policy_by_id
@@ -123,9 +125,12 @@ class Core:
         clock: Callable[[], float] | None,
         lock_timeout: float | None,
         repairer: Callable[["Core", bool], list[str]],
+        verify_reads: bool = False,
     ) -> None:
         """Attach to a validated segment.  `repairer(core, fix)` checks (and with `fix` repairs) the memory
-        tier's metadata, lock held (repair.analyse); `repair_hooks` add checks of regions above it."""
+        tier's metadata, lock held (repair.analyse); `repair_hooks` add checks of regions above it.
+        `verify_reads`: every value read is checked against its checksum (`check_copy`)."""
+        self.verify_reads = verify_reads
         self.seg = seg
         self.name = seg.name
         self._repairer = repairer
@@ -202,7 +207,7 @@ class Core:
         pol = self.victims.policy
         spec: dict[str, Any] = {
             "lock_byte": METADATA_BYTE, "policy": _POLICY_KINDS[pol.name], "monotone": int(pol.monotone),
-            "seqlock": int(SEQLOCK_COPIES), "pid": pid, "start": start,
+            "seqlock": int(SEQLOCK_COPIES), "verify": int(self.verify_reads), "pid": pid, "start": start,
             "block_size": g.block_size, "n_blocks": g.n_blocks, "n_slots": g.n_slots, "n_buckets": g.n_buckets,
             "n_pins": g.n_pins, "data_off": g.data_off, "keys_off": g.keys_off, "n_kcells": g.n_kcells,
             "copy_in_lock": GET_COPY_IN_LOCK, "buckets_off": g.buckets_off, "pins_off": g.pins_off,
@@ -786,12 +791,25 @@ class Core:
         if out is not None and out.nbytes < vlen:
             raise BufferTooSmall(f"buffer of {out.nbytes} bytes is too small for a value of {vlen} bytes")
         self.touch(i)
-        if vlen <= GET_COPY_IN_LOCK:
+        if vlen <= GET_COPY_IN_LOCK and not self.verify_reads:  # verified reads are pinned: check_copy
             if out is None:
                 return self.mv[off : off + vlen].tobytes()
             out[:vlen] = self.mv[off : off + vlen]
             return vlen
         return Pinned(self.pin(i), i, off, vlen)
+
+    def check_copy(self, pinned: Pinned, copy: Any) -> None:
+        """With `verify_reads`: raise ValueCorrupt unless `copy` (the bytes just copied from pinned entry
+        `pinned`) matches the checksum its entry records.  Not lock held: the pin keeps the entry."""
+        if self.verify_reads and xxh3_64_intdigest(copy) != self._c_cks[pinned.slot]:
+            raise self.value_corrupt()
+
+    def value_corrupt(self) -> ValueCorrupt:
+        """The error of a read whose value does not match its checksum."""
+        return ValueCorrupt(
+            f"pool {self.name!r}: a value does not match its checksum (its slot points at other bytes, or "
+            "they were changed in place); `cortex cache verify --repair` drops such entries"
+        )
 
     def pin_live(self, kb: bytes, kh: int, count_miss: bool = True) -> Pinned | None:
         """Pin the live entry of `kb` and count the hit (and, with `count_miss`, a miss); lock held."""
@@ -890,7 +908,8 @@ class Core:
         if pu32[j * P32 + P_PID] != 0:
             ppid = self.pin_records["pid"]
             free = np.flatnonzero(ppid == 0)
-            if free.size == 0 and self.reap_dead():
+            if free.size == 0:
+                self.reap_dead()  # dead readers' records come back (it says True only when it freed an entry)
                 free = np.flatnonzero(ppid == 0)
             if free.size == 0:
                 raise PoolBusy(
@@ -933,7 +952,11 @@ class Core:
                 off, vlen = self.value_at(i)
             except SegmentCorrupt:
                 continue  # verify's structural pass reports it; nothing to pin
-            out.append(Pinned(self.pin(i), i, off, vlen))
+            try:
+                out.append(Pinned(self.pin(i), i, off, vlen))
+            except BaseException:
+                self.unpin_batch(out)  # PoolBusy part-way: no pins left behind
+                raise
         return out
 
     def pin_many(self, encoded: list[tuple[bytes, int]], rooms: list[int] | None, count_miss: bool) -> list[Any]:

@@ -103,6 +103,10 @@ class IncompatibleVersion(SegmentCorrupt):
     """A segment written by another format version of cortex_cache."""
 
 
+class ValueCorrupt(SegmentCorrupt):
+    """A value read does not match its checksum (a read with `verify_reads`, `get --verify`)."""
+
+
 class PermissionDenied(CortexCacheError, PermissionError):
     """The pool (or file) exists but this user may not open it."""
 
@@ -187,6 +191,7 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "ValueTooLarge",
     "SegmentCorrupt",
     "IncompatibleVersion",
+    "ValueCorrupt",
     "PermissionDenied",
     "LockTimeout",
     "PoolBusy",

@@ -60,6 +60,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# Pool.open(verify_reads=None) takes its default from here (docs/reliability.md, "Trust model").
+VERIFY_READS_ENV = "CORTEX_CACHE_VERIFY_READS"
+
+
 class Pool:
     """A named KV-cache pool in POSIX shared memory.
 
@@ -82,9 +86,12 @@ class Pool:
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
         _disk_log: DiskLog | None = None,
+        verify_reads: bool | None = None,
     ) -> None:
+        if verify_reads is None:
+            verify_reads = os.environ.get(VERIFY_READS_ENV, "") not in ("", "0")
         core = Core(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
-                    repairer=_repair.analyse)
+                    repairer=_repair.analyse, verify_reads=verify_reads)
         self.core = core
         self._views: set[EntryView] = set()
         self._close_hooks: list[Callable[[], None]] = []
@@ -366,6 +373,7 @@ class Pool:
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
         require_owner: bool = False,
+        verify_reads: bool | None = None,
     ) -> "Pool":
         """Attach to existing pool `name`.
 
@@ -380,12 +388,18 @@ class Pool:
         anything in it is used: for code that opens a pool by a configured name
         on a user's behalf (the engine adapters, create(exist_ok=True),
         restore).  A plain open (a group member's, of a 0660 pool) does not.
+        `verify_reads`: check every value this handle reads (get, get_into,
+        peek, views and their batches) against the checksum taken at put, and
+        raise ValueCorrupt (65) instead of returning bytes that do not match;
+        for a pool shared with writers you do not fully trust (docs/reliability.md,
+        "Trust model").  None: CORTEX_CACHE_VERIFY_READS=1 in the environment.
         """
         seg = header.open_segment(name)
         try:
             if require_owner:
                 segment.check_owner(seg)
-            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
+            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
+                       verify_reads=verify_reads)
         except BaseException:
             seg.close()
             raise
@@ -515,7 +529,9 @@ class Pool:
         if r.__class__ is Pinned:
             _, _, off, n = r  # unpacked: cheaper than attribute lookups on the hot path
             try:
-                return core.mv[off : off + n].tobytes()
+                value = core.mv[off : off + n].tobytes()
+                core.check_copy(r, value)
+                return value
             finally:
                 core.release_pins([r])
         value = tiers.from_below(kb, kh, r)
@@ -541,7 +557,9 @@ class Pool:
             return default
         _, _, off, n = r
         try:
-            return core.mv[off : off + n].tobytes()
+            value = core.mv[off : off + n].tobytes()
+            core.check_copy(r, value)
+            return value
         finally:
             core.release_pins([r])
 
@@ -583,7 +601,7 @@ class Pool:
                 raise got  # PoolBusy: out of pin records
             ev = EntryView(core, self._views, *((got, got.checksum) if got.__class__ is PIN else got))
             self._views.add(ev)
-            return ev
+            return batch.verified(core, ev)
         r = tiers.settled(tiers.pin_live, kb, kh)
         if r.__class__ is not Pinned:
             # A view maps memory: bring the entry in from below first.
@@ -597,7 +615,7 @@ class Pool:
         # The entry is pinned: its slot (and checksum) cannot change under us.
         ev = EntryView(core, self._views, r, core.checksum(r.slot))
         self._views.add(ev)
-        return ev
+        return batch.verified(core, ev)
 
     def flush_remote(self, timeout: float | None = None) -> bool:
         """Wait until this handle's queued remote writes were sent; False on timeout (True without a remote)."""
