@@ -57,7 +57,7 @@ _cortex_options()
         status) _cortex_words '--json --format --watch --count -q --quiet --help' ;;
         delete) _cortex_words '-f --force -q --quiet --help' ;;
         put) _cortex_words '--ttl --priority -q --quiet --help' ;;
-        get) _cortex_words '-o --output --peek -q --quiet --help' ;;
+        get) _cortex_words '-o --output --peek --verify -q --quiet --help' ;;
         keys) _cortex_words '--prefix --limit -l --long --tier --json -q --quiet --help' ;;
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;

@@ -151,6 +151,7 @@ complete -c cortex -n '__cortex_using put 2' -F
 
 complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout (\'-\': stdout)'
 complete -c cortex -n '__cortex_using get' -l peek -d 'Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)'
+complete -c cortex -n '__cortex_using get' -l verify -d 'Check the value against the checksum taken at put; exit 65 (and write nothing) if it does not match'
 complete -c cortex -n '__cortex_using get' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using get' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
@@ -184,7 +185,7 @@ complete -c cortex -n '__cortex_using verify' -l help -d 'Show this message and 
 complete -c cortex -n '__cortex_using verify 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using persist' -s o -l output -r -F -d 'Write the snapshot to this file instead of the snapshot directory'
-complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)'
+complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)'
 complete -c cortex -n '__cortex_using persist' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using persist' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and exit'

@@ -520,7 +520,7 @@ def verify(
 def persist(
     name: str = NAME_ARG,
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool; default 3)."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
