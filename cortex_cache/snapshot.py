@@ -591,7 +591,7 @@ def snapshots_of(name: str, directory: Path | None = None) -> list[Path]:
     pattern = re.compile(r"^" + re.escape(namespaced(name)) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
     try:
         return sorted(p for p in directory.iterdir() if pattern.match(p.name))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none yet, or a file in the way (persist says so: 73)
         return []
 
 

@@ -436,3 +436,8 @@ def test_a_file_in_the_way_of_the_snapshot_directory_is_one_code(make_pool, tmp_
     env = {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)}
     assert "not a directory" in one_line(cli("cache", "persist", p.name, env=env), 73)
     assert "not a directory" in one_line(cli("cache", "restore", p.name + "-x", env=env), 73)
+    # Reading commands report no snapshots rather than fail.
+    r = cli("cache", "status", p.name, "--json", env=env)
+    assert r.returncode == 0 and json.loads(r.stdout)["snapshots"]["count"] == 0, r.stderr
+    r = cli("cache", "snapshots", p.name, env=env)
+    assert r.returncode == 0 and b"no snapshots" in r.stderr and b"Traceback" not in r.stderr, r.stderr
