@@ -21,7 +21,10 @@ from .copyhash import copy_hash
 from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import CORRUPT, DiskLog, Found
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
-from .errors import BufferTooSmall, CortexCacheError, PoolFull, StorageIOError, UsageError, ValueTooLarge
+from .errors import (
+    BufferTooSmall, CortexCacheError, PermissionDenied, PoolFull, StorageIOError, TooManyOpenFiles, UsageError,
+    ValueTooLarge,
+)
 from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
 
 # How long a reader waits for a key whose spill to disk another process is writing (normally
@@ -30,6 +33,9 @@ SPILL_WAIT = 2.0
 # At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
 SPILL_ASIDE = 64 << 20
 spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
+
+# What an eviction refused because its entry cannot go to the disk tier raises (see Tiers._spill).
+REFUSED = (StorageIOError, PermissionDenied, TooManyOpenFiles)
 
 # A write-through put's record on disk, indexed when its memory entry is sealed:
 # (location, second key hash, value length, expiry, priority, flags).
@@ -312,8 +318,9 @@ class Tiers:
                 self.put(kb, kh, flags & SLOT_FLAG_STR_KEY, value, core.blocks_or_raise(value.nbytes), None, 0,
                          checksum)
                 promoted = 1
-            except (PoolFull, ValueTooLarge):
-                pass  # served from the server this once; memory is full of pinned entries
+            except (PoolFull, ValueTooLarge, *REFUSED):
+                pass  # served from the server this once; memory is full of pinned entries, or of entries
+                # that cannot be evicted because the disk tier cannot take them
         self.remote.count_hit(value.nbytes, promoted)
         return value.tobytes()
 
@@ -372,8 +379,8 @@ class Tiers:
             return None
         try:
             i, off = core.reserve(kb, kh, hit.flags, vlen, core.blocks_or_raise(vlen))
-        except PoolFull:
-            return None  # everything in memory is pinned: serve from disk, promote later
+        except (PoolFull, *REFUSED):
+            return None  # everything in memory is pinned, or cannot be spilled: serve from disk, promote later
         if not copy_now:
             return i, off
         core.mv[off : off + vlen] = found.value

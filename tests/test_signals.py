@@ -242,3 +242,28 @@ def test_doctor_reports_a_killed_persists_temp_file(make_pool, tmp_path):
     assert f"persist {p.name}" in findings["persist-tmp"]["fix"]
     assert cli("cache", "persist", p.name, env=env).returncode == 0
     assert not tmpfile.exists()
+
+
+def test_a_signal_during_a_restore_of_a_missing_pool_leaves_no_pool_and_no_new_tier(make_pool, tmp_path):
+    p = make_pool("1M", block_size="4K", disk_path=tmp_path / "tier", disk_size="1M")
+    for i in range(10):
+        p.put(f"k{i}", bytes([i]) * VALUE)
+    p.persist()
+    name = p.name
+    p.close()
+    assert cli("cache", "delete", name, "--force").returncode == 0
+    assert not (tmp_path / "tier").exists()
+    child = Child("""
+        import cortex_cache.restore as r
+        orig = r._restore_entry
+        def entry(*a):
+            stop()
+            return orig(*a)
+        r._restore_entry = entry
+        """, ["cache", "restore", name])
+    child.wait_stopped()
+    assert staging_segments() and (tmp_path / "tier").exists()  # the restore made both
+    child.proc.send_signal(signal.SIGTERM)
+    rc, out, err = child.finish(go_on=False)
+    assert rc == 143 and "interrupted by SIGTERM" in err, (rc, err)
+    assert staging_segments() == [] and not Pool.exists(name) and not (tmp_path / "tier").exists()
