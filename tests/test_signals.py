@@ -267,3 +267,20 @@ def test_a_signal_during_a_restore_of_a_missing_pool_leaves_no_pool_and_no_new_t
     rc, out, err = child.finish(go_on=False)
     assert rc == 143 and "interrupted by SIGTERM" in err, (rc, err)
     assert staging_segments() == [] and not Pool.exists(name) and not (tmp_path / "tier").exists()
+
+
+def test_a_signal_during_create_leaves_no_segment_and_no_tier(pool_name, tmp_path):
+    child = Child("""
+        from cortex_cache.disktier import DiskTier
+        orig = DiskTier.initialise
+        def initialise(*a):
+            stop()
+            return orig(*a)
+        DiskTier.initialise = staticmethod(initialise)
+        """, ["cache", "create", pool_name, "--size", "1M", "--disk-path", str(tmp_path / "tier"), "--disk-size", "1M"])
+    child.wait_stopped()
+    assert Pool.exists(pool_name) and (tmp_path / "tier").exists()
+    child.proc.send_signal(signal.SIGTERM)
+    rc, out, err = child.finish(go_on=False)
+    assert rc == 143 and "interrupted by SIGTERM" in err, (rc, err)
+    assert not Pool.exists(pool_name) and not (tmp_path / "tier").exists()
