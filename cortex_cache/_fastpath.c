@@ -30,6 +30,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <time.h>
 
@@ -75,6 +76,7 @@ typedef struct {
     PyObject *on_unpin;                        /* VictimCache.on_unpin */
     PyObject *free_entry;                      /* Core's free of a slot (a zombie's last unpin) */
     PyObject *late_unpin;                      /* unpin(pin, slot) for a Pin whose last user went */
+    int guard; /* this mapping's Guard slot (guards[]), -1 none */
     int policy, monotone, seqlock, verify; /* verify: check each value copied out against its checksum */
     uint64_t bs, n_blocks, n_slots, mask, n_pins, data_off, keys_off, n_kcells, copy_in_lock;
     uint32_t pid;
@@ -95,6 +97,148 @@ typedef struct {
     char *pinrec;
     uint64_t pin_size, pin_off_pid, pin_off_slot, pin_off_start;
 } Fast;
+
+
+/* ------------------------------------------------------------------ Guard: a mapping fenced against SIGBUS */
+
+/* Another process that can write a pool's segment can truncate it (ftruncate), and a pool made with
+ * --no-reserve faults when /dev/shm fills: either way the next access to a page past the end raises SIGBUS,
+ * which kills the process -- an engine, for another user's mistake.  A Guard registers one mapping; the
+ * SIGBUS handler, for a fault inside a registered mapping, maps private zero pages over the rest of it
+ * (from the faulting page on) and marks the Guard `gone`, so the faulting access completes and every
+ * later call of that pool handle fails cleanly (Core.locked and the fast path check `gone`).  A fault
+ * anywhere else goes to the handler that was there before (faulthandler, or the default: the process
+ * dies as it would have). */
+#define MAX_GUARDS 4096
+
+struct guard_slot {
+    char *volatile base; /* NULL: free */
+    size_t len;
+    volatile int gone;
+};
+static struct guard_slot guards[MAX_GUARDS];
+static struct sigaction previous_sigbus;
+static volatile int have_previous_sigbus;
+
+static void on_sigbus(int sig, siginfo_t *si, void *ctx) {
+    char *a = (char *)si->si_addr;
+    if (si->si_code > 0) { /* a fault (not a kill(2)): is it in one of ours? */
+        for (int k = 0; k < MAX_GUARDS; k++) {
+            char *b = guards[k].base;
+            if (b == NULL || a < b || a >= b + guards[k].len) continue;
+            char *page = (char *)((uintptr_t)a & ~(uintptr_t)4095);
+            void *m = mmap(page, (size_t)(b + guards[k].len - page), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (m != MAP_FAILED) {
+                guards[k].gone = 1;
+                return; /* the access runs again, on zeros */
+            }
+            break;
+        }
+    }
+    /* Not ours: the previous disposition, and the access faults again under it. */
+    if (have_previous_sigbus) {
+        sigaction(SIGBUS, &previous_sigbus, NULL);
+    } else {
+        signal(SIGBUS, SIG_DFL);
+    }
+    if (si->si_code <= 0) raise(sig);
+}
+
+/* Ours on top, whoever installed theirs since (faulthandler.enable(), an engine's own). */
+static int install_sigbus(void) {
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) < 0) return -1;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus) return 0;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&ours.sa_mask);
+    previous_sigbus = now;
+    have_previous_sigbus = 1;
+    return sigaction(SIGBUS, &ours, NULL);
+}
+
+typedef struct {
+    PyObject_HEAD
+    int slot; /* index into guards, -1 none */
+} Guard;
+
+static int Guard_init(Guard *self, PyObject *args, PyObject *kwds) {
+    PyObject *buffer;
+    self->slot = -1;
+    if (!PyArg_ParseTuple(args, "O", &buffer)) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE) < 0) return -1;
+    char *base = view.buf;
+    size_t len = (size_t)view.len;
+    PyBuffer_Release(&view); /* the caller keeps the mapping, and closes the Guard before unmapping it */
+    if (install_sigbus() < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    for (int k = 0; k < MAX_GUARDS; k++) {
+        char *expected = NULL;
+        if (guards[k].base != NULL) continue;
+        guards[k].len = len;
+        guards[k].gone = 0;
+        if (__atomic_compare_exchange_n(&guards[k].base, &expected, base, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            self->slot = k;
+            return 0;
+        }
+    }
+    return 0; /* more mappings than slots: this one goes unguarded */
+}
+
+static void guard_close(Guard *self) {
+    if (self->slot >= 0) {
+        __atomic_store_n(&guards[self->slot].base, NULL, __ATOMIC_SEQ_CST);
+        self->slot = -1;
+    }
+}
+
+static PyObject *Guard_close(Guard *self, PyObject *unused) {
+    guard_close(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Guard_gone(Guard *self, void *unused) {
+    return PyBool_FromLong(self->slot >= 0 && guards[self->slot].gone);
+}
+
+static PyObject *Guard_guarded(Guard *self, void *unused) { return PyBool_FromLong(self->slot >= 0); }
+
+static void Guard_dealloc(Guard *self) {
+    guard_close(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Guard_methods[] = {
+    {"close", (PyCFunction)Guard_close, METH_NOARGS, "stop guarding (before the mapping is unmapped)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Guard_getset[] = {
+    {"gone", (getter)Guard_gone, NULL, "a SIGBUS in the mapping was met: its bytes are gone for this process", NULL},
+    {"guarded", (getter)Guard_guarded, NULL, "the mapping is registered with the SIGBUS handler", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject GuardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cortex_cache._fastpath.Guard",
+    .tp_basicsize = sizeof(Guard),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A mapping fenced against SIGBUS (see the module source).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Guard_init,
+    .tp_dealloc = (destructor)Guard_dealloc,
+    .tp_methods = Guard_methods,
+    .tp_getset = Guard_getset,
+};
+
+static inline int guard_gone(int slot) { return slot >= 0 && guards[slot].gone; }
 
 /* ------------------------------------------------------------------ construction */
 
@@ -228,6 +372,15 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     lk.l_type = F_UNLCK;
     self->unlk = lk;
 
+    self->guard = -1;
+    PyObject *g = PyDict_GetItemString(spec, "guard");
+    if (g != NULL && g != Py_None) {
+        if (!Py_IS_TYPE(g, &GuardType)) {
+            PyErr_SetString(PyExc_TypeError, "fast path spec: guard must be a Guard");
+            return -1;
+        }
+        self->guard = ((Guard *)g)->slot;
+    }
     PyObject *tl = PyDict_GetItemString(spec, "thread_lock");
     if (tl != NULL && tl != Py_None) {
         self->thread_acquire = PyObject_GetAttrString(tl, "acquire");
@@ -303,6 +456,7 @@ static int check_open(Fast *self) {
 /* 1: held, with the dirty mark set; 0: not taken (busy, or a dirty mark to repair: the caller's Python
  * path waits or repairs); -1: error, exception set. */
 static int take(Fast *self) {
+    if (guard_gone(self->guard)) return 0; /* the Python path raises */
     if (self->thread_acquire) {
         PyObject *r = PyObject_CallOneArg(self->thread_acquire, Py_False);
         if (r == NULL) return -1;
@@ -750,14 +904,18 @@ static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
                 result = PyBytes_FromStringAndSize(src, (Py_ssize_t)f.len);
             }
             give(self, 1);
-            if (result != NULL && self->verify &&
-                !matches(have_out ? (const char *)ob.buf : PyBytes_AS_STRING(result), f.len, f.cks))
+            if (result != NULL && (guard_gone(self->guard) || (self->verify &&
+                !matches(have_out ? (const char *)ob.buf : PyBytes_AS_STRING(result), f.len, f.cks))))
                 Py_SETREF(result, Py_NewRef(SLOW));
             break;
         }
         give(self, 1);
         if (have_out) {
             copy_out(ob.buf, src, f.len);
+            if (guard_gone(self->guard)) { /* the copy met a truncated segment: the Python path raises */
+                result = Py_NewRef(SLOW);
+                break;
+            }
             if (still(self, &f)) {
                 result = !self->verify || matches(ob.buf, f.len, f.cks) ? PyLong_FromUnsignedLongLong(f.len)
                                                                        : Py_NewRef(SLOW);
@@ -767,6 +925,11 @@ static PyObject *do_read(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
             PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)f.len);
             if (b == NULL) break;
             copy_out(PyBytes_AS_STRING(b), src, f.len);
+            if (guard_gone(self->guard)) {
+                Py_DECREF(b);
+                result = Py_NewRef(SLOW);
+                break;
+            }
             if (still(self, &f)) {
                 if (self->verify && !matches(PyBytes_AS_STRING(b), f.len, f.cks)) {
                     Py_DECREF(b);
@@ -853,7 +1016,15 @@ static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t narg
         }
     }
     give(self, 1);
+    int gone = guard_gone(self->guard); /* an in-lock copy met a truncated segment */
     for (Py_ssize_t k = 0; k < n; k++) {
+        if (gone && status[k] != 1 && PyLong_CheckExact(PyList_GET_ITEM(result, k))) status[k] = 3;
+        if (status[k] == 3) { /* copied from a segment found gone: the Python path raises */
+            PyObject *was = PyList_GET_ITEM(result, k);
+            PyList_SET_ITEM(result, k, Py_NewRef(SLOW));
+            Py_DECREF(was);
+            continue;
+        }
         if (status[k] != 1) {
             if (PyList_GET_ITEM(result, k) == NULL) goto done; /* PyLong_From... failed */
             if (status[k] == 2 && !matches(bufs[k].buf, found[k].len, found[k].cks)) {
@@ -866,7 +1037,8 @@ static PyObject *do_read_many(Fast *self, PyObject *const *args, Py_ssize_t narg
         copy_out(bufs[k].buf, self->base + found[k].off, found[k].len);
         /* A value changed under the copy (or failing verification): the Python path reads it again, pinned
          * (counting a second hit). */
-        int ok_copy = still(self, &found[k]) && (!self->verify || matches(bufs[k].buf, found[k].len, found[k].cks));
+        int ok_copy = !guard_gone(self->guard) && still(self, &found[k]) &&
+                      (!self->verify || matches(bufs[k].buf, found[k].len, found[k].cks));
         PyList_SET_ITEM(result, k, ok_copy ? PyLong_FromUnsignedLongLong(found[k].len) : Py_NewRef(SLOW));
         if (PyList_GET_ITEM(result, k) == NULL) goto done;
     }
@@ -1272,7 +1444,7 @@ static struct PyModuleDef fastpath_module = {
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
-    if (PyType_Ready(&FastType) < 0 || PyType_Ready(&PinType) < 0) return NULL;
+    if (PyType_Ready(&FastType) < 0 || PyType_Ready(&PinType) < 0 || PyType_Ready(&GuardType) < 0) return NULL;
     PyObject *m = PyModule_Create(&fastpath_module);
     if (m == NULL) return NULL;
 #ifdef HAVE_AVX2_BUILD
@@ -1289,7 +1461,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     SLOW = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
     if (SLOW == NULL || PyModule_AddObjectRef(m, "SLOW", SLOW) < 0 ||
         PyModule_AddObjectRef(m, "Fast", (PyObject *)&FastType) < 0 ||
-        PyModule_AddObjectRef(m, "Pin", (PyObject *)&PinType) < 0) {
+        PyModule_AddObjectRef(m, "Pin", (PyObject *)&PinType) < 0 ||
+        PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

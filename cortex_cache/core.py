@@ -115,6 +115,7 @@ class Core:
     # Half-built handles close cleanly (a failed attach leaves these).
     closed = False
     fast: Any = None
+    guard: Any = None
     _typed_views: list = []
 
     def __init__(
@@ -139,6 +140,9 @@ class Core:
         self.after_unlock: list[Callable[[], None]] = []
         self.forked = False  # set in a forked child: its OFD lock would be its parent's
         mm = seg.mm
+        # The mapping fenced against SIGBUS (a segment truncated by another process, a --no-reserve pool
+        # on a full /dev/shm): `gone` then, and every later call a SegmentCorrupt (_fastpath.c, Guard).
+        self.guard = _fastpath.Guard(mm) if _fastpath is not None else None
         self.mv = mv = memoryview(mm)
         hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
         self.header = hdr
@@ -213,7 +217,7 @@ class Core:
             "copy_in_lock": GET_COPY_IN_LOCK, "buckets_off": g.buckets_off, "pins_off": g.pins_off,
             "pin_size": PIN_SIZE, "pin_pid": poff["pid"], "pin_slot": poff["slot"], "pin_start": poff["start"],
             "n_blocks_col": slot_offsets["n_blocks"], "lfu_epoch_col": slot_offsets["lfu_epoch"],
-            "thread_lock": self.lock.thread,
+            "thread_lock": self.lock.thread, "guard": self.guard,
             "on_score_change": None if pol.monotone else self.victims.on_score_change,
             "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
         }
@@ -242,6 +246,8 @@ class Core:
             v.release()
         self._typed_views = []
         self.mv.release()
+        if self.guard is not None:
+            self.guard.close()  # before the unmap: its addresses may be reused
         try:
             self.seg.close()
         except BufferError:
@@ -283,6 +289,9 @@ class Core:
             raise PoolClosed(f"pool {self.name!r} is closed")
         if self.forked:
             raise UsageError(f"pool {self.name!r} was opened before fork(): open it again in this process")
+        guard = self.guard
+        if guard is not None and guard.gone:
+            raise self.gone_error()
         lock = self.lock
         lock.acquire(self.lock_timeout)
         hu32 = self._hu32
@@ -310,8 +319,18 @@ class Core:
             # dirty mark so the next holder repairs.
             self._release(lock, clean=False)
             raise
+        if guard is not None and guard.gone:  # a SIGBUS met during this call: what it did is unreliable
+            self._release(lock, clean=False)
+            raise self.gone_error()
         self._release(lock, clean=True)
         return result
+
+    def gone_error(self) -> SegmentCorrupt:
+        """The error of every call once this handle's mapping met a SIGBUS."""
+        return SegmentCorrupt(
+            f"pool {self.name!r}: its shared memory can no longer be read (the segment was truncated by "
+            "another process, or /dev/shm is full under a pool made with --no-reserve); open it again"
+        )
 
     def _release(self, lock: Any, clean: bool) -> None:
         if clean:

@@ -153,3 +153,58 @@ def test_verified_reads_return_whole_values(make_pool, path):
         assert all(v == LARGE for v in seen.values()), seen
         seen = _every_read(q, "a", 200_000)
         assert all(v == SMALL for v in seen.values()), seen
+
+
+TRUNCATED_READER = r"""
+import json, sys
+from cortex_cache import CortexCacheError, Pool
+from tests.helpers import make_value
+
+p = Pool.open(sys.argv[1])
+assert p.get("b") == make_value(2, 1, 100_000)
+print("ready", flush=True)
+sys.stdin.readline()  # the segment is truncated now
+seen = {}
+calls = {
+    "get": lambda: p.get("b"), "get small": lambda: p.get("a"), "peek": lambda: p.peek("b"),
+    "get_into": lambda: p.get_into("b", bytearray(200_000)),
+    "get_many_into": lambda: p.get_many_into(["b"], [bytearray(200_000)]),
+    "view": lambda: p.view("b"), "view_many": lambda: p.view_many(["b"]),
+    "put": lambda: p.put("new", b"x" * 50_000), "stats": lambda: p.stats(), "len": lambda: len(p),
+}
+for name, call in calls.items():
+    try:
+        r = call()
+        if isinstance(r, list) and isinstance(r[0], CortexCacheError):
+            raise r[0]  # the batches answer each key's error in its place
+        seen[name] = "answered: " + repr(r)[:60]
+    except CortexCacheError as e:
+        seen[name] = (type(e).__name__, e.exit_code)
+p.close()
+print(json.dumps(seen))
+"""
+
+
+def test_a_segment_truncated_under_a_reader_is_a_clean_error_not_a_sigbus(make_pool, path):
+    """The owner (or a group member) truncates the segment while another process has it mapped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cortex_cache import segment
+    from tests.helpers import REPO
+
+    p = _pool(make_pool)
+    reader = subprocess.Popen([sys.executable, "-c", TRUNCATED_READER, p.name], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert reader.stdout.readline().strip() == "ready", reader.stderr.read()
+        os.truncate(segment.shm_path(p.name), 8192)
+        out, err = reader.communicate("go\n", timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0, f"the reader died (status {reader.returncode}):\n{err[-2000:]}"
+    seen = json.loads(out.splitlines()[-1])
+    assert {k: v for k, v in seen.items() if v != ["SegmentCorrupt", 65]} == {}
