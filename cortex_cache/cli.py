@@ -715,8 +715,9 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("--debug")
     as_json = "--json" in options  # errors, too, are JSON then (on stderr)
     args = _watch_default(args)
-    # SIGINT and SIGTERM interrupt a command as an error would, its cleanup included (interrupts.py).
-    with interrupts.handled():
+    # SIGINT and SIGTERM interrupt a command as an error would, its cleanup included (interrupts.py);
+    # the CLI's own process (argv None) keeps the handlers to its exit.
+    with interrupts.handled(keep=argv is None):
         return cli_io.run_guarded(
             lambda: typer.main.get_command(app).main(
                 args=args, prog_name="cortex", complete_var=COMPLETE_VAR, standalone_mode=False

@@ -70,8 +70,10 @@ def _handler(signum: int, frame: object) -> None:
 
 
 @contextmanager
-def handled() -> Iterator[None]:
-    """Run a command with SIGINT and SIGTERM raising `Interrupted`; the previous handlers come back after.
+def handled(keep: bool = False) -> Iterator[None]:
+    """Run a command with SIGINT and SIGTERM raising `Interrupted`; the previous handlers come back after,
+    unless `keep` (the CLI's own process, about to exit): then a signal after the command waits for the
+    exit, so a command that did its work is never killed on its way out.
 
     Outside the main thread (where Python cannot set handlers) this does nothing."""
     if threading.current_thread() is not threading.main_thread():
@@ -83,9 +85,15 @@ def handled() -> Iterator[None]:
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        _state.installed, _state.depth, _state.done, _state.raised, _state.pending = saved
+        if keep:
+            # Blocked to the exit: the interpreter puts the default handlers back as it finalises, and
+            # a signal then would kill a process whose command is done.
+            _state.done = True
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        else:
+            for s, h in old.items():
+                signal.signal(s, h)
+            _state.installed, _state.depth, _state.done, _state.raised, _state.pending = saved
 
 
 @contextmanager
