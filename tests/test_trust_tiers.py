@@ -15,6 +15,8 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from cortex_cache import Pool
 from tests.helpers import REPO, run_py
 
@@ -149,3 +151,53 @@ sys.exit(main(["cache", "evict", {p.name!r}, "--all"]))
     assert r.returncode == 74 and "disk tier" in err, err
     assert present(p, 3) == ["k0", "k1", "k2"]
     assert p.stats()["disk"]["entries"] == 0
+
+
+
+OTHER_UID = 65534
+
+
+def as_other_user(argv: list[str]) -> int:
+    """The CLI's exit status for `argv`, run in a forked child as another user (stderr to /dev/null).
+
+    The interpreter's own files may be out of that user's reach: what the command imports is imported
+    here first (a read-only command of the same pool, and what an error message needs)."""
+    import colorsys  # noqa: F401  (imported lazily by rich, to print)
+    import fractions  # noqa: F401  (imported lazily by the size parser)
+
+    from cortex_cache.cli import main
+
+    main(["cache", "keys", argv[2], "--limit", "1"])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 98
+        try:
+            os.close(r)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            code = main(argv)
+        except BaseException:
+            code = 98
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got[0] if got else 97
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's process needs root to start")
+def test_another_users_evict_all_keeps_the_entries_it_cannot_spill(make_pool, tmp_path):
+    p = tier_pool(make_pool, tmp_path, mode=0o666)  # a pool anyone may write; its tier stays the owner's
+    assert as_other_user(["cache", "evict", p.name, "--all"]) == 77
+    assert present(p, 3) == ["k0", "k1", "k2"]
+    # What it may do: drop them without spilling, as asked.
+    assert as_other_user(["cache", "evict", p.name, "--all", "--tier", "all"]) == 0
+    assert len(p) == 0
