@@ -88,7 +88,7 @@ def test_readme_quickstart_commands_are_the_ci_ones():
     ci = (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
     test_lines = [line for line in ci.splitlines() if "pytest" in line and not line.lstrip().startswith("#")]
-    assert len(test_lines) == 3  # the suite, the short soak, the crash matrix with more kills
+    assert len(test_lines) == 4  # the suite, the short soak, the crash matrix with more kills, the racing fuzz
     for line in test_lines:
         assert line in readme, line
     # The two fresh-machine commands stay near the top.
