@@ -86,10 +86,12 @@ def handled(keep: bool = False) -> Iterator[None]:
         yield
     finally:
         if keep:
-            # Blocked to the exit: the interpreter puts the default handlers back as it finalises, and
-            # a signal then would kill a process whose command is done.
+            # Ignored to the exit: the interpreter puts the default action back for a handler of ours as
+            # it finalises (not for SIG_IGN), and a signal then, delivered to any thread, would kill a
+            # process whose command is done.
             _state.done = True
-            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+            for s in SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
         else:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -100,17 +102,29 @@ def handled(keep: bool = False) -> Iterator[None]:
 def commit() -> Iterator[None]:
     """A commit point: SIGINT and SIGTERM wait while the block runs; under `handled()`, once it has run
     they wait for the command to end (it has done what it was asked)."""
+    with atomic():
+        yield
+        if _state.installed:
+            _state.done = True
+
+
+@contextmanager
+def atomic() -> Iterator[None]:
+    """SIGINT and SIGTERM wait while the block runs (a step and the note of what it made, such as a temp
+    directory and the variable its cleanup reads), and interrupt after it."""
     main = threading.current_thread() is threading.main_thread()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
     _state.depth += 1
     try:
         yield
-        if _state.installed:
-            _state.done = True
     finally:
         _state.depth -= 1
         if old is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if not _state.depth and _state.pending is not None and not (_state.done or _state.raised):
+            signum, _state.pending = _state.pending, None  # it waited for the block: it interrupts now
+            _state.raised = True
+            raise Interrupted(signum)
 
 
 def pending() -> str | None:
@@ -118,4 +132,4 @@ def pending() -> str | None:
     return signal.Signals(_state.pending).name if _state.pending is not None else None
 
 
-__all__ = ["Interrupted", "handled", "commit", "pending", "SIGNALS"]
+__all__ = ["Interrupted", "handled", "commit", "atomic", "pending", "SIGNALS"]

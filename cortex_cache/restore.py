@@ -315,15 +315,16 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
             new_mode = _restored_mode(snap, cfg["mode"] if mode is None else mode)
             tier_kw: dict[str, Any] = {}
             tmp_tier = None
-            if old.disk_path is not None:
-                _sweep_stale_tmp()
-                pid, start = procs.me()  # in the name, so the next restore knows a killed one's leftovers
-                tmp_tier = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{pid}-{start}-")
-                tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
-                           "disk_max_entries": int(old.geometry.n_dslots)}
-            _sweep_stale_staging()
-            staging = _staging_name()
             try:
+                if old.disk_path is not None:
+                    _sweep_stale_tmp()
+                    pid, start = procs.me()  # in the name, so the next restore knows a killed one's leftovers
+                    with interrupts.atomic():  # made and noted as one step (the finally below removes it)
+                        tmp_tier = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{pid}-{start}-")
+                    tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
+                               "disk_max_entries": int(old.geometry.n_dslots)}
+                _sweep_stale_staging()
+                staging = _staging_name()
                 pool = _create_staging(
                     Pool, target, staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
                     max_entries=cfg["max_entries"], mode=new_mode,
