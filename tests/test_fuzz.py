@@ -904,6 +904,7 @@ def test_a_racing_writer_never_crashes_a_reader_or_overruns_its_buffer(path, fie
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
         assert r.returncode == 0, f"the reader died (status {r.returncode}):\n{r.stderr[-3000:]}"
         out = json.loads(r.stdout.splitlines()[-1])
+        print(f"race {field}/{path}: {out['flips']} flips, {out['seen']}")  # what a run met (pytest -s)
         assert out["n_wrong"] == 0, out["wrong"]
         assert out["flips"] > 0 and out["seen"]["whole"] > 0, out
     finally:
