@@ -70,6 +70,7 @@ from .errors import (
     PermissionDenied,
     PersistBusy,
     PoolBusy,
+    SegmentCorrupt,
     SnapshotCorrupt,
     SnapshotNotFound,
     StorageIOError,
@@ -461,7 +462,10 @@ def _pin_entries(core: Core, slots: list[int]) -> list[SnapshotEntry]:
         if not core.is_sealed(i) or core.expired(i):
             continue
         age = epoch - int(c["lfu_epoch"][i])
-        off, vlen = core.value_offset(i), int(c["value_len"][i])
+        try:
+            off, vlen = core.value_at(i)  # each field read once and checked
+        except SegmentCorrupt:
+            continue  # impossible metadata (damage, or a writer of the segment): not snapshotted
         try:
             pin, copy = core.pin(i), None
         except PoolBusy:

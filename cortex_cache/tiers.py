@@ -182,8 +182,7 @@ class Tiers:
         if self._no_evict:
             raise StorageIOError(f"pool {core.name!r}: no room to put back an entry its disk tier could not take")
         d.writable(f"pool {core.name!r}: evicting to the disk tier")
-        off, vlen = core.value_offset(i), core.columns["value_len"][i]
-        vlen = int(vlen)
+        off, vlen = core.value_at(i)  # each field read once and checked: impossible ones are SegmentCorrupt
         c = core.columns
         args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
                 core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
