@@ -34,6 +34,11 @@ SPILL_WAIT = 2.0
 SPILL_ASIDE = 64 << 20
 spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
 
+class SpillLost(StorageIOError):
+    """Entries evicted to make room could not be written to the disk tier and are lost (exit 74); the
+    operation that evicted them (a put, a promotion) completed."""
+
+
 # What an eviction refused because its entry cannot go to the disk tier raises (see Tiers._spill).
 REFUSED = (StorageIOError, PermissionDenied, TooManyOpenFiles)
 
@@ -107,9 +112,9 @@ class Tiers:
                     core.mv[off : off + vb.nbytes] = vb
                     return checksum  # type: ignore[return-value]
                 core.fill(i, copy, self.seal, kb, kh, ttl, priority, written)
-        except CortexCacheError:
-            if written is not None:  # the put failed: its record must not come back after a restart
-                d.log.kill(written[0])  # type: ignore[union-attr]
+        except CortexCacheError as e:
+            if written is not None and not isinstance(e, SpillLost):
+                d.log.kill(written[0])  # type: ignore[union-attr]  # the put failed: no record may come back
             raise
 
     def _put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
@@ -226,7 +231,7 @@ class Tiers:
             self.spill_failing = True  # spill in place from now on: the next failure refuses its eviction
         if lost:
             n = len(lost)
-            raise StorageIOError(
+            raise SpillLost(
                 f"pool {self.core.name!r}: {n} {'entry' if n == 1 else 'entries'} evicted to make room could not "
                 f"be written to the disk tier in {d.path!r} and {'was' if n == 1 else 'were'} lost "
                 f"(first: {lost[0].key[:60]!r}); the operation itself completed, and later evictions by this "
@@ -545,4 +550,4 @@ class Tiers:
         }
 
 
-__all__ = ["Tiers", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
+__all__ = ["Tiers", "SpillLost", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
