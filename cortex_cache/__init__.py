@@ -45,6 +45,7 @@ _EXPORTS = {
     "TooManyOpenFiles": ".errors",
     "ServiceUnavailable": ".errors",
     "StorageIOError": ".errors",
+    "SpillLost": ".errors",
     "GpuUnavailable": ".errors",
     "LayoutMismatch": ".errors",
 }

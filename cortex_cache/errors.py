@@ -178,6 +178,11 @@ class StorageIOError(CortexCacheError, OSError):
     exit_code = EX_IOERR
 
 
+class SpillLost(StorageIOError):
+    """Entries evicted to make room could not be written to the disk tier and are lost; the operation
+    that evicted them (a put, a promotion) completed (docs/tiers.md)."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("EX_")] + [
     "InvalidName",
     "InvalidSize",

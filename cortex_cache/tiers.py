@@ -22,8 +22,8 @@ from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import CORRUPT, DiskLog, Found
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
 from .errors import (
-    BufferTooSmall, CortexCacheError, PermissionDenied, PoolFull, StorageIOError, TooManyOpenFiles, UsageError,
-    ValueTooLarge,
+    BufferTooSmall, CortexCacheError, PermissionDenied, PoolFull, SpillLost, StorageIOError, TooManyOpenFiles,
+    UsageError, ValueTooLarge,
 )
 from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
 
@@ -33,11 +33,6 @@ SPILL_WAIT = 2.0
 # At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
 SPILL_ASIDE = 64 << 20
 spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
-
-class SpillLost(StorageIOError):
-    """Entries evicted to make room could not be written to the disk tier and are lost (exit 74); the
-    operation that evicted them (a put, a promotion) completed."""
-
 
 # What an eviction refused because its entry cannot go to the disk tier raises (see Tiers._spill).
 REFUSED = (StorageIOError, PermissionDenied, TooManyOpenFiles)
@@ -550,4 +545,4 @@ class Tiers:
         }
 
 
-__all__ = ["Tiers", "SpillLost", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
+__all__ = ["Tiers", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
