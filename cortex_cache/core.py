@@ -651,9 +651,9 @@ class Core:
         if i < 0:
             return (0, 0) if self.reap_dead() else None
         first, n = self._c_first[i], self._c_nblk[i]
-        self._count_eviction(i, expired)
         if not expired and self.on_evict is not None:
-            self.on_evict(i)
+            self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+        self._count_eviction(i, expired)
         self.remove(i)
         return first, n
 
@@ -676,9 +676,9 @@ class Core:
             count += 1
             freed += self._c_vlen[i]
             gone = self.expired(i)
-            self._count_eviction(i, gone and count_expired)
             if spill and not gone and self.on_evict is not None:
-                self.on_evict(i)
+                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+            self._count_eviction(i, gone and count_expired)
             self.remove(i)
         return count, freed
 
@@ -710,9 +710,9 @@ class Core:
                 break
             count += 1
             freed += self._c_vlen[i]
-            self._count_eviction(i, expired)
             if spill and not expired and self.on_evict is not None:
-                self.on_evict(i)
+                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+            self._count_eviction(i, expired)
             self.remove(i)
         return count, freed
 
