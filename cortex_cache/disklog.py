@@ -51,10 +51,7 @@ from typing import Iterator
 import xxhash
 
 from . import safefs
-from .errors import (
-    OUT_OF_FILES, CannotCreate, CortexCacheError, NoSpace, PermissionDenied, SegmentCorrupt, StorageIOError, UsageError,
-    too_many_open_files,
-)
+from .errors import CannotCreate, CortexCacheError, NoSpace, SegmentCorrupt, StorageIOError, UsageError
 from .layout import MAX_KEY_BYTES
 from .lock import RecordLock, default_timeout
 
@@ -195,7 +192,7 @@ class DiskLog:
             raise UsageError(f"{str(d)!r} already holds a disk tier; open it instead") from None
         except OSError as e:
             safefs.remove_dirs(new_dirs)
-            raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
+            raise safefs.os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
         made = [d / META_NAME]
         try:
             for i in range(FILES):
@@ -209,7 +206,7 @@ class DiskLog:
                         f"{str(d)!r} holds a stray {path.name} but no tier: remove it, or choose another --disk-path"
                     ) from None
                 except OSError as e:
-                    raise _os_error(e, f"cannot create {str(path)!r}") from None
+                    raise safefs.os_error(e, f"cannot create {str(path)!r}") from None
                 made.append(path)
                 try:
                     os.fchmod(fd, fmode)  # O_CREAT applied the umask
@@ -226,7 +223,7 @@ class DiskLog:
                 p.unlink(missing_ok=True)
             safefs.remove_dirs(new_dirs)
             if isinstance(e, OSError) and not isinstance(e, CortexCacheError):
-                raise _os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
+                raise safefs.os_error(e, f"cannot create a disk tier in {str(d)!r}") from None
             raise
         try:
             return cls(d, meta_fd, FILES, file_size, o_direct)
@@ -248,7 +245,7 @@ class DiskLog:
         except FileNotFoundError:
             raise StorageIOError(f"no disk tier in {str(d)!r}") from None
         except OSError as e:
-            raise _os_error(e, f"cannot open the disk tier in {str(d)!r}") from None
+            raise safefs.os_error(e, f"cannot open the disk tier in {str(d)!r}") from None
         try:
             # The meta file's mode says whether the tier was made shared with the group.
             safefs.check_dir(d, os.fstat(meta_fd).st_mode & 0o777, "disk tier directory")
@@ -306,7 +303,7 @@ class DiskLog:
                 return self._open_file(path, os.O_RDWR | os.O_DIRECT), True
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
-                    raise _os_error(e, f"cannot open {str(path)!r}") from None
+                    raise safefs.os_error(e, f"cannot open {str(path)!r}") from None
         return self._open_file(path, os.O_RDWR), False
 
     @staticmethod
@@ -320,7 +317,7 @@ class DiskLog:
         except OSError as e:
             if e.errno == errno.EINVAL:
                 raise
-            raise _os_error(e, f"cannot open {str(path)!r}") from None
+            raise safefs.os_error(e, f"cannot open {str(path)!r}") from None
 
     def close(self) -> None:
         for fd, _ in self._fds:
@@ -530,14 +527,6 @@ def _parse(data: bytes, seq: int, key: bytes | None) -> Found | str:
     if xxhash.xxh3_64_intdigest(value) != vcheck:
         return CORRUPT
     return Found(key, value, rseq, expiry, prio, rflags, vcheck)
-
-
-def _os_error(e: OSError, what: str) -> Exception:
-    if e.errno in OUT_OF_FILES:
-        return too_many_open_files(what, e)
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermissionDenied(f"{what}: {e.strerror}")
-    return StorageIOError(f"{what}: {e.strerror}")
 
 
 def _pwrite_all(fd: int, data: memoryview, off: int) -> None:

@@ -185,12 +185,12 @@ def check_leftovers() -> list[Finding]:
     """What killed commands left (SIGKILL, a power cut: SIGINT and SIGTERM clean up as they go) and the
     command that sweeps each: restore --replace's temp tier directories, persist's temp files, disk tiers
     of pools whose segment is gone."""
-    import re
     import time
 
     from .admin import orphaned_tier
     from .persist import snapshot_dir
     from .restore import stale_tmp_dirs
+    from .snapshot import TEMP_RE
 
     out = []
     dirs = stale_tmp_dirs()
@@ -198,12 +198,11 @@ def check_leftovers() -> list[Finding]:
                         f"{len(dirs)} temp tier director(y/ies) of killed restores" + (f": {', '.join(dirs)}" if dirs else ""),
                         "the next `cortex cache restore NAME --replace` removes them; or rm -r each"))
     temps: list[tuple[str, str]] = []  # (file, pool)
-    pat = re.compile(r"^\.(.+?)(?:-\d{8}T\d{6}(?:\.\d+)?Z?)?\.ccsnap\.tmp-[0-9a-f]{12}$")
     now = time.time()
     try:
         with os.scandir(snapshot_dir()) as it:
             for e in it:
-                m = pat.match(e.name)
+                m = TEMP_RE.match(e.name)
                 if not m:
                     continue
                 try:
@@ -211,7 +210,7 @@ def check_leftovers() -> list[Finding]:
                 except OSError:
                     continue
                 if st.st_uid == os.geteuid() and now - st.st_mtime >= PERSIST_TMP_STALE_AFTER:
-                    temps.append((e.name, _pool_of(m.group(1))))
+                    temps.append((e.name, _pool_of(m.group("stem"))))
     except OSError:
         pass
     pools = sorted({p for _, p in temps})

@@ -359,9 +359,12 @@ class Pool:
         return int(self.core.fields.snapshot_keep[0]) or None
 
     def set_snapshot_keep(self, keep: int) -> None:
-        """Store how many snapshots `persist` keeps of this pool (for every later persist, from any process)."""
+        """Store how many snapshots `persist` keeps of this pool (for every later persist, from any process).
+
+        Only the pool's owner (or root) may: PermissionDenied (77) for anyone else."""
         if not 1 <= keep < 2**32:
             raise UsageError(f"keep must be at least 1, not {keep}")
+        snapshot.check_settings_owner(self.core, "change its retention", f"it keeps {self.snapshot_keep or 3}")
         self.core.fields.snapshot_keep[0] = keep
 
     @classmethod

@@ -36,7 +36,7 @@ def check_dir(path: str | os.PathLike, mode: int = 0o600, what: str = "directory
     except FileNotFoundError:
         return
     except OSError as e:
-        raise _os_error(e, f"cannot inspect {what} {os.fspath(path)!r}") from None
+        raise os_error(e, f"cannot inspect {what} {os.fspath(path)!r}") from None
     p = os.fspath(path)
     if not stat.S_ISDIR(st.st_mode):
         raise CannotCreate(f"{what} {p!r} is not a directory: a file is in the way")
@@ -81,7 +81,7 @@ def check_tree(anchor: str | os.PathLike, path: str | os.PathLike, mode: int = 0
     except NotADirectoryError:
         raise CannotCreate(f"{what} {p!r}: {a!r} is not a directory: a file is in the way") from None
     except OSError as e:
-        raise _os_error(e, f"cannot inspect {what} {p!r}") from None
+        raise os_error(e, f"cannot inspect {what} {p!r}") from None
     here = a
     try:
         if not parts:
@@ -103,7 +103,7 @@ def check_tree(anchor: str | os.PathLike, path: str | os.PathLike, mode: int = 0
                 return
             except OSError as e:
                 if e.errno not in (errno.ENOTDIR, errno.ELOOP):
-                    raise _os_error(e, f"cannot inspect {what} {p!r}") from None
+                    raise os_error(e, f"cannot inspect {what} {p!r}") from None
                 try:
                     link = stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
                 except OSError:
@@ -205,7 +205,7 @@ def make_dir(path: str | os.PathLike, mode: int = 0o600, what: str = "directory"
             continue  # made meanwhile by someone else: check_dir judges it
         except OSError as e:
             remove_dirs(made)
-            raise _os_error(e, f"cannot create {what} {d!r}") from None
+            raise os_error(e, f"cannot create {what} {d!r}") from None
     if p in made:
         os.chmod(p, dir_mode(mode))  # mkdir applied the umask
     try:
@@ -257,7 +257,8 @@ def check_fd(fd: int, path: str, what: str = "file") -> os.stat_result:
     return st
 
 
-def _os_error(e: OSError, what: str) -> Exception:
+def os_error(e: OSError, what: str) -> Exception:
+    """The library's error for a failed file operation on our own files (disklog.py uses it too)."""
     if e.errno in OUT_OF_FILES:
         return too_many_open_files(what, e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -265,4 +266,4 @@ def _os_error(e: OSError, what: str) -> Exception:
     return StorageIOError(f"{what}: {e.strerror}")
 
 
-__all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs", "open_file", "check_fd", "dir_mode"]
+__all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs", "open_file", "check_fd", "dir_mode", "os_error"]

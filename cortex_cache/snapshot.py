@@ -65,6 +65,7 @@ import xxhash
 from . import config, interrupts, safefs, segment
 from .core import Core
 from .errors import (
+    OUT_OF_FILES,
     CannotCreate,
     CortexCacheError,
     PermissionDenied,
@@ -185,7 +186,7 @@ def _timestamped(name: str, directory: Path, now: float) -> Path:
 
 
 def _os_error(e: OSError, what: str) -> CortexCacheError:
-    if e.errno in (errno.EMFILE, errno.ENFILE):
+    if e.errno in OUT_OF_FILES:
         return too_many_open_files(what, e)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"permission denied {what}: {e.strerror}")
@@ -243,7 +244,7 @@ def write(
     if path is not None and keep is not None:
         raise UsageError("--keep applies to the snapshot directory; it cannot be combined with --output")
     if keep is not None:
-        check_owner(core, "change its retention (--keep)", f"it keeps {int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP}")
+        check_settings_owner(core, "change its retention (--keep)", f"it keeps {int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP}")
     with _running_guard:
         if core.name in _running:
             raise PersistBusy(f"a persist of pool {core.name!r} is already running")
@@ -284,7 +285,7 @@ def is_owner(core: Core) -> bool:
     return os.geteuid() in (0, core.seg.stat().st_uid)
 
 
-def check_owner(core: Core, what: str, instead: str) -> None:
+def check_settings_owner(core: Core, what: str, instead: str) -> None:
     """PermissionDenied (77) unless this process's user owns the pool's segment (or is root).
 
     Settings stored in the pool's header outlive the command and bind
@@ -545,6 +546,11 @@ def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple
     out_trailer = TRAILER.pack(END_MAGIC, entries, nbytes, file_hash.intdigest())
     f.write(out_trailer)
     return entries, nbytes, skipped
+
+
+# A temp file of a persist in our snapshot directory: ".STEM[-STAMP].ccsnap.tmp-XXXXXXXXXXXX" (STEM the
+# namespaced pool name): what `_clean_stale_temps` sweeps for one pool, and `doctor` reports for all.
+TEMP_RE = re.compile(r"^\.(?P<stem>.+?)(?:-" + _STAMP_RE + r")?" + re.escape(SUFFIX) + r"\.tmp-[0-9a-f]{12}$")
 
 
 def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> None:
@@ -873,4 +879,4 @@ class Snapshot:
 
 __all__ = ["write", "Snapshot", "Record", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
            "snapshots_of", "list_snapshots", "snapshot_usage", "namespaced", "pool_config", "COUNTERS",
-           "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_owner", "busy", "RESTORE_BYTE"]
+           "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]

@@ -289,6 +289,14 @@ def test_a_group_member_cannot_change_the_owners_retention(make_pool, pool_name)
         assert code == 77 and "owner" in err, (code, err)
         assert p.snapshot_keep == 4
         assert not os.path.exists(os.path.join(theirs, "snaps"))  # refused before anything was written
+
+        def set_keep():
+            with Pool.open(pool_name) as q:
+                q.set_snapshot_keep(1)
+
+        code, err = as_member(set_keep, env)  # the Python API's setter too
+        assert code == 77 and "owner" in err, (code, err)
+        assert p.snapshot_keep == 4
         last = p.stats()["last_snapshot"]
         assert as_member(persist(None), env) == (0, "")  # a plain persist by a member still works
         assert p.snapshot_keep == 4 and len(os.listdir(os.path.join(theirs, "snaps"))) == 2
