@@ -53,6 +53,31 @@ def cli(*args: str, input: bytes | None = None, env: dict | None = None, timeout
     )
 
 
+def as_user(fn, uid: int = 65534, gid: int | None = None) -> int:
+    """fn() in a forked child running as another user (no exec; no supplementary groups, group `gid`,
+    default `uid`): its return value (an exit status, 0-255), 98 if it raised, 97 if it died."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 98
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid if gid is None else gid)
+            os.setuid(uid)
+            code = int(fn())
+        except BaseException:
+            code = 98
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got[0] if got else 97
+
+
 def make_value(key_id: int, version: int, size: int) -> bytes:
     """A self-describing value: readers can check it is whole and untorn."""
     import struct

@@ -20,7 +20,7 @@ import pytest
 
 from cortex_cache import PermissionDenied, Pool, segment
 from cortex_cache.errors import InvalidName
-from tests.helpers import check_value, cli, make_value, spawn_py
+from tests.helpers import as_user, check_value, cli, make_value, spawn_py
 
 ROUNDS = int(os.environ.get("CORTEX_CRASH_ROUNDS", "6"))
 
@@ -57,30 +57,6 @@ def test_10000_open_close_cycles_leak_no_fd_mapping_thread_or_segment(make_pool,
 # ---------------------------------------------------------------- permissions
 
 
-def _as_user(fn, uid: int = 65534, gid: int = 65534) -> int:
-    """Run fn() in a forked child with another uid/gid (no exec); its return value (an exit status)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 99
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            code = int(fn())
-        except BaseException:
-            code = 98
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    return got[0] if got else 97
-
-
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
 
 
@@ -96,7 +72,7 @@ def test_a_0600_pool_cannot_be_opened_by_another_user(make_pool):
             return e.exit_code
         return 0
 
-    assert _as_user(try_open) == 77
+    assert as_user(try_open) == 77
     assert stat.S_IMODE(os.stat(segment.shm_path(p.name)).st_mode) == 0o600
 
 
@@ -112,9 +88,9 @@ def test_mode_0660_with_a_shared_group_lets_the_group_in(make_pool):
             q.put("from-group", b"hello")
         return 0 if ok else 1
 
-    assert _as_user(use, uid=65534, gid=54321) == 0
+    assert as_user(use, uid=65534, gid=54321) == 0
     assert p.get("from-group") == b"hello"
-    assert _as_user(lambda: Pool.open(p.name) and 0, uid=65534, gid=65534) == 98  # other groups: refused
+    assert as_user(lambda: Pool.open(p.name) and 0, uid=65534, gid=65534) == 98  # other groups: refused
 
 
 def test_snapshots_and_disk_tiers_are_private(make_pool, tmp_path):

@@ -24,7 +24,7 @@ import pytest
 
 from cortex_cache import PermissionDenied, Pool, UsageError, procs, segment
 from cortex_cache.disklog import DiskLog
-from tests.helpers import REPO, cli, run_py, spawn_py
+from tests.helpers import REPO, as_user, cli, run_py, spawn_py
 
 OTHER_UID = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="files of another user need root to make")
@@ -42,30 +42,6 @@ def _take_first(name: str, mode: int = 0o666) -> None:
     with Pool.create(name, "1M", block_size="4K", mode=mode) as p:
         p.put("planted", b"theirs")
         os.fchown(p.core.seg.fd, OTHER_UID, OTHER_UID)
-
-
-def _as_user(fn, uid: int = OTHER_UID) -> int:
-    """fn() in a forked child running as another user; its return value, 98 if it raised."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 98
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            code = int(fn())
-        except BaseException:
-            code = 98
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    return got[0] if got else 97
 
 
 def _owner(name: str) -> int:
@@ -96,11 +72,11 @@ def test_create_if_missing_refuses_a_pool_another_user_took_first(pool_name):
     # a shared pool for its users).
     Pool.create(pool_name, "1M", block_size="4K", mode=0o666).close()
     try:
-        def as_user() -> int:
+        def theirs() -> int:
             Pool.create(pool_name, "1M", block_size="4K", mode=0o666, exist_ok=True).close()
             return 0
 
-        assert _as_user(as_user) == 0
+        assert as_user(theirs) == 0
     finally:
         Pool.unlink(pool_name)
 

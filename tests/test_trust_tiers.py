@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from cortex_cache import Pool
-from tests.helpers import REPO, run_py
+from tests.helpers import REPO, as_user, run_py
 
 VALUE = 20_000  # five 4 KiB blocks
 LIMIT = 12  # descriptors: enough for the interpreter and a segment, not for the tier's 17 files
@@ -168,29 +168,14 @@ def as_other_user(argv: list[str]) -> int:
     from cortex_cache.cli import main
 
     main(["cache", "keys", argv[2], "--limit", "1"])
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 98
-        try:
-            os.close(r)
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            os.setgroups([])
-            os.setgid(OTHER_UID)
-            os.setuid(OTHER_UID)
-            code = main(argv)
-        except BaseException:
-            code = 98
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    return got[0] if got else 97
+
+    def run() -> int:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        return main(argv)
+
+    return as_user(run, OTHER_UID)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="another user's process needs root to start")
