@@ -51,7 +51,7 @@ from .layout import (
     VICTIM_COLUMNS, WRITING, ZOMBIE,
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_KEY_HINT, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ,
-    H_USED_BLOCKS, H_USED_KCELLS,
+    H_USED_BLOCKS, H_USED_KCELLS, H_GONE_SEQ,
     Geometry, blocks_for, key_cells,
 )
 from .lock import METADATA_BYTE, PoolLock, default_timeout as default_lock_timeout
@@ -363,6 +363,7 @@ class Core:
         self._hu32[H_DIRTY] = 1
         fixed = self._analyse(True)
         self._hu64[H_REPAIRS] += 1
+        self._hu64[H_GONE_SEQ] += 1  # a repair may drop entries without Core.remove
         self._hu32[H_DIRTY] = 0
         return fixed
 
@@ -433,6 +434,7 @@ class Core:
                 # A reader copying this value outside the lock (the fast path's seqlock) checks
                 # insert_seq after its copy: change it before the bytes, so that it reads again.
                 self._c_iseq[old] = 0
+                self._hu64[H_GONE_SEQ] += 1  # its old value leaves memory (layout.py, gone_seq)
                 self.mv[off : off + vb.nbytes] = vb
                 self._c_vlen[old] = vb.nbytes
                 self._c_flags[old] = flags
@@ -737,7 +739,9 @@ class Core:
     def remove(self, i: int) -> None:
         """Take sealed entry `i` out of the index; free it now, or at its last unpin (lock held)."""
         unchain(self._bkt, self._c_next, self._c_khash[i] & self._mask, i)
-        self._hu64[H_N_ENTRIES] -= 1
+        hu64 = self._hu64
+        hu64[H_N_ENTRIES] -= 1
+        hu64[H_GONE_SEQ] += 1  # a memoized lookup may have counted it (layout.py, gone_seq)
         if self._c_pins[i]:
             self._c_state[i] = ZOMBIE
         else:

@@ -188,7 +188,11 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("key_hint", "<u8", 656),  # next-fit cursor into the key map
     # Operating (persist.py): snapshots of the pool persist keeps; 0 = DEFAULT_KEEP.
     ("snapshot_keep", "<u4", 664),
-    # 668..1023 reserved (zero).
+    # 668..671 reserved (zero).
+    # Lookups (batch.py, LookupMemo): counts every sealed entry that left memory or had its value
+    # replaced in place; a memoized "first n chunks are present" holds while it stays the same.
+    ("gone_seq", "<u8", 672),
+    # 680..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -494,7 +498,7 @@ H_CAND_NEXT_EXPIRY, H_CAND_MAX_PRIMARY, H_CAND_MAX_SECONDARY, H_CAND_EPOCH = (
     for n in ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "hits", "misses", "puts", "deletes",
               "evictions", "expirations", "bytes_evicted", "repairs", "lfu_epoch", "lfu_period", "ops")
 )
-H_USED_KCELLS, H_KEY_HINT = (_word(HEADER_FIELDS, n, 8) for n in ("used_kcells", "key_hint"))
+H_USED_KCELLS, H_KEY_HINT, H_GONE_SEQ = (_word(HEADER_FIELDS, n, 8) for n in ("used_kcells", "key_hint", "gone_seq"))
 H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
 (H_DFREE_SLOT, H_DISK_ENTRIES, H_DISK_VALUE_BYTES, H_DISK_HITS, H_DISK_MISSES, H_DISK_SPILLS,
  H_DISK_PROMOTIONS, H_DISK_BYTES_WRITTEN, H_DISK_BYTES_READ, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ERRORS,

@@ -38,6 +38,8 @@ FROZEN_HEADER = [
     ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
     ("remote_bytes_read", "<u8", 616), ("keymap_off", "<u8", 624), ("keys_off", "<u8", 632),
     ("n_kcells", "<u8", 640), ("used_kcells", "<u8", 648), ("key_hint", "<u8", 656), ("snapshot_keep", "<u4", 664),
+    # Carved from the reserved zeros in version 3 (older code reads past it): the lookups' memo counter.
+    ("gone_seq", "<u8", 672),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
