@@ -16,6 +16,7 @@ _EXPORTS = {
     "EntryView": ".pool",
     "EntryWriter": ".pool",
     "KVCache": ".kv",
+    "LookupMemo": ".lookups",
     "POLICIES": ".eviction",
     "parse_size": ".units",
     "format_size": ".units",

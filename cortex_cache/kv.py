@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import KeyNotFound, UsageError
+from .lookups import DEFAULT_CAPACITY, LookupMemo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -52,6 +53,8 @@ HEADER = struct.Struct("<4sHH16sQI28x")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 64
 MAGIC = b"CKV1"
+# Chunks pinned at once to check their headers: well under a pool's pin records (1024 by default).
+PRESENT_BATCH = 256
 VERSION = 1
 _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
@@ -68,11 +71,12 @@ def token_bytes(tokens: Any) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
-def chunk_digests(tokens: Any, chunk_tokens: int, tag: bytes) -> list[bytes]:
-    """SHA-256 chain digests of every whole chunk of `tokens` (see the module doc)."""
+def chunk_digests(tokens: Any, chunk_tokens: int, tag: bytes, prev: bytes = bytes(32)) -> list[bytes]:
+    """SHA-256 chain digests of every whole chunk of `tokens` (see the module doc); `prev`: the digest of
+    the chunk before `tokens[0]` (the chain of a longer prompt goes on from its last known digest)."""
     raw = token_bytes(tokens)
     step = 4 * chunk_tokens
-    out, prev = [], bytes(32)
+    out = []
     for start in range(0, len(raw) - step + 1, step):
         prev = hashlib.sha256(prev + raw[start : start + step] + tag).digest()
         out.append(prev)
@@ -113,6 +117,8 @@ class KVCache:
         self.fingerprint = hashlib.sha256(self.tag).digest()[:16]
         self._header = HEADER.pack(MAGIC, VERSION, 0, self.fingerprint, self.payload_bytes, chunk_tokens)
         self.refused = 0  # chunks found under our keys but not ours
+        # Lookups remembered per request id (lookups.py): chunks of ours, found by _present_many.
+        self.memo = LookupMemo(f"kv/{model}/", DEFAULT_CAPACITY, lambda pool, keys: self._present_many(keys, leading=True))
 
     # ------------------------------------------------------------------ keys
 
@@ -187,32 +193,68 @@ class KVCache:
             self.refused += 1
         return ok
 
-    def _present_many(self, keys: list[str]) -> list[bool]:
-        """`_present` of many keys, pinned and released in one lock hold each."""
-        views = self.pool.view_many(keys)
-        try:
-            out = []
-            for ev in views:
-                if ev is None or isinstance(ev, Exception):
-                    out.append(False)
-                    continue
-                mv = ev.memoryview
-                ok = mv.nbytes == HEADER_SIZE + self.payload_bytes and self._ours(mv)
-                if not ok:
-                    self.refused += 1
-                out.append(ok)
-            return out
-        finally:
-            self.pool.release_many(views)
+    def _present_many(self, keys: list[str], leading: bool = False) -> list[bool]:
+        """`_present` of many keys, PRESENT_BATCH at a time, each batch pinned and released in one lock
+        hold each (a pool's pin records are few: 1024 by default, shared by every process); `leading`:
+        stop after the batch with the first False (the rest left out of the answer)."""
+        out: list[bool] = []
+        for a in range(0, len(keys), PRESENT_BATCH):
+            views = self.pool.view_many(keys[a : a + PRESENT_BATCH])
+            try:
+                for ev in views:
+                    if ev is None or isinstance(ev, Exception):
+                        out.append(False)
+                        continue
+                    mv = ev.memoryview
+                    ok = mv.nbytes == HEADER_SIZE + self.payload_bytes and self._ours(mv)
+                    if not ok:
+                        self.refused += 1
+                    out.append(ok)
+            finally:
+                self.pool.release_many(views)
+            if leading and False in out[a:]:
+                break
+        return out
 
-    def lookup(self, tokens: Any) -> int:
-        """How many leading tokens of `tokens` have their KV cached (a multiple of chunk_tokens)."""
+    def lookup(self, tokens: Any, request_id: Any = None) -> int:
+        """How many leading tokens of `tokens` have their KV cached (a multiple of chunk_tokens).
+
+        `request_id` (any hashable): the answer is remembered for that request, so that its next lookup
+        hashes only tokens added since and looks up only chunks that may have changed (`cortex_cache.
+        LookupMemo`; the same answers, exact across processes).  Under one request id `tokens` only grow;
+        `forget(request_id)` when the request is done (at most 4096 are remembered, least recent out).
+        """
+        if request_id is not None:
+            return self.memo.leading(self.pool, request_id, self._request_digests(request_id, tokens)) \
+                * self.chunk_tokens
         n = 0
-        for ok in self._present_many(self.keys(tokens)):
+        for ok in self._present_many(self.keys(tokens), leading=True):
             if not ok:
                 break
             n += self.chunk_tokens
         return n
+
+    def forget(self, request_id: Any) -> None:
+        """Drop what `lookup` remembers of `request_id` (nothing if none)."""
+        self.memo.forget(request_id)
+
+    def _request_digests(self, request_id: Any, tokens: Any) -> list[bytes]:
+        """The chain digests of `tokens`: those remembered for the request, if its last remembered chunk
+        still has the same tokens (the chain would differ otherwise), and the new chunks' hashed on."""
+        if getattr(tokens, "ndim", 1) != 1 or not hasattr(tokens, "__len__"):
+            token_bytes(tokens)  # its UsageError for anything that is not a 1-D sequence
+            tokens = list(tokens)
+        c = self.chunk_tokens
+        known = self.memo.digests(request_id)
+        whole, k = len(tokens) // c, len(known)
+        if k and (whole < k or hashlib.sha256((known[k - 2] if k > 1 else bytes(32))
+                                              + token_bytes(tokens[(k - 1) * c : k * c]) + self.tag).digest()
+                  != known[k - 1]):
+            known, k = [], 0
+        token_bytes(tokens[whole * c :])  # the partial last chunk is checked, as without a request id
+        if whole == k:
+            return known
+        return known + chunk_digests(tokens[k * c : whole * c], c, self.tag, known[-1] if k else bytes(32))
 
     def retrieve(self, tokens: Any, out: "torch.Tensor | None" = None, device: Any = None) -> tuple[int, "torch.Tensor"]:
         """Copy the cached KV of the leading chunks of `tokens` into `out`; (tokens retrieved, out).

@@ -20,7 +20,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from . import repair as _repair
-from . import batch, config, header, segment, snapshot
+from . import batch, config, header, lookups, segment, snapshot
 from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, READ_QUIET, SLOW, Core, Pinned
 from .disklog import DiskLog
 from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
@@ -688,6 +688,12 @@ class Pool:
     def contains_many(self, keys: Any) -> list[bool]:
         """Is each key live in memory or on disk?  One lock hold for all."""
         return batch.contains_many(self.core, self.tiers, keys)
+
+    def leading(self, keys: Any) -> int:
+        """How many leading keys are live in memory or on disk: `contains_many`'s answer up to its first
+        False, in one lock hold that stops at the first key not there (a bad key is not there).  A
+        `cortex_cache.LookupMemo` remembers such answers per request (docs/python-api.md)."""
+        return lookups.leading(self.core, self.tiers, keys)
 
     def delete_many(self, keys: Any) -> list[bool]:
         """Remove many keys (from every tier) in one lock hold; per key, True if it was in memory or on disk."""

@@ -51,6 +51,7 @@ import numpy as np
 from ... import gpu
 from ...errors import CortexCacheError
 from ...kv import chunk_digests
+from ...lookups import LookupMemo
 from ..pools import open_or_create
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,6 +149,7 @@ class BlockStore:
         self.block_tokens = block_tokens
         self.verify = verify
         self._fixed = HEADER.pack(MAGIC, VERSION, 0, fingerprint, bytes(16), payload_bytes, block_tokens)
+        self.memo = LookupMemo(self.prefix)  # `present` per request id: see cortex_cache/lookups.py
 
     def key(self, digest: bytes) -> str:
         return self.prefix + digest.hex()
@@ -173,17 +175,25 @@ class BlockStore:
             self.faults.fault("error", e)
             return []
 
-    def present(self, digests: Sequence[bytes]) -> int:
-        """How many leading digests' keys the pool holds (its index only: never reads a value or the disk)."""
+    def present(self, digests: Sequence[bytes], start: int = 0, stop: int | None = None,
+                request_id: Any = None) -> int:
+        """How many leading digests of `digests[start:stop]` have their keys in the pool (its index only:
+        never reads a value or the disk).  With `request_id` the answer is remembered for that request
+        (`digests` are its chain, which only grows), so a repeat looks up only what may have changed;
+        `forget` it when the request is done."""
         pool = self.pool.get()
         if pool is None:
             return 0
         try:
-            held = pool.contains_many([self.key(d) for d in digests])  # one lock hold
+            if request_id is not None:
+                return self.memo.leading(pool, request_id, digests, start, stop)
+            return pool.leading([self.key(d) for d in digests[start:stop]])  # one lock hold
         except Exception as e:
             self.faults.fault("error", e)
             return 0
-        return held.index(False) if False in held else len(held)
+
+    def forget(self, request_id: Any) -> None:
+        self.memo.forget(request_id)
 
     def save(self, digests: Sequence[bytes], rows: "torch.Tensor") -> int:
         """Store `rows` (from `staging`, payload filled) under `digests`' keys; how many were stored.

@@ -203,7 +203,8 @@ class CortexConnector(KVConnectorBase_V1):
         if start >= limit:
             return 0, False
         self.faults.count("lookups")
-        n = min((s.present(digests[start:limit]) for s in self._rank_stores), default=0)
+        # Remembered per request: a request waiting for several steps costs one probe a rank a step.
+        n = min((s.present(digests, start, limit, request.request_id) for s in self._rank_stores), default=0)
         self.faults.count("hit_blocks", n)
         if n == 0:
             return 0, False
@@ -258,6 +259,8 @@ class CortexConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        for s in getattr(self, "_rank_stores", ()):
+            s.forget(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side
