@@ -239,22 +239,29 @@ class KVCache:
         self.memo.forget(request_id)
 
     def _request_digests(self, request_id: Any, tokens: Any) -> list[bytes]:
-        """The chain digests of `tokens`: those remembered for the request, if its last remembered chunk
-        still has the same tokens (the chain would differ otherwise), and the new chunks' hashed on."""
+        """The chain digests of `tokens`: those remembered for the request, and the new chunks' hashed on.
+
+        The remembered ones are used if the first and the last remembered chunks still have the same
+        tokens (hashed again: two chunks, not the prompt); otherwise the whole prompt is hashed afresh.
+        A change only in the chunks between is not seen: under one request id, tokens only grow."""
         if getattr(tokens, "ndim", 1) != 1 or not hasattr(tokens, "__len__"):
             token_bytes(tokens)  # its UsageError for anything that is not a 1-D sequence
             tokens = list(tokens)
         c = self.chunk_tokens
         known = self.memo.digests(request_id)
         whole, k = len(tokens) // c, len(known)
-        if k and (whole < k or hashlib.sha256((known[k - 2] if k > 1 else bytes(32))
-                                              + token_bytes(tokens[(k - 1) * c : k * c]) + self.tag).digest()
-                  != known[k - 1]):
+        if k and (whole < k or not self._same_chunk(tokens, known, 0) or not self._same_chunk(tokens, known, k - 1)):
             known, k = [], 0
         token_bytes(tokens[whole * c :])  # the partial last chunk is checked, as without a request id
         if whole == k:
             return known
         return known + chunk_digests(tokens[k * c : whole * c], c, self.tag, known[-1] if k else bytes(32))
+
+    def _same_chunk(self, tokens: Any, digests: list[bytes], i: int) -> bool:
+        """Does chunk i of `tokens` hash, after digest i - 1, to digests[i]?"""
+        c = self.chunk_tokens
+        prev = digests[i - 1] if i else bytes(32)
+        return hashlib.sha256(prev + token_bytes(tokens[i * c : (i + 1) * c]) + self.tag).digest() == digests[i]
 
     def retrieve(self, tokens: Any, out: "torch.Tensor | None" = None, device: Any = None) -> tuple[int, "torch.Tensor"]:
         """Copy the cached KV of the leading chunks of `tokens` into `out`; (tokens retrieved, out).
