@@ -20,6 +20,8 @@ benchmark's full output.
   tier      disk tier hit rates, spill/promote against plain file write/read
   remote    remote-tier promotes against raw redis-py GETs of the same values
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
+  lookup    leading-chunk lookups of a 128k-token prompt remembered per request
+            against hashing and probing the whole prompt each time
   lmcache   the LMCache adapter against LMCache's own server-less L2 adapters
             (only with CORTEX_BENCH_LMCACHE_PYTHON: scripts/lmcache_venv.sh)
   sglang    the SGLang HiCache backend against SGLang's `file` backend, and the
@@ -39,7 +41,9 @@ its baseline, the ratio and met/missed -- the head-to-head pairs of `peers`
 LMCache's CPU backend, a 64 KiB hot-key get against Redis), `pool`'s batched
 view, `lmcache`'s store and load against fs_native (verification on, and off
 for comparison), and the eviction p99, snapshot and disk-tier figures of this
-run against those recorded in docs/performance.md (RECORDED below).
+run against those recorded in docs/performance.md (RECORDED below); and issue
+28's "128k-token lookup, remembered, < 50 us" (`lookup`, at 256- and 16-token
+chunks, beside the un-remembered lookup).
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lmcache", "sglang",
-         "gpu", "startup"]
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lookup", "lmcache",
+         "sglang", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -205,6 +209,25 @@ def rows_kv(d: dict) -> list:
     ]
 
 
+def rows_lookup(d: dict) -> list:
+    rows = []
+    for c, r in d["results"].items():
+        v = r["variants"]
+        us = {k: f"{s['median_us']:,.1f} / {s['p99_us']:,.1f}" for k, s in v.items()}
+        full = v["full"]["median_us"]
+        rows.append((f"128k tokens, {c}-token chunks: remembered lookup, median / p99 us", us["remembered"],
+                     f"un-remembered {us['full']}", full / v["remembered"]["median_us"],
+                     v["remembered"]["median_us"] < 50))
+        rows.append((f"128k tokens, {c}-token chunks: remembered, a chunk removed by another process",
+                     us["removed"], "un-remembered", full / v["removed"]["median_us"], None))
+        rows.append((f"128k tokens, {c}-token chunks: contains_many / leading, keys made",
+                     f"{us['contains_many']}; {us['leading']}", "", None, None))
+        rows.append((f"128k tokens, {c}-token chunks: vLLM present, remembered", us["vllm_remembered"],
+                     f"not remembered {us['vllm_present']}",
+                     v["vllm_present"]["median_us"] / v["vllm_remembered"]["median_us"], None))
+    return rows
+
+
 def rows_lmcache(d: dict) -> list:
     rows = []
     for size, per in d["results"].items():
@@ -299,7 +322,7 @@ def regressions(name: str, d: dict) -> list[dict]:
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling,
            "eviction": rows_eviction, "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv,
-           "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
+           "lookup": rows_lookup, "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
            "startup": rows_startup}
 
 

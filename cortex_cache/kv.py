@@ -147,7 +147,7 @@ class KVCache:
         `kv[:, :, t]` is the KV of `tokens[t]`.  Values go straight from `kv`
         (CPU or GPU) into reserved pool memory, one chunk at a time.
         """
-        from .gpu import copy_executor, host_tensor, raise_first, wait_jobs
+        from .gpu import copy_executor, copy_with_pool, host_tensor, raise_first, wait_jobs
         from xxhash import xxh3_64_intdigest
 
         keys = self.keys(tokens)
@@ -169,7 +169,7 @@ class KVCache:
                 w.memoryview[:HEADER_SIZE] = self._header  # type: ignore[index]
                 dst = host_tensor(self.pool, w.offset + HEADER_SIZE, self.payload_bytes, self.dtype,
                                    self.chunk_shape)
-                dst.copy_(kv[:, :, i * c : (i + 1) * c])
+                copy_with_pool(dst, kv[:, :, i * c : (i + 1) * c], self.pool, w.offset + HEADER_SIZE)
                 del dst
                 jobs.append(copy_executor().submit(xxh3_64_intdigest, w.memoryview))
             sums = [j.result() for j in jobs]
@@ -247,21 +247,32 @@ class KVCache:
         if getattr(tokens, "ndim", 1) != 1 or not hasattr(tokens, "__len__"):
             token_bytes(tokens)  # its UsageError for anything that is not a 1-D sequence
             tokens = list(tokens)
+        if type(tokens).__module__.startswith("torch") and tokens.device.type == "cpu":
+            # A view of the same memory: a slice converted below then costs half what a tensor's does.
+            tokens = tokens.detach().numpy()
         c = self.chunk_tokens
         known = self.memo.digests(request_id)
         whole, k = len(tokens) // c, len(known)
-        if k and (whole < k or not self._same_chunk(tokens, known, 0) or not self._same_chunk(tokens, known, k - 1)):
+        if k and (whole < k or not self._same_ends(tokens, known, whole)):
             known, k = [], 0
-        token_bytes(tokens[whole * c :])  # the partial last chunk is checked, as without a request id
+        if not k:
+            token_bytes(tokens[whole * c :])  # the partial last chunk is checked, as without a request id
         if whole == k:
             return known
         return known + chunk_digests(tokens[k * c : whole * c], c, self.tag, known[-1] if k else bytes(32))
 
-    def _same_chunk(self, tokens: Any, digests: list[bytes], i: int) -> bool:
-        """Does chunk i of `tokens` hash, after digest i - 1, to digests[i]?"""
-        c = self.chunk_tokens
-        prev = digests[i - 1] if i else bytes(32)
-        return hashlib.sha256(prev + token_bytes(tokens[i * c : (i + 1) * c]) + self.tag).digest() == digests[i]
+    def _same_ends(self, tokens: Any, digests: list[bytes], whole: int) -> bool:
+        """Do the first and the last of `digests` (k <= whole chunks) still name chunks 0 and k - 1 of
+        `tokens`?  The partial last chunk's ids are checked in the same conversion (UsageError)."""
+        c, k = self.chunk_tokens, len(digests)
+        spans = [tokens[:c], tokens[(k - 1) * c : k * c], tokens[whole * c :]]
+        # One conversion (and range check) of an array's three pieces costs what one of them would.
+        raw = token_bytes(np.concatenate(spans)) if isinstance(tokens, np.ndarray) else \
+            b"".join(token_bytes(s) for s in spans)
+        step = 4 * c
+        sha, tag = hashlib.sha256, self.tag
+        return sha(bytes(32) + raw[:step] + tag).digest() == digests[0] and \
+            sha((digests[k - 2] if k > 1 else bytes(32)) + raw[step : 2 * step] + tag).digest() == digests[k - 1]
 
     def retrieve(self, tokens: Any, out: "torch.Tensor | None" = None, device: Any = None) -> tuple[int, "torch.Tensor"]:
         """Copy the cached KV of the leading chunks of `tokens` into `out`; (tokens retrieved, out).
@@ -270,7 +281,7 @@ class KVCache:
         device; else a new CPU tensor (or on `device`) of the retrieved
         length.  Stops at the first chunk missing or not ours.
         """
-        from .gpu import torch_module, device_of
+        from .gpu import copy_with_pool, device_of, torch_module
 
         torch = torch_module()
         keys = self.keys(tokens)
@@ -292,7 +303,7 @@ class KVCache:
                     break
                 src = _chunk_tensor(torch, mv, self.payload_bytes, self.dtype, self.chunk_shape)
                 if out is not None:
-                    out[:, :, n : n + c].copy_(src)
+                    copy_with_pool(out[:, :, n : n + c], src, self.pool, ev.offset + HEADER_SIZE)
                 else:
                     parts.append(src.clone())
                 del src

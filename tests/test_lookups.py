@@ -262,6 +262,35 @@ def test_kv_lookup_with_a_request_id_gives_the_same_answers(make_pool, monkeypat
     assert "r" not in kv.memo
 
 
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_kv_lookup_with_a_request_id_takes_tokens_as_arrays_too(make_pool, kind):
+    import numpy as np
+
+    pool = make_pool("8M")
+    kv = _kv(pool)
+    as_kind = torch.tensor if kind == "tensor" else np.array
+    tokens = list(range(16 * 10 + 5))
+    kv.store(tokens[: 16 * 6], torch.zeros(1, 2, 16 * 6, 1, 4))
+
+    def both(toks: list[int]) -> tuple[int, int]:
+        """(remembered lookup, un-remembered lookup) of `toks` given as an array of this kind."""
+        arr = as_kind(toks)
+        return kv.lookup(arr, request_id="r"), kv.lookup(arr)
+
+    assert both(tokens[:100]) == (96, 96)
+    assert both(tokens) == (96, 96) == both(tokens)  # grown, then repeated
+    assert both([7] + tokens[1:]) == (0, 0)  # its first remembered chunk differs: hashed afresh
+    assert both(tokens) == (96, 96)
+    other = tokens[: 16 * 10 - 1] + [7] + tokens[16 * 10 :]  # its last remembered chunk differs
+    kv.store(other, torch.zeros(1, 2, 16 * 10, 1, 4))
+    assert both(other) == (160, 160)
+    assert both(tokens) == (144, 144)  # the prefix they share is there, chunk 9 of `tokens` is not
+    with pytest.raises(UsageError):
+        kv.lookup(as_kind(tokens + [-1]), request_id="r")  # the partial last chunk is checked too
+    with pytest.raises(UsageError):
+        kv.lookup(as_kind([2**32] + tokens[1:]), request_id="r")  # and a changed first chunk's ids
+
+
 def test_kv_lookup_remembers_only_chunks_that_are_ours(make_pool):
     pool = make_pool("8M")
     kv = _kv(pool)
