@@ -10,9 +10,12 @@ device there raises GpuUnavailable (exit 69 from the CLI).
   until the tensor's storage is freed -- every view of it included.  Do not
   write to it: the pool checksums values at put.
 - `pin_memory(pool)`: registers this handle's mapping of the data region
-  with `cudaHostRegister` (portable), once; it is unregistered before the
-  mapping goes (`pool.close()`), so copies between the pool and the GPU run
-  at full PCIe/NVLink-C2C speed with no bounce buffer.
+  with `cudaHostRegister` (portable), once, in pieces of 1 GiB on a thread of
+  its own (`background=True` returns at once: cortex_cache/pinning.py); it is
+  unregistered before the mapping goes (`pool.close()`), so copies between
+  the pool and the GPU run at full PCIe/NVLink-C2C speed with no bounce
+  buffer.  Every copy here is split where pieces meet, so none spans memory
+  partly registered.
 - `load(pool, keys, ...)` / `store(pool, keys, tensors, ...)`: batched,
   asynchronous on the caller's stream; they return a `Transfer` whose
   `event` completes when the copies have, and whose `wait()` (or `with`)
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from . import pinning
 from .errors import GpuUnavailable, KeyNotFound, ServiceUnavailable, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -136,45 +140,108 @@ def _release_view(ev: Any) -> None:
 # ------------------------------------------------------------------ pinned memory
 
 
-# This process's CUDA registrations, by pool handle (each unregisters at its handle's close).
-_registrations: "weakref.WeakKeyDictionary[Pool, _Registration]" = weakref.WeakKeyDictionary()
+class _CudaHost:
+    """cudaHostRegister (portable) of one piece through a CUDA runtime: torch.cuda.cudart(), or a test's fake."""
+
+    what = "cudaHostRegister"
+    error = GpuUnavailable
+
+    def __init__(self, cudart: Any) -> None:
+        self.cudart = cudart  # torch's binding lets the GIL go during each call
+
+    def _check(self, err: Any, call: str, nbytes: int) -> None:
+        err = int(err)
+        if err != 0:
+            name = getattr(self.cudart, "cudaGetErrorString", None)
+            why = f" ({name(err)})" if name is not None else ""
+            raise GpuUnavailable(f"{call} of {nbytes} bytes failed with CUDA error {err}{why}")
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self._check(self.cudart.cudaHostRegister(addr, nbytes, _REGISTER_PORTABLE), "cudaHostRegister", nbytes)
+
+    def unregister(self, addr: int, nbytes: int) -> None:
+        self._check(self.cudart.cudaHostUnregister(addr), "cudaHostUnregister", nbytes)
 
 
-class _Registration:
-    def __init__(self, addr: int) -> None:
-        self.addr = addr
+def pin_memory(pool: "Pool", *, background: bool = False, piece: int = pinning.PIECE,
+               cudart: Any = None) -> "pinning.Pinning | None":
+    """Register the pool's data region (this handle's mapping) with CUDA, in pieces; None without CUDA.
 
-    def unregister(self) -> None:
-        if self.addr:
-            torch_module().cuda.cudart().cudaHostUnregister(self.addr)
-            self.addr = 0
-
-
-def pin_memory(pool: "Pool") -> bool:
-    """Register the pool's data region (this handle's mapping) with CUDA; False without CUDA.
-
-    Done once per handle; unregistered by `pool.close()` before the mapping
-    is unmapped.  Raises GpuUnavailable if CUDA refuses.
+    Once per handle (a second call returns the first's Pinning); every piece
+    registered is unregistered by `pool.close()` before the mapping goes.
+    The pieces (`piece` bytes, rounded up to whole blocks; 1 GiB by default)
+    are registered in order on a thread of its own, each usable as soon as it
+    is: `background=True` returns at once (the Pinning says how far it got,
+    `wait()` blocks until it is done; a piece that fails stops it, logged
+    once, never raised); `background=False` waits, and raises GpuUnavailable
+    if a piece was refused (those before it stay registered).
+    `cudart`: the CUDA runtime to call (default torch.cuda.cudart()).
     """
-    torch = torch_module()
-    if not torch.cuda.is_available():
-        return False
-    if pool in _registrations:
-        return True
-    addr, length = pool.core.data_region()
-    if length <= 0:
-        return False  # never register zero bytes
-    err = int(torch.cuda.cudart().cudaHostRegister(addr, length, _REGISTER_PORTABLE))
-    if err != 0:
-        raise GpuUnavailable(f"cudaHostRegister of pool {pool.name!r} ({length} bytes) failed with CUDA error {err}")
-    reg = _Registration(addr)
-    _registrations[pool] = reg
-    pool.add_close_hook(reg.unregister)
-    return True
+    if cudart is None:
+        torch = torch_module()
+        if not torch.cuda.is_available():
+            return None
+        cudart = torch.cuda.cudart()
+    if pool.geometry.data_size <= 0:
+        return None  # never register zero bytes
+    return pinning.pin(pool, _CudaHost(cudart), piece=piece, background=background)
+
+
+def pinned_memory(pool: "Pool") -> "pinning.Pinning | None":
+    """This handle's CUDA registration (complete or under way), or None."""
+    return pinning.pinning_of(pool, _CudaHost.what)
 
 
 def is_pinned(pool: "Pool") -> bool:
-    return pool in _registrations
+    """True once this handle's whole data region is registered with CUDA."""
+    p = pinned_memory(pool)
+    return p is not None and p.complete
+
+
+def _byte_view(t: "torch.Tensor") -> "torch.Tensor":
+    torch = torch_module()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def copy_with_pool(dst: "torch.Tensor", src: "torch.Tensor", pool: "Pool", off: int, *,
+                   non_blocking: bool = False) -> None:
+    """`dst.copy_(src)`, where one of them is a contiguous tensor over the pool's bytes at segment offset `off`.
+
+    Where those bytes cross a boundary between pieces of this handle's
+    registration (`pin_memory`), the copy is made in one part per piece, so
+    each part runs over host memory wholly registered or wholly not: CUDA
+    refuses (invalid argument) a copy over memory partly registered, which a
+    registration under way leaves at its edge, and batched copies over two
+    registrations.  Without a registration this is `dst.copy_(src)`.
+    """
+    if not pinning.active(pool):
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    pool_side = src if _in_pool(pool, src) else dst
+    parts = pinning.cuts(pool, off, pool_side.numel() * pool_side.element_size())
+    if len(parts) == 1:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    torch = torch_module()
+    if pool_side is dst:  # the caller's tensor in one layout and dtype with the pool's, on its own device
+        src = src.to(dtype=dst.dtype).expand(dst.shape).contiguous()
+        land = dst
+    elif dst.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape:
+        land = dst
+    else:  # land the pool's bytes in a contiguous tensor on dst's device, then in dst as it is laid out
+        land = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+    d, s = _byte_view(land), _byte_view(src)
+    for a, b in parts:
+        d[a:b].copy_(s[a:b], non_blocking=non_blocking)
+    if land is not dst:
+        dst.copy_(land, non_blocking=non_blocking)
+
+
+def _in_pool(pool: "Pool", t: "torch.Tensor") -> bool:
+    if t.device.type != "cpu":
+        return False
+    base, size = pool.core.data_region()
+    return base <= t.data_ptr() < base + size
 
 
 # ------------------------------------------------------------------ batched transfers
@@ -277,11 +344,13 @@ def load(
 
     try:
         srcs = []
+        starts = []
         for v in views:
             n = v.memoryview.nbytes - offset  # type: ignore[union-attr]
             _shape(shp, n, itemsize)
             start = v.offset + offset
             srcs.append(host_tensor(pool, start, n, dt, shp))
+            starts.append(start)
         if out is None:
             pin = dev.type == "cuda"
             dsts = [torch.empty(shp, dtype=dt, device=dev) for _ in srcs] if pin else [s.clone() for s in srcs]
@@ -297,8 +366,8 @@ def load(
         if len(dsts) != len(srcs):
             raise UsageError(f"{len(dsts)} output tensors for {len(srcs)} keys")
         with _stream_ctx(dev, stream):
-            for d, s in zip(dsts, srcs):
-                d.copy_(s, non_blocking=True)
+            for d, s, start in zip(dsts, srcs, starts):
+                copy_with_pool(d, s, pool, start, non_blocking=True)
             event = _record(dev, stream)
     except BaseException:
         release()
@@ -335,7 +404,7 @@ def store(
         with _stream_ctx(dev, stream):
             for w, t in zip(writers, tensors):
                 host = host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
-                host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                copy_with_pool(host, t.reshape(-1).view(torch.uint8), pool, w.offset, non_blocking=True)
                 del host
                 # Each value is checksummed as soon as its own copy lands, on a
                 # worker thread (xxhash and the event wait release the GIL), so
@@ -466,6 +535,6 @@ def load_blocks(pool: "Pool", key: str | bytes, kv_caches: Sequence["torch.Tenso
 
 
 __all__ = [
-    "cuda_available", "device_of", "entry_tensor", "pin_memory", "is_pinned", "load", "store", "Transfer",
-    "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
+    "cuda_available", "device_of", "entry_tensor", "pin_memory", "pinned_memory", "is_pinned", "copy_with_pool",
+    "load", "store", "Transfer", "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
 ]

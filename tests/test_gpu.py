@@ -71,7 +71,7 @@ def test_asking_for_cuda_without_it_is_a_clean_error(make_pool):
         gpu.load(p, ["t"], dtype=torch.uint8, shape=(16,), device="cuda")
     assert e.value.exit_code == 69
     assert p.stats()["pinned_entries"] == 0
-    assert gpu.pin_memory(p) is False and not gpu.is_pinned(p)
+    assert gpu.pin_memory(p) is None and not gpu.is_pinned(p)
     assert not gpu.cuda_available()
 
 
