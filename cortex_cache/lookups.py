@@ -2,9 +2,9 @@
 
 Engines ask it for every waiting request at every scheduling step, and a
 prompt of 128k tokens is 512 chunks of 256 tokens or 8192 of 16.  Hashing
-the whole prompt and probing every key each time costs 1-10 ms a request a
+the whole prompt and probing every key each time costs 1-17 ms a request a
 step; `LookupMemo` makes a repeat cost a few microseconds (figures in
-docs/python-api.md, "Leading-chunk lookups"; `python -m benchmarks lookup`).
+docs/python-api.md, "Leading-chunk lookups"; `python -m benchmarks --only lookup`).
 
 `leading` is the pool-level probe: keys in order, one lock hold, stopping at
 the first key that is not live in memory or on disk (what `contains_many`
