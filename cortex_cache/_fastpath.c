@@ -44,6 +44,8 @@
 uint64_t cortex_copy_hash_avx2(const struct copy_piece *pieces, size_t n, const void *head, size_t head_len);
 #define HAVE_AVX2_BUILD 1
 #endif
+/* Values this small are copied with the GIL held: letting it go and taking it back costs more. */
+#define COPY_HASH_GIL_FREE (16 * 1024)
 typedef uint64_t (*copy_hash_fn)(const struct copy_piece *, size_t, const void *, size_t);
 static copy_hash_fn copy_hash_impl = cortex_copy_hash_base;
 static const char *copy_hash_isa = "baseline";
@@ -96,6 +98,16 @@ typedef struct {
     /* pin records: u32 pid, i32 slot, u64 start; pin_size bytes each */
     char *pinrec;
     uint64_t pin_size, pin_off_pid, pin_off_slot, pin_off_start;
+    /* the write path (_fastpath_put.h): allocation words and maps, the columns only a put writes */
+    int64_t *free_slot;
+    uint64_t *alloc_hint, *used_blocks, *key_hint, *used_kcells, *n_entries, *puts, *gone_seq;
+    uint8_t *bmap, *kmap;
+    uint32_t *flags_col, *opid;
+    uint64_t *ostart;
+    double *created;
+    uint64_t put_in_lock;      /* values up to this size are put in one lock hold (core.COPY_IN_LOCK) */
+    PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation that needs eviction, lock held */
+    PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
 } Fast;
 
 
@@ -280,6 +292,8 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     uint64_t o_cmax_p, o_cmax_s, o_cnext, o_buckets, o_pins_region;
     uint64_t c_state, c_pins, c_klen, c_next, c_khash, c_vlen, c_first, c_nblk, c_cks, c_lastacc;
     uint64_t c_expiry, c_iseq, c_aseq, c_acount, c_lfuep, c_prio, c_kcell;
+    uint64_t o_free_slot, o_alloc_hint, o_used_blocks, o_key_hint, o_used_kcells, o_n_entries, o_puts, o_gone_seq;
+    uint64_t o_bmap, o_kmap, c_flags, c_opid, c_ostart, c_created;
     struct { const char *name; uint64_t *out; } fields[] = {
         {"lock_byte", &lock_byte}, {"policy", &policy}, {"monotone", &monotone}, {"seqlock", &seqlock},
         {"verify", &verify},
@@ -298,6 +312,11 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {"checksum", &c_cks}, {"last_access", &c_lastacc}, {"expiry", &c_expiry}, {"insert_seq", &c_iseq},
         {"access_seq", &c_aseq}, {"access_count", &c_acount}, {"lfu_epoch_col", &c_lfuep},
         {"priority", &c_prio}, {"key_cell", &c_kcell},
+        {"h_free_slot", &o_free_slot}, {"h_alloc_hint", &o_alloc_hint}, {"h_used_blocks", &o_used_blocks},
+        {"h_key_hint", &o_key_hint}, {"h_used_kcells", &o_used_kcells}, {"h_n_entries", &o_n_entries},
+        {"h_puts", &o_puts}, {"h_gone_seq", &o_gone_seq}, {"blockmap_off", &o_bmap}, {"keymap_off", &o_kmap},
+        {"flags", &c_flags}, {"owner_pid", &c_opid}, {"owner_start", &c_ostart}, {"created", &c_created},
+        {"put_in_lock", &self->put_in_lock},
     };
     for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
         if (get_u64(spec, fields[k].name, fields[k].out) < 0) return -1;
@@ -313,6 +332,9 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {c_expiry, n * 8}, {c_iseq, n * 8}, {c_aseq, n * 8}, {c_acount, n * 8}, {c_lfuep, n * 8},
         {c_prio, n * 8}, {c_kcell, n * 8}, {self->keys_off, self->n_kcells * KEY_CELL},
         {self->data_off, self->n_blocks * self->bs},
+        {o_free_slot, 8}, {o_alloc_hint, 8}, {o_used_blocks, 8}, {o_key_hint, 8}, {o_used_kcells, 8},
+        {o_n_entries, 8}, {o_puts, 8}, {o_gone_seq, 8}, {o_bmap, self->n_blocks}, {o_kmap, self->n_kcells},
+        {c_flags, n * 4}, {c_opid, n * 4}, {c_ostart, n * 8}, {c_created, n * 8},
     };
     for (size_t k = 0; k < sizeof(regions) / sizeof(regions[0]); k++) {
         if (regions[k].off > size || regions[k].len > size - regions[k].off || regions[k].off % 4) {
@@ -362,6 +384,20 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->lfuep = (uint64_t *)(b + c_lfuep);
     self->prio = (int64_t *)(b + c_prio);
     self->kcell = (uint64_t *)(b + c_kcell);
+    self->free_slot = (int64_t *)(b + o_free_slot);
+    self->alloc_hint = (uint64_t *)(b + o_alloc_hint);
+    self->used_blocks = (uint64_t *)(b + o_used_blocks);
+    self->key_hint = (uint64_t *)(b + o_key_hint);
+    self->used_kcells = (uint64_t *)(b + o_used_kcells);
+    self->n_entries = (uint64_t *)(b + o_n_entries);
+    self->puts = (uint64_t *)(b + o_puts);
+    self->gone_seq = (uint64_t *)(b + o_gone_seq);
+    self->bmap = (uint8_t *)(b + o_bmap);
+    self->kmap = (uint8_t *)(b + o_kmap);
+    self->flags_col = (uint32_t *)(b + c_flags);
+    self->opid = (uint32_t *)(b + c_opid);
+    self->ostart = (uint64_t *)(b + c_ostart);
+    self->created = (double *)(b + c_created);
 
     struct flock lk = {0};
     lk.l_type = F_WRLCK;
@@ -391,8 +427,13 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->on_unpin = get_obj(spec, "on_unpin");
     self->free_entry = get_obj(spec, "free_entry");
     self->late_unpin = get_obj(spec, "late_unpin");
-    if (!self->on_unpin || !self->free_entry || !self->late_unpin) {
-        PyErr_SetString(PyExc_ValueError, "fast path spec needs on_unpin, free_entry and late_unpin");
+    self->reserve_hook = get_obj(spec, "reserve_hook");
+    self->err_base = get_obj(spec, "error");
+    self->err_corrupt = get_obj(spec, "corrupt_error");
+    if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->err_base ||
+        !self->err_corrupt) {
+        PyErr_SetString(PyExc_ValueError,
+                        "fast path spec needs on_unpin, free_entry, late_unpin, reserve_hook, error and corrupt_error");
         return -1;
     }
     return 0;
@@ -405,6 +446,9 @@ static void Fast_release_all(Fast *self) {
     Py_CLEAR(self->on_unpin);
     Py_CLEAR(self->free_entry);
     Py_CLEAR(self->late_unpin);
+    Py_CLEAR(self->reserve_hook);
+    Py_CLEAR(self->err_base);
+    Py_CLEAR(self->err_corrupt);
     if (self->have_buf) {
         self->have_buf = 0;
         PyBuffer_Release(&self->buf);
@@ -424,6 +468,9 @@ static int Fast_traverse(Fast *self, visitproc visit, void *arg) {
     Py_VISIT(self->on_unpin);
     Py_VISIT(self->free_entry);
     Py_VISIT(self->late_unpin);
+    Py_VISIT(self->reserve_hook);
+    Py_VISIT(self->err_base);
+    Py_VISIT(self->err_corrupt);
     return 0;
 }
 
@@ -434,6 +481,9 @@ static int Fast_clear(Fast *self) {
     Py_CLEAR(self->on_unpin);
     Py_CLEAR(self->free_entry);
     Py_CLEAR(self->late_unpin);
+    Py_CLEAR(self->reserve_hook);
+    Py_CLEAR(self->err_base);
+    Py_CLEAR(self->err_corrupt);
     return 0;
 }
 
@@ -1244,6 +1294,9 @@ static PyObject *do_populate(Fast *self, PyObject *const *args, Py_ssize_t nargs
     return PyBool_FromLong(rc == 0);
 }
 
+
+#include "_fastpath_put.h"
+
 /* Every call is counted in flight, so that a close() from another thread (while this one copies without
  * the GIL, or runs a Python hook) cannot unmap the memory under it. */
 #define GUARDED(name)                                                                   \
@@ -1261,6 +1314,10 @@ GUARDED(unpin_many)
 GUARDED(probe)
 GUARDED(still)
 GUARDED(populate)
+GUARDED(put)
+GUARDED(put_many)
+GUARDED(reserve_many)
+GUARDED(seal_many)
 
 static PyMethodDef Fast_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Fast_read, METH_FASTCALL,
@@ -1277,6 +1334,14 @@ static PyMethodDef Fast_methods[] = {
      "still(slot, insert_seq) -> bool: the seqlock check after a copy (tests)"},
     {"populate", (PyCFunction)(void (*)(void))Fast_populate, METH_FASTCALL,
      "populate(off, len) -> bool: map that range of the segment into this process, the GIL released"},
+    {"put", (PyCFunction)(void (*)(void))Fast_put, METH_FASTCALL,
+     "put(kb, kh, flags, value, nblk, ttl, prio) -> slot | SLOW | (slot, checksum): seal it, the lock was busy"},
+    {"put_many", (PyCFunction)(void (*)(void))Fast_put_many, METH_FASTCALL,
+     "put_many(items, ttl, prio) -> list of None | error | SLOW, or SLOW if busy: values up to put_in_lock"},
+    {"reserve_many", (PyCFunction)(void (*)(void))Fast_reserve_many, METH_FASTCALL,
+     "reserve_many(items) -> list of (slot, offset) | error, or SLOW if busy"},
+    {"seal_many", (PyCFunction)(void (*)(void))Fast_seal_many, METH_FASTCALL,
+     "seal_many(items) -> list of True | False (taken back) | SLOW, or SLOW if busy"},
     {"close", (PyCFunction)Fast_close, METH_NOARGS, "release the mapping"},
     {NULL, NULL, 0, NULL},
 };
@@ -1297,8 +1362,6 @@ static PyTypeObject FastType = {
 
 /* ------------------------------------------------------------------ copy_hash */
 
-/* Values this small are copied with the GIL held: letting it go and taking it back costs more. */
-#define COPY_HASH_GIL_FREE (16 * 1024)
 
 static PyObject *copy_hash(PyObject *module, PyObject *args) {
     Py_buffer dst, src, head = {0};

@@ -58,11 +58,19 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
             continue
         (small if tiers.disk is None and vb.nbytes <= COPY_IN_LOCK else large).append(
             (n, kb, kh, flags, vb, nblk))
+    fast = core.fast
+    if small and fast is not None:  # the C write path, in one lock hold (_fastpath_put.h)
+        got = fast.put_many([t[1:] for t in small], ttl, prio)
+        if got is not SLOW:
+            for (n, *_), r in zip(small, got):
+                results[n] = r
+            small = [t for t, r in zip(small, got) if r is SLOW]  # what it left to the Python path
     if small:
         def put_all() -> None:
             for n, kb, kh, flags, vb, nblk in small:
                 try:
                     core.put_small(kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, prio)
+                    results[n] = None
                 except CortexCacheError as e:  # PoolFull: the metadata is consistent, go on
                     results[n] = e
         core.locked(put_all)
@@ -86,34 +94,26 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
 def put_large_many(core: Core, large: list, results: list, ttl: float | None, prio: int) -> None:
     """Reserve every large value in one lock hold, copy them outside it, seal them in one."""
 
-    def reserve_all() -> list[tuple[int, int, int]]:
-        got = []
-        for n, kb, kh, flags, vb, nblk in large:
-            try:
-                got.append((n, *core.reserve(kb, kh, flags, vb.nbytes, nblk)))
-            except CortexCacheError as e:
-                results[n] = e
-        return got
-
-    reserved = core.locked(reserve_all)
+    got = core.reserve_many([(kb, kh, flags, vb.nbytes, nblk) for _, kb, kh, flags, vb, nblk in large])
+    reserved = []  # (n, slot, offset)
+    for (n, *_), r in zip(large, got):
+        if isinstance(r, Exception):
+            results[n] = r
+        else:
+            reserved.append((n, *r))
     by_n = {t[0]: t for t in large}
     sums: list[int] = []
     try:
         for n, i, off in reserved:
             sums.append(copy_hashing(core.mv, off, by_n[n][4]))
     except BaseException:
-        core.locked(lambda: [core.abort(i) for _, i, _ in reserved])
+        abort_taken(core, [i for _, i, _ in reserved])
         raise
-
-    def seal_all() -> None:
-        for (n, i, _), checksum in zip(reserved, sums):
-            _, kb, kh, _, _, _ = by_n[n]
-            if core.is_writing(i):
-                core.seal(i, kb, kh, checksum, ttl, prio)
-            else:  # a repair took the reservation back (its owner looked dead)
-                results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
-
-    core.locked(seal_all)
+    sealed = core.seal_many([(i, by_n[n][1], by_n[n][2], checksum, ttl, prio)
+                               for (n, i, _), checksum in zip(reserved, sums)])
+    for (n, _, _), ok in zip(reserved, sealed):
+        if not ok:  # a repair took the reservation back (its owner looked dead)
+            results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
 
 
 def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | None | Exception]:
@@ -288,16 +288,8 @@ def reserve_write_many(core: Core, tiers: Tiers, items: Any, ttl: float | None,
         results.append(None)
         asked.append((n, kb, kh, flags, nbytes, nblk))
 
-    def reserve_all() -> list[tuple[int, int]]:
-        got = []
-        for n, kb, kh, flags, nbytes, nblk in asked:
-            try:
-                got.append(core.reserve(kb, kh, flags, nbytes, nblk))
-            except CortexCacheError as e:  # PoolFull: what was reserved so far stays consistent
-                got.append(e)
-        return got
-
-    for (n, kb, kh, flags, nbytes, _), r in zip(asked, core.locked(reserve_all) if asked else ()):
+    got = core.reserve_many([t[1:] for t in asked])
+    for (n, kb, kh, flags, nbytes, _), r in zip(asked, got):
         results[n] = r if isinstance(r, Exception) else EntryWriter(tiers, r[0], kb, kh, flags, r[1], nbytes, ttl, prio)
     return results
 
@@ -335,7 +327,14 @@ def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[
                 results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
 
     try:
-        core.locked(seal_all)
+        if d is None:
+            sealed = core.seal_many([(w.slot, w.args[0], w.args[1], c, w.args[3], w.args[4])
+                                       for _, w, _, c in taken])
+            for (n, _, _, _), ok in zip(taken, sealed):
+                if not ok:  # a repair took the reservation back (its owner looked dead)
+                    results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
+        else:
+            core.locked(seal_all)
     except BaseException:
         abort_taken(core, [w.slot for _, w, _, _ in taken])
         raise

@@ -88,6 +88,8 @@ READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
 # The policies as _fastpath.c numbers them (its POL_* enum), for its copy of eviction.py's scores.
 _POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5}
 SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
+# What damaged metadata raises under the lock (an index out of range, a counter at its limit).
+METADATA_ERRORS = (IndexError, ValueError, OverflowError, ZeroDivisionError)
 _ONES = b"\x01" * 256  # map filler for runs of up to 256 cells
 _ZEROS = memoryview(bytes(256))  # ... and its opposite (a view: slicing it copies nothing)
 
@@ -220,12 +222,17 @@ class Core:
             "thread_lock": self.lock.thread, "guard": self.guard,
             "on_score_change": None if pol.monotone else self.victims.on_score_change,
             "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
+            # The write path (_fastpath_put.h).
+            "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
+            "reserve_hook": self.reserve_or_corrupt, "error": CortexCacheError, "corrupt_error": SegmentCorrupt,
         }
         for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
-                     "cand_max_primary", "cand_max_secondary", "cand_next_expiry"):
+                     "cand_max_primary", "cand_max_secondary", "cand_next_expiry", "free_slot", "alloc_hint",
+                     "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq"):
             spec["h_" + name] = hoff[name]
         for name in ("state", "pins", "key_len", "next", "key_hash", "value_len", "first_block", "checksum",
-                     "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell"):
+                     "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell",
+                     "flags", "owner_pid", "owner_start", "created"):
             spec[name] = slot_offsets[name]
         return _fastpath.Fast(self.seg.mm, self.seg.fd, spec)
 
@@ -306,14 +313,11 @@ class Core:
         except CortexCacheError:
             self._release(lock, clean=True)  # expected errors leave the metadata consistent
             raise
-        except (IndexError, ValueError, OverflowError, ZeroDivisionError) as e:
+        except METADATA_ERRORS as e:
             # Only damaged metadata gets here (an index out of range, a counter
             # at its limit): a clean error now, and a repair by the next holder.
             self._release(lock, clean=False)
-            raise SegmentCorrupt(
-                f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
-                "it is repaired on its next use, or with `cortex cache verify --repair`"
-            ) from e
+            raise self.damaged(e) from e
         except BaseException:
             # Anything else may have stopped a change half-way: leave the
             # dirty mark so the next holder repairs.
@@ -324,6 +328,13 @@ class Core:
             raise self.gone_error()
         self._release(lock, clean=True)
         return result
+
+    def damaged(self, e: Exception) -> SegmentCorrupt:
+        """The error for one of METADATA_ERRORS met under the lock."""
+        return SegmentCorrupt(
+            f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
+            "it is repaired on its next use, or with `cortex cache verify --repair`"
+        )
 
     def gone_error(self) -> SegmentCorrupt:
         """The error of every call once this handle's mapping met a SIGBUS."""
@@ -416,6 +427,55 @@ class Core:
         self._c_ostart[i] = start
         self._c_state[i] = WRITING
         return i, self._data_off + first * self._bs
+
+    def reserve_or_corrupt(self, kb: bytes, kh: int, flags: int, vlen: int, nblk: int) -> tuple[int, int]:
+        """`reserve`, for the C write path when it needs an eviction (lock held, taken by C): damaged
+        metadata is a SegmentCorrupt, as `locked` makes it, so that C leaves the dirty mark for a repair."""
+        try:
+            return self.reserve(kb, kh, flags, vlen, nblk)
+        except METADATA_ERRORS as e:
+            raise self.damaged(e) from e
+
+    def reserve_many(self, items: list[tuple[bytes, int, int, int, int]]) -> list[Any]:
+        """Reserve every (key bytes, key hash, flags, nbytes, blocks) in one lock hold, through the C write
+        path where it runs: per item its (slot, offset) or the error it met (PoolFull: what was reserved so
+        far stays consistent).  Takes the lock itself."""
+        fast = self.fast
+        got = fast.reserve_many(items) if fast is not None and items else SLOW
+        if got is not SLOW:
+            return got
+
+        def reserve_all() -> list[Any]:
+            out: list[Any] = []
+            for kb, kh, flags, nbytes, nblk in items:
+                try:
+                    out.append(self.reserve(kb, kh, flags, nbytes, nblk))
+                except CortexCacheError as e:
+                    out.append(e)
+            return out
+
+        return self.locked(reserve_all) if items else []
+
+    def seal_many(self, items: list[tuple[int, bytes, int, int, float | None, int]]) -> list[bool]:
+        """Seal every reserved (slot, key bytes, key hash, checksum, ttl, priority) in one lock hold, each
+        replacing its key's old value, through the C write path where it runs; per item whether it was
+        sealed (False: a repair took the reservation back).  Memory only: callers with a disk tier seal
+        through Tiers.seal.  Takes the lock itself."""
+        fast = self.fast
+        got = fast.seal_many(items) if fast is not None and items else SLOW
+        if got is SLOW:
+            got = [SLOW] * len(items)
+        left = [n for n, r in enumerate(got) if r is SLOW]
+        if left:
+            def seal_all() -> None:
+                for n in left:
+                    i, kb, kh, checksum, ttl, prio = items[n]
+                    got[n] = self.is_writing(i)
+                    if got[n]:
+                        self.seal(i, kb, kh, checksum, ttl, prio)
+
+            self.locked(seal_all)
+        return got
 
     def put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
                   ttl: float | None, priority: int) -> int:

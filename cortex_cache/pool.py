@@ -484,8 +484,16 @@ class Pool:
         vb = as_byte_view(value)
         kh, flags, nblk = put_args(self.core, kb, is_str, vb.nbytes, ttl, priority)
         tiers = self.tiers
-        if tiers.disk is None and vb.nbytes <= COPY_IN_LOCK:  # the common case, in one lock hold
-            core = self.core
+        core = self.core
+        fast = core.fast
+        r = SLOW
+        if fast is not None and tiers.disk is None:  # the C write path (_fastpath_put.h)
+            r = fast.put(kb, kh, flags, vb, nblk, ttl, int(priority))
+            if r.__class__ is tuple:  # copied; the lock was busy for the seal
+                core.locked(tiers.seal, r[0], r[1], kb, kh, ttl, int(priority))
+        if r is not SLOW:
+            pass
+        elif tiers.disk is None and vb.nbytes <= COPY_IN_LOCK:  # the common case, in one lock hold
             core.locked(core.put_small, kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, int(priority))
         else:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
@@ -503,9 +511,10 @@ class Pool:
         kb, is_str = key_bytes(key)
         nbytes = valid_nbytes(nbytes)
         kh, flags, nblk = put_args(self.core, kb, is_str, nbytes, ttl, priority)
-        core = self.core
-        i, off = core.locked(core.reserve, kb, kh, flags, nbytes, nblk)
-        return EntryWriter(self.tiers, i, kb, kh, flags, off, nbytes, ttl, int(priority))
+        r = self.core.reserve_many([(kb, kh, flags, nbytes, nblk)])[0]
+        if isinstance(r, Exception):
+            raise r
+        return EntryWriter(self.tiers, r[0], kb, kh, flags, r[1], nbytes, ttl, int(priority))
 
     # ------------------------------------------------------------------ get
 

@@ -161,7 +161,10 @@ class Tiers:
         try:
             if d is not None and d.write_through:
                 written = self.write_record(kb, flags, mv, core.clock() + ttl if ttl else 0.0, priority)
-            core.locked(self.seal, i, checksum, kb, kh, ttl, priority, written)
+            if d is None:
+                core.seal_many([(i, kb, kh, checksum, ttl, priority)])  # False (taken back): as seal's silence
+            else:
+                core.locked(self.seal, i, checksum, kb, kh, ttl, priority, written)
         except BaseException:
             core.locked(core.abort, i)
             raise

@@ -1,0 +1,552 @@
+/* The write path in C: put, put_many, reserve_many and seal_many (docs/internals.md, "The fast path").
+ *
+ * Included by _fastpath.c after the read path, whose lock (take/give), lookup (find) and bookkeeping
+ * (primary, the victim list's fast exits) it shares.  Each function does what core.py's reserve, put_small
+ * and seal do, field for field and in the same order, under the same lock and dirty mark, so that C and
+ * Python writers share a pool freely:
+ *
+ *   reserve   a slot from the free list, key cells and blocks where the two cursors point (the common
+ *             case: a pool with room, or the run an eviction or a replaced value just freed); when they
+ *             are not free there, Core.reserve_or_corrupt does it, lock held: it evicts by policy (the
+ *             victim list is Python's) and raises PoolFull when nothing can go;
+ *   copy      copy_hash (the fused copy and checksum), inside the lock for values up to put_in_lock,
+ *             outside it (the GIL released too) for larger ones, which are reserved in one lock hold and
+ *             sealed in another, as tiers.py does;
+ *   seal      the new entry stamped (sequence numbers, times, the LFU tick, the victim list told), chained
+ *             into its bucket and made SEALED; an old value of the key removed first.
+ *
+ * As in the read path, anything unusual is answered SLOW before anything changed (the lock busy or
+ * dirty, a damaged chain, a segment gone): the caller then runs the Python path.  An error raised by the
+ * reserve hook leaves the metadata consistent when it is a CortexCacheError other than SegmentCorrupt
+ * (PoolFull: the lock is given back clean); any other leaves the dirty mark for the next holder's repair,
+ * as Core.locked does. */
+
+/* Is the run [first, first + n) of a one-byte-per-cell map free? */
+static int run_free(const uint8_t *map, uint64_t first, uint64_t n) {
+    for (uint64_t k = 0; k < n; k++)
+        if (LOAD(map[first + k])) return 0;
+    return 1;
+}
+
+/* Core.reserve where no eviction is needed (lock held): 1 done, 0 not here (nothing changed). */
+static int reserve_here(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
+                        uint64_t nblk, int64_t *slot, uint64_t *off) {
+    int64_t i = LOAD(*s->free_slot);
+    if (i < 0 || (uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
+    int32_t after = LOAD(s->next[i]);
+    if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
+    uint64_t k = (klen + KEY_CELL - 1) / KEY_CELL;
+    uint64_t kf = LOAD(*s->key_hint);
+    if (kf > s->n_kcells || k > s->n_kcells - kf || !run_free(s->kmap, kf, k)) return 0;
+    uint64_t first = LOAD(*s->alloc_hint);
+    if (first > s->n_blocks || nblk > s->n_blocks - first || !run_free(s->bmap, first, nblk)) return 0;
+    /* Core._alloc_slot, _alloc_kcells, _alloc_blocks, then the fields reserve() writes. */
+    *s->free_slot = after;
+    s->next[i] = -1;
+    memset(s->kmap + kf, 1, k);
+    *s->used_kcells += k;
+    *s->key_hint = kf + k < s->n_kcells ? kf + k : 0;
+    memset(s->bmap + first, 1, nblk);
+    *s->used_blocks += nblk;
+    *s->alloc_hint = first + nblk < s->n_blocks ? first + nblk : 0;
+    memcpy(s->base + s->keys_off + kf * KEY_CELL, kb, klen);
+    s->kcell[i] = kf;
+    s->klen[i] = (uint32_t)klen;
+    s->flags_col[i] = flags;
+    s->pins[i] = 0;
+    s->opid[i] = s->pid;
+    s->khash[i] = kh;
+    s->vlen[i] = vlen;
+    s->first[i] = first;
+    s->nblk[i] = nblk;
+    s->ostart[i] = s->pstart;
+    s->state[i] = 1; /* WRITING */
+    *slot = i;
+    *off = s->data_off + first * s->bs;
+    return 1;
+}
+
+/* After the reserve hook raised: 1 if the metadata is consistent (give the lock back clean). */
+static int error_is_clean(Fast *s) {
+    return PyErr_ExceptionMatches(s->err_base) && !PyErr_ExceptionMatches(s->err_corrupt);
+}
+
+/* Core.reserve (lock held): 1 reserved, -1 the hook raised (exception set). */
+static int reserve(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, uint64_t vlen, uint64_t nblk,
+                   int64_t *slot, uint64_t *off) {
+    const char *kb = PyBytes_AS_STRING(kbo);
+    if (reserve_here(s, kb, (uint64_t)PyBytes_GET_SIZE(kbo), kh, flags, vlen, nblk, slot, off)) return 1;
+    PyObject *r = PyObject_CallFunction(s->reserve_hook, "OKIKK", kbo, (unsigned long long)kh, (unsigned)flags,
+                                        (unsigned long long)vlen, (unsigned long long)nblk);
+    if (r == NULL) return -1;
+    long long i = -1;
+    unsigned long long o = 0;
+    int ok = PyArg_ParseTuple(r, "LK", &i, &o);
+    Py_DECREF(r);
+    if (!ok) return -1;
+    *slot = i;
+    *off = o;
+    return 1;
+}
+
+/* Core._free_entry: give slot i's blocks, key cells and the slot back (lock held; i's fields checked by
+ * find()). */
+static void free_entry_here(Fast *s, int64_t i) {
+    uint64_t first = s->first[i], n = s->nblk[i];
+    memset(s->bmap + first, 0, n);
+    *s->used_blocks -= n;
+    *s->alloc_hint = first;
+    uint64_t kf = s->kcell[i], k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
+    memset(s->kmap + kf, 0, k);
+    *s->used_kcells -= k;
+    *s->key_hint = kf;
+    s->state[i] = FREE;
+    s->pins[i] = 0;
+    s->khash[i] = 0;
+    s->cks[i] = 0;
+    s->next[i] = (int32_t)*s->free_slot;
+    *s->free_slot = i;
+}
+
+/* Core.remove of sealed entry i, which find() reached through its bucket (lock held). */
+static void remove_entry(Fast *s, int64_t i) {
+    int32_t *head = &s->buckets[s->khash[i] & s->mask];
+    if (*head == i) {
+        *head = s->next[i];
+    } else {
+        for (int32_t j = *head; j >= 0 && (uint64_t)j < s->n_slots;) {
+            int32_t nj = s->next[j];
+            if (nj == i) {
+                s->next[j] = s->next[i];
+                break;
+            }
+            j = nj;
+        }
+    }
+    *s->n_entries -= 1;
+    *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
+    if (s->pins[i])
+        s->state[i] = ZOMBIE;
+    else
+        free_entry_here(s, i);
+}
+
+/* Core._stamp: the metadata of a new put on slot i (lock held).  -1 if the victim list's hook raised. */
+static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
+    double e = ttl > 0 ? t + ttl : 0.0;
+    uint64_t seq = *s->seq + 1;
+    *s->seq = seq;
+    s->cks[i] = cks;
+    s->created[i] = t;
+    s->lastacc[i] = t;
+    s->expiry[i] = e;
+    s->iseq[i] = seq;
+    s->aseq[i] = seq;
+    s->acount[i] = 1;
+    uint64_t ops = *s->ops + 1; /* Core._tick */
+    *s->ops = ops;
+    uint64_t period = *s->lfu_period;
+    if (period && ops % period == 0) *s->lfu_epoch += 1;
+    s->lfuep[i] = *s->lfu_epoch;
+    s->prio[i] = prio;
+    s->ostart[i] = 0;
+    s->opid[i] = 0;
+    *s->puts += 1;
+    /* VictimCache.on_score_change's fast exit and on_expiry_set, as touch() does. */
+    if (!s->monotone && *s->cand_valid && !(primary(s, i) > *s->cand_max_primary)) {
+        PyObject *r = PyObject_CallFunction(s->on_score_change, "L", (long long)i);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    if (e > 0 && e < *s->cand_next_expiry) *s->cand_next_expiry = e;
+    return 0;
+}
+
+/* Core.seal's end: chain stamped slot i into its bucket and make it visible (lock held). */
+static void chain_in(Fast *s, int64_t i, uint64_t kh) {
+    int32_t *head = &s->buckets[kh & s->mask];
+    s->next[i] = *head;
+    *head = (int32_t)i;
+    s->state[i] = SEALED;
+    *s->n_entries += 1;
+}
+
+/* Copy a value into the segment and checksum it, the GIL let go for large ones (copy_hash's rule). */
+static uint64_t copy_in(char *dst, const char *src, uint64_t n) {
+    struct copy_piece one = {dst, src, (size_t)n};
+    uint64_t h;
+    if (n >= COPY_HASH_GIL_FREE) {
+        Py_BEGIN_ALLOW_THREADS
+        h = copy_hash_impl(&one, 1, NULL, 0);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = copy_hash_impl(&one, 1, NULL, 0);
+    }
+    return h;
+}
+
+/* One put whose value is copied in this lock hold: Core.put_small.  1 done (*slot), 2 SLOW (nothing
+ * changed), -1 error (exception set; *dirty says whether the metadata may be half-changed). */
+static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const char *v, uint64_t vlen,
+                    uint64_t nblk, double ttl, int64_t prio, double t, int64_t *slot, int *dirty) {
+    Found f;
+    int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
+    if (rc < 0) return 2;
+    *dirty = 1;
+    if (rc == 1) {
+        int64_t old = f.slot;
+        if (s->nblk[old] == nblk && s->pins[old] == 0) {
+            /* The same room and nobody reading it: written over in place.  insert_seq first, so that a
+             * seqlock reader copying it outside the lock reads again. */
+            s->iseq[old] = 0;
+            *s->gone_seq += 1;
+            uint64_t cks = copy_in(s->base + f.off, v, vlen);
+            s->vlen[old] = vlen;
+            s->flags_col[old] = flags;
+            if (stamp(s, old, cks, ttl, prio, t) < 0) return -1;
+            *slot = old;
+            *dirty = 0;
+            return 1;
+        }
+        remove_entry(s, old);
+    }
+    int64_t i;
+    uint64_t off;
+    if (reserve(s, kbo, kh, flags, vlen, nblk, &i, &off) < 0) {
+        *dirty = !error_is_clean(s);
+        return -1;
+    }
+    uint64_t cks = copy_in(s->base + off, v, vlen);
+    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    chain_in(s, i, kh);
+    *slot = i;
+    *dirty = 0;
+    return 1;
+}
+
+/* Seal reserved slot i as key kbo's value, replacing its old one (lock held): 1 sealed, 0 the slot is
+ * no longer this reservation (a repair took it back: Tiers.seal's silent case), 2 SLOW (nothing changed:
+ * a damaged chain; the Python path seals), -1 error (the metadata half-changed). */
+static int seal_held(Fast *s, int64_t i, PyObject *kbo, uint64_t kh, uint64_t cks, double ttl, int64_t prio,
+                     double t) {
+    if (i < 0 || (uint64_t)i >= s->n_slots || LOAD(s->state[i]) != 1 /* WRITING */) return 0;
+    Found f;
+    int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
+    if (rc < 0) return 2;
+    if (rc == 1) remove_entry(s, f.slot);
+    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    chain_in(s, i, kh);
+    return 1;
+}
+
+/* The arguments every put shares, parsed: key bytes and hash, slot flags, blocks. */
+typedef struct {
+    PyObject *kb;
+    uint64_t kh, nblk;
+    uint32_t flags;
+} PutKey;
+
+static int parse_put_key(PyObject *kb, PyObject *kh, PyObject *flags, PyObject *nblk, PutKey *out) {
+    if (!PyBytes_Check(kb)) {
+        PyErr_SetString(PyExc_TypeError, "key must be bytes");
+        return -1;
+    }
+    out->kb = kb;
+    out->kh = PyLong_AsUnsignedLongLong(kh);
+    out->flags = (uint32_t)PyLong_AsUnsignedLong(flags);
+    out->nblk = PyLong_AsUnsignedLongLong(nblk);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The number of blocks a value of vlen bytes takes must be what the caller said (layout.blocks_for): a
+ * mismatch is a caller's bug, and would write past the reservation. */
+static int blocks_match(Fast *s, uint64_t vlen, uint64_t nblk) {
+    uint64_t want = vlen == 0 ? 0 : (vlen + s->bs - 1) / s->bs;
+    if (want != nblk || nblk > s->n_blocks) {
+        PyErr_SetString(PyExc_ValueError, "fast path: blocks do not match the value's length");
+        return 0;
+    }
+    return 1;
+}
+
+/* put(kb, kh, flags, value, nblk, ttl, prio) -> slot | SLOW | (slot, checksum): Pool.put of one value.
+ * A value up to put_in_lock is put in one lock hold; a larger one is reserved, copied and checksummed with
+ * neither the lock nor the GIL held, then sealed.  (slot, checksum): the value is copied but the lock was
+ * busy for its seal -- the caller seals it (Core.locked(Tiers.seal, ...)). */
+static PyObject *do_put(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "put(kb, kh, flags, value, nblk, ttl, prio)");
+        return NULL;
+    }
+    PutKey k;
+    if (parse_put_key(args[0], args[1], args[2], args[4], &k) < 0) return NULL;
+    double ttl = args[5] == Py_None ? 0.0 : PyFloat_AsDouble(args[5]);
+    int64_t prio = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer vb;
+    if (PyObject_GetBuffer(args[3], &vb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *result = NULL;
+    uint64_t vlen = (uint64_t)vb.len;
+    if (!blocks_match(self, vlen, k.nblk)) goto done;
+    int got = take(self);
+    if (got <= 0) {
+        if (got == 0) result = Py_NewRef(SLOW);
+        goto done;
+    }
+    double t = now();
+    int64_t slot;
+    if (vlen <= self->put_in_lock) {
+        int dirty = 0;
+        int rc = put_held(self, k.kb, k.kh, k.flags, vb.buf, vlen, k.nblk, ttl, prio, t, &slot, &dirty);
+        if (rc == 2) {
+            give(self, 1);
+            result = Py_NewRef(SLOW);
+        } else if (rc < 0) {
+            give(self, !dirty);
+        } else if (guard_gone(self->guard)) { /* the copy met a truncated segment: the Python path raises */
+            give(self, 0);
+            result = Py_NewRef(SLOW);
+        } else {
+            give(self, 1);
+            result = PyLong_FromLongLong(slot);
+        }
+        goto done;
+    }
+    uint64_t off;
+    if (reserve(self, k.kb, k.kh, k.flags, vlen, k.nblk, &slot, &off) < 0) {
+        give(self, error_is_clean(self));
+        goto done;
+    }
+    give(self, 1);
+    uint64_t cks = copy_in(self->base + off, vb.buf, vlen);
+    if (guard_gone(self->guard) || (got = take(self)) <= 0) {
+        result = got < 0 ? NULL : Py_BuildValue("(LK)", (long long)slot, (unsigned long long)cks);
+        goto done;
+    }
+    int rc = seal_held(self, slot, k.kb, k.kh, cks, ttl, prio, now());
+    if (rc == 2) {
+        give(self, 1);
+        result = Py_BuildValue("(LK)", (long long)slot, (unsigned long long)cks);
+    } else {
+        give(self, rc >= 0);
+        if (rc >= 0) result = PyLong_FromLongLong(slot);
+    }
+done:
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+/* put_many(items: list[(kb, kh, flags, value, nblk)], ttl, prio) -> list of None | error | SLOW, or SLOW
+ * (the lock busy: nothing done).  Every value up to put_in_lock, all in one lock hold (batch.put_many's
+ * small ones); a key's CortexCacheError (PoolFull) is its result and the batch goes on. */
+static PyObject *do_put_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "put_many(items: list, ttl, prio)");
+        return NULL;
+    }
+    PyObject *items = args[0];
+    double ttl = args[1] == Py_None ? 0.0 : PyFloat_AsDouble(args[1]);
+    int64_t prio = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PutKey *keys = PyMem_Calloc(n ? n : 1, sizeof(PutKey));
+    Py_buffer *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    Py_ssize_t nbufs = 0;
+    if (!keys || !bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Everything parsed and checked before the lock is taken: a bad item changes nothing. */
+    for (; nbufs < n; nbufs++) {
+        PyObject *it = PyList_GET_ITEM(items, nbufs);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 5) {
+            PyErr_SetString(PyExc_TypeError, "put_many: items are (kb, kh, flags, value, nblk)");
+            goto done;
+        }
+        if (parse_put_key(PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1), PyTuple_GET_ITEM(it, 2),
+                          PyTuple_GET_ITEM(it, 4), &keys[nbufs]) < 0)
+            goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(it, 3), &bufs[nbufs], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if ((uint64_t)bufs[nbufs].len > self->put_in_lock || !blocks_match(self, (uint64_t)bufs[nbufs].len,
+                                                                              keys[nbufs].nblk)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "put_many: a value larger than put_in_lock");
+            nbufs++;
+            goto done;
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) goto done;
+    int got = take(self);
+    if (got <= 0) {
+        Py_DECREF(out);
+        if (got == 0) result = Py_NewRef(SLOW);
+        goto done;
+    }
+    double t = now();
+    for (Py_ssize_t m = 0; m < n; m++) {
+        int64_t slot;
+        int dirty = 0;
+        int rc = put_held(self, keys[m].kb, keys[m].kh, keys[m].flags, bufs[m].buf, (uint64_t)bufs[m].len,
+                          keys[m].nblk, ttl, prio, t, &slot, &dirty);
+        if (rc < 0 && !dirty) { /* PoolFull and its kind: this key's result; the metadata is whole */
+            PyObject *tp, *val, *tb;
+            PyErr_Fetch(&tp, &val, &tb);
+            PyErr_NormalizeException(&tp, &val, &tb);
+            if (tb != NULL) PyException_SetTraceback(val, tb);
+            Py_XDECREF(tp);
+            Py_XDECREF(tb);
+            PyList_SET_ITEM(out, m, val);
+            continue;
+        }
+        if (rc < 0) {
+            give(self, 0);
+            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+            Py_DECREF(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, m, Py_NewRef(rc == 2 ? SLOW : Py_None));
+    }
+    if (guard_gone(self->guard)) { /* a copy met a truncated segment: the Python path raises */
+        give(self, 0);
+        Py_DECREF(out);
+        result = Py_NewRef(SLOW);
+        goto done;
+    }
+    give(self, 1);
+    result = out;
+done:
+    for (Py_ssize_t m = 0; m < nbufs; m++) PyBuffer_Release(&bufs[m]);
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
+    return result;
+}
+
+/* reserve_many(items: list[(kb, kh, flags, nbytes, nblk)]) -> list of (slot, offset) | error, or SLOW (the
+ * lock busy: nothing reserved).  One lock hold for all (Pool.reserve_write_many, batch.put_large_many); a
+ * key's PoolFull is its result and the batch goes on. */
+static PyObject *do_reserve_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "reserve_many(items: list)");
+        return NULL;
+    }
+    PyObject *items = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PutKey *keys = PyMem_Calloc(n ? n : 1, sizeof(PutKey));
+    uint64_t *lens = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
+    PyObject *result = NULL, *out = NULL;
+    if (!keys || !lens) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t m = 0; m < n; m++) {
+        PyObject *it = PyList_GET_ITEM(items, m);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 5) {
+            PyErr_SetString(PyExc_TypeError, "reserve_many: items are (kb, kh, flags, nbytes, nblk)");
+            goto done;
+        }
+        if (parse_put_key(PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1), PyTuple_GET_ITEM(it, 2),
+                          PyTuple_GET_ITEM(it, 4), &keys[m]) < 0)
+            goto done;
+        lens[m] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 3));
+        if (PyErr_Occurred() || !blocks_match(self, lens[m], keys[m].nblk)) goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    int got = take(self);
+    if (got <= 0) {
+        if (got == 0) result = Py_NewRef(SLOW);
+        goto done;
+    }
+    for (Py_ssize_t m = 0; m < n; m++) {
+        int64_t slot;
+        uint64_t off;
+        if (reserve(self, keys[m].kb, keys[m].kh, keys[m].flags, lens[m], keys[m].nblk, &slot, &off) < 0) {
+            if (!error_is_clean(self)) {
+                give(self, 0);
+                for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+                goto done; /* the reservations so far are this process's: the repair takes them back */
+            }
+            PyObject *tp, *val, *tb;
+            PyErr_Fetch(&tp, &val, &tb);
+            PyErr_NormalizeException(&tp, &val, &tb);
+            if (tb != NULL) PyException_SetTraceback(val, tb);
+            Py_XDECREF(tp);
+            Py_XDECREF(tb);
+            PyList_SET_ITEM(out, m, val);
+            continue;
+        }
+        PyObject *pair = Py_BuildValue("(LK)", (long long)slot, (unsigned long long)off);
+        if (pair == NULL) {
+            give(self, 0);
+            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+            goto done;
+        }
+        PyList_SET_ITEM(out, m, pair);
+    }
+    give(self, 1);
+    result = Py_NewRef(out);
+done:
+    Py_XDECREF(out);
+    PyMem_Free(keys);
+    PyMem_Free(lens);
+    return result;
+}
+
+/* seal_many(items: list[(slot, kb, kh, checksum, ttl, prio)]) -> list of True (sealed) | False (the
+ * reservation was taken back by a repair) | SLOW, or SLOW (the lock busy: nothing sealed).  One lock hold
+ * for all (Pool.commit_many, EntryWriter.commit, batch.put_large_many). */
+static PyObject *do_seal_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "seal_many(items: list)");
+        return NULL;
+    }
+    PyObject *items = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    struct sealing { int64_t slot, prio; PyObject *kb; uint64_t kh, cks; double ttl; } *todo;
+    todo = PyMem_Calloc(n ? n : 1, sizeof *todo);
+    if (todo == NULL) return PyErr_NoMemory();
+    PyObject *out = NULL;
+    /* Everything parsed before the lock is taken: a bad item changes nothing. */
+    for (Py_ssize_t m = 0; m < n; m++) {
+        PyObject *it = PyList_GET_ITEM(items, m);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 6 || !PyBytes_Check(PyTuple_GET_ITEM(it, 1))) {
+            PyErr_SetString(PyExc_TypeError, "seal_many: items are (slot, kb, kh, checksum, ttl, prio)");
+            goto done;
+        }
+        struct sealing *w = &todo[m];
+        w->slot = PyLong_AsLongLong(PyTuple_GET_ITEM(it, 0));
+        w->kb = PyTuple_GET_ITEM(it, 1);
+        w->kh = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 2));
+        w->cks = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 3));
+        PyObject *ttl = PyTuple_GET_ITEM(it, 4);
+        w->ttl = ttl == Py_None ? 0.0 : PyFloat_AsDouble(ttl);
+        w->prio = PyLong_AsLongLong(PyTuple_GET_ITEM(it, 5));
+        if (PyErr_Occurred()) goto done;
+    }
+    PyObject *list = PyList_New(n);
+    if (list == NULL) goto done;
+    int got = take(self);
+    if (got <= 0) {
+        Py_DECREF(list);
+        if (got == 0) out = Py_NewRef(SLOW);
+        goto done;
+    }
+    double t = now();
+    for (Py_ssize_t m = 0; m < n; m++) {
+        struct sealing *w = &todo[m];
+        int rc = seal_held(self, w->slot, w->kb, w->kh, w->cks, w->ttl, w->prio, t);
+        if (rc < 0) {
+            give(self, 0);
+            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(list, r, Py_NewRef(Py_None));
+            Py_DECREF(list);
+            goto done;
+        }
+        PyList_SET_ITEM(list, m, Py_NewRef(rc == 2 ? SLOW : rc ? Py_True : Py_False));
+    }
+    give(self, 1);
+    out = list;
+done:
+    PyMem_Free(todo);
+    return out;
+}
