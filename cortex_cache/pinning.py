@@ -188,7 +188,7 @@ class Pinning:
     def _fail(self, at: int, n: int, e: Exception) -> None:
         self._error = (f"{self.what} of pool {self.pool_name!r} stopped at the piece of {n} bytes at +{at}: {e}; "
                        f"the first {format_size(self._pinned)} of {format_size(self.total_bytes)} stay pinned, "
-                       "the rest is copied unpinned")
+                       "the rest is not")
         logger.warning("cortex_cache: %s", self._error)
 
     def cancel(self) -> None:
