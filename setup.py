@@ -12,8 +12,8 @@ setup(
             "cortex_cache._fastpath",
             ["cortex_cache/_fastpath.c", "cortex_cache/_copyhash_avx2.c"],
             include_dirs=["third_party/xxhash", "cortex_cache"],
-            depends=["cortex_cache/_copyhash.h", "cortex_cache/_fastpath_put.h", "third_party/xxhash/xxhash.h",
-                     "third_party/xxhash/LICENSE"],
+            depends=["cortex_cache/_copyhash.h", "cortex_cache/_fastpath_put.h", "cortex_cache/_fastpath_load.h",
+                     "third_party/xxhash/xxhash.h", "third_party/xxhash/LICENSE"],
             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
             optional=True,
         )

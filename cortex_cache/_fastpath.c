@@ -1294,6 +1294,7 @@ static PyObject *do_populate(Fast *self, PyObject *const *args, Py_ssize_t nargs
     return PyBool_FromLong(rc == 0);
 }
 
+#include "_fastpath_load.h"
 
 #include "_fastpath_put.h"
 
@@ -1318,6 +1319,7 @@ GUARDED(put)
 GUARDED(put_many)
 GUARDED(reserve_many)
 GUARDED(seal_many)
+GUARDED(load_many)
 
 static PyMethodDef Fast_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Fast_read, METH_FASTCALL,
@@ -1334,6 +1336,8 @@ static PyMethodDef Fast_methods[] = {
      "still(slot, insert_seq) -> bool: the seqlock check after a copy (tests)"},
     {"populate", (PyCFunction)(void (*)(void))Fast_populate, METH_FASTCALL,
      "populate(off, len) -> bool: map that range of the segment into this process, the GIL released"},
+    {"load_many", (PyCFunction)(void (*)(void))Fast_load_many, METH_FASTCALL,
+     "load_many(keys, outs, tag, digests, mode, verify, workers) -> (outcomes, leftover pins) | SLOW"},
     {"put", (PyCFunction)(void (*)(void))Fast_put, METH_FASTCALL,
      "put(kb, kh, flags, value, nblk, ttl, prio) -> slot | SLOW | (slot, checksum): seal it, the lock was busy"},
     {"put_many", (PyCFunction)(void (*)(void))Fast_put_many, METH_FASTCALL,

@@ -35,7 +35,13 @@ bytes fail their checksum (corrupt), is a miss -- counted in `stats`, never
 loaded.  Loads copy straight from the pool into LMCache's buffers: the entry
 is pinned, its header checked in place, its payload copied once (no
 intermediate bytes) and the copy checked against the checksum taken at put
-(a failed check zeroes the buffer and reports a miss).  Nothing here imports LMCache.
+(a failed check zeroes the buffer and reports a miss).  Where the C fast path
+is built, a batch does all of that in one call that holds the GIL only for
+its two lock holds (`Fast.load_many`, _fastpath_load.h: pin and count every
+key in one, copy and check without the GIL -- on several threads for a
+large batch -- unpin in the other); the keys it leaves (SLOW: expired, out
+of pin records, a tier below to look in, a busy lock) take the Python path
+below, which stays the reference.  Nothing here imports LMCache.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..batch import encoded
 from ..copyhash import copy_hash
+from ..core import READ_COUNTED, READ_HITS, SLOW
 from ..errors import UsageError
 from .copiers import Copiers
 from .pools import POOL_PARAMS, open_or_create
@@ -63,10 +71,21 @@ _PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
 
 Completion = tuple[int, bool, str, "list[bool] | None"]
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the worker thread alone
+_TAG = HEADER.pack(MAGIC, VERSION, 0, bytes(16), 0)[:6]  # what Fast.load_many checks before the digest
+# Fast.load_many's per-key answers 0-4, as counted: a value the pool's verify_reads refuses is a miss, as
+# the Python path's ValueCorrupt from view_many is.
+_OUTCOMES = ("hits", "misses", "foreign", "corrupt", "misses")
+# Keys pinned at a time by a load: a batch larger than the pool's pin records (1024, shared by every
+# process) would otherwise find none left for its last keys.
+_PIN_BATCH = 256
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
 def _header(key: str, n: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, hashlib.blake2b(key.encode(), digest_size=16).digest(), n)
+    return HEADER.pack(MAGIC, VERSION, 0, _digest(key), n)
 
 
 class CortexConnector:
@@ -209,20 +228,56 @@ class CortexConnector:
             return False
         magic, version, _, digest, n = HEADER.unpack_from(view)
         good = (magic == MAGIC and version == VERSION and n == view.nbytes - HEADER_SIZE
-                and digest == hashlib.blake2b(key.encode(), digest_size=16).digest())
+                and digest == _digest(key))
         return good and (want is None or n == want)
 
     def _get(self, keys: list[str], mvs: Sequence[Any]) -> tuple[bool, str, list[bool]]:
-        # The batch is pinned in one lock hold, copied (on the copy threads when large), and
-        # released in one.
-        views = self.pool.view_many([self.namespace + k for k in keys])
-        try:
-            outcomes = self._map(self._load_one, list(zip(keys, views)), mvs)
-        finally:
-            self.pool.release_many(views)
+        outcomes: list[str] = []
+        for s in range(0, len(keys), _PIN_BATCH):
+            outcomes += self._load(keys[s : s + _PIN_BATCH], mvs[s : s + _PIN_BATCH])
         for o in outcomes:
             self.stats[o] += 1
         return True, "", [o == "hits" for o in outcomes]
+
+    def _load(self, keys: list[str], mvs: Sequence[Any]) -> list[str]:
+        """Load a batch into LMCache's buffers: the counter of each key's outcome.  In C where it can
+        be (`_load_fast`), the keys it leaves and every key without it on the Python path."""
+        got = self._load_fast(keys, mvs)
+        if got is None:
+            return self._load_pinned(keys, mvs)
+        left = [n for n, o in enumerate(got) if o is None]
+        if left:
+            for n, o in zip(left, self._load_pinned([keys[n] for n in left], [mvs[n] for n in left])):
+                got[n] = o
+        return got  # type: ignore[return-value]
+
+    def _load_fast(self, keys: list[str], mvs: Sequence[Any]) -> list[str | None] | None:
+        """The batch in one C call (_fastpath_load.h): per key its counter, or None for the Python path
+        to load; None for the whole batch without the fast path or when its lock was busy."""
+        pool = self.pool
+        core = pool.core
+        fast = core.fast
+        if fast is None:  # not built, CORTEX_CACHE_PURE_PYTHON=1, or closed
+            return None
+        below = pool.tiers.disk is not None or pool.tiers.remote is not None  # misses are looked up there
+        r = fast.load_many(encoded([self.namespace + k for k in keys]), list(mvs), _TAG,
+                           b"".join(map(_digest, keys)), READ_HITS if below else READ_COUNTED, self.verify,
+                           self._copiers.workers)
+        if r is SLOW:
+            return None
+        codes, leftover = r
+        if leftover:  # the lock was busy after the copies: release them waiting for it
+            core.release_pins(leftover)
+        return [None if c is SLOW else _OUTCOMES[c] for c in codes]
+
+    def _load_pinned(self, keys: list[str], mvs: Sequence[Any]) -> list[str]:
+        """The Python path: the batch pinned in one lock hold, copied (on the copy threads when large),
+        and released in one."""
+        views = self.pool.view_many([self.namespace + k for k in keys])
+        try:
+            return self._map(self._load_one, list(zip(keys, views)), mvs)
+        finally:
+            self.pool.release_many(views)
 
     def _load_one(self, key_view: tuple[str, Any], mv: Any) -> str:
         """Load one pinned value into LMCache's buffer; which counter it counts under."""
