@@ -276,7 +276,7 @@ def pinning_of(pool: "Pool", what: str) -> Pinning | None:
 
 def active(pool: "Pool") -> bool:
     """True if this handle has a pinning (under way or done) that close() has not undone."""
-    return any(not p.closed for p in _pinnings.get(pool, {}).values())
+    return any(not p.closed for p in tuple(_pinnings.get(pool, {}).values()))  # a copy: pin() may add one
 
 
 def cuts(pool: "Pool", off: int, nbytes: int) -> list[tuple[int, int]]:
@@ -285,7 +285,7 @@ def cuts(pool: "Pool", off: int, nbytes: int) -> list[tuple[int, int]]:
     if not kinds:
         return [(0, nbytes)]
     edges = {0, nbytes}
-    for p in kinds.values():
+    for p in tuple(kinds.values()):  # a copy: pin() may add one meanwhile
         if not p.closed:
             edges.update(b for _, b in p.cuts(off, nbytes))
     e = sorted(edges)
