@@ -28,6 +28,23 @@ static int run_free(const uint8_t *map, uint64_t first, uint64_t n) {
     return 1;
 }
 
+/* allocator.find_run: the first run of k free cells at or after `hint`, else the first before it
+ * (wrapping), or -1.  A plain scan: the cursor's neighbourhood is usually free. */
+static int64_t find_run(const uint8_t *map, uint64_t n, uint64_t k, uint64_t hint) {
+    if (k < 1 || k > n || hint > n) return -1;
+    uint64_t ranges[2][2] = {{hint, n}, {0, hint + k - 1 < n ? hint + k - 1 : n}};
+    for (int r = 0; r < 2; r++) {
+        uint64_t run = 0;
+        for (uint64_t j = ranges[r][0]; j < ranges[r][1]; j++) {
+            if (LOAD(map[j]))
+                run = 0;
+            else if (++run == k)
+                return (int64_t)(j + 1 - k);
+        }
+    }
+    return -1;
+}
+
 /* Core.reserve where no eviction is needed (lock held): 1 done, 0 not here (nothing changed). */
 static int reserve_here(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
                         uint64_t nblk, int64_t *slot, uint64_t *off) {
@@ -35,11 +52,22 @@ static int reserve_here(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     if (i < 0 || (uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
     int32_t after = LOAD(s->next[i]);
     if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
+    /* Core._alloc_kcells and _alloc_blocks: the run at the cursor, else the next-fit scan (the blocks' only
+     * while enough are free: a full pool goes straight to eviction, in Python). */
     uint64_t k = (klen + KEY_CELL - 1) / KEY_CELL;
     uint64_t kf = LOAD(*s->key_hint);
-    if (kf > s->n_kcells || k > s->n_kcells - kf || !run_free(s->kmap, kf, k)) return 0;
+    if (kf > s->n_kcells || k > s->n_kcells - kf || !run_free(s->kmap, kf, k)) {
+        int64_t at = find_run(s->kmap, s->n_kcells, k, kf);
+        if (at < 0) return 0;
+        kf = (uint64_t)at;
+    }
     uint64_t first = LOAD(*s->alloc_hint);
-    if (first > s->n_blocks || nblk > s->n_blocks - first || !run_free(s->bmap, first, nblk)) return 0;
+    if (first > s->n_blocks || nblk > s->n_blocks - first || !run_free(s->bmap, first, nblk)) {
+        uint64_t used = LOAD(*s->used_blocks);
+        int64_t at = used <= s->n_blocks && nblk <= s->n_blocks - used ? find_run(s->bmap, s->n_blocks, nblk, first) : -1;
+        if (at < 0) return 0;
+        first = (uint64_t)at;
+    }
     /* Core._alloc_slot, _alloc_kcells, _alloc_blocks, then the fields reserve() writes. */
     *s->free_slot = after;
     s->next[i] = -1;

@@ -276,21 +276,29 @@ def reserve_write_many(core: Core, tiers: Tiers, items: Any, ttl: float | None,
     put_args(core, b"", False, 0, ttl, priority)  # the batch-wide arguments: raise before reserving anything
     prio = int(priority)
     results: list[Any] = []
-    asked: list[tuple[int, bytes, int, int, int, int]] = []
+    asked: list[tuple[bytes, int, int, int, int]] = []
+    where: list[int] = []  # the item of each asked
+    bs, most = core.geometry.block_size, core.geometry.n_blocks
     for n, (key, nbytes) in enumerate(items):
-        try:
-            kb, is_str = key_bytes(key)
-            nbytes = valid_nbytes(nbytes)
-            kh, flags, nblk = put_args(core, kb, is_str, nbytes, ttl, prio)
-        except CortexCacheError as e:
-            results.append(e)
-            continue
+        # values.key_bytes, valid_nbytes and put_args, with the usual case (an ASCII str key, an int size that
+        # fits) inlined: an engine reserves a request's chunks together, and this loop is its cost.
+        if key.__class__ is str and nbytes.__class__ is int and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES \
+                and 0 <= nbytes and -(-nbytes // bs) <= most:
+            kb = key.encode()
+            asked.append((kb, xxh3_64_intdigest(kb), SLOT_FLAG_STR_KEY, nbytes, -(-nbytes // bs)))
+        else:
+            try:
+                kb, is_str = key_bytes(key)
+                nbytes = valid_nbytes(nbytes)
+                kh, flags, nblk = put_args(core, kb, is_str, nbytes, ttl, prio)
+            except CortexCacheError as e:
+                results.append(e)
+                continue
+            asked.append((kb, kh, flags, nbytes, nblk))
         results.append(None)
-        asked.append((n, kb, kh, flags, nbytes, nblk))
-
-    got = core.reserve_many([t[1:] for t in asked])
-    for (n, kb, kh, flags, nbytes, _), r in zip(asked, got):
-        results[n] = r if isinstance(r, Exception) else EntryWriter(tiers, r[0], kb, kh, flags, r[1], nbytes, ttl, prio)
+        where.append(n)
+    for n, a, r in zip(where, asked, core.reserve_many(asked)):
+        results[n] = r if r.__class__ is not tuple else EntryWriter(tiers, r[0], a[0], a[1], a[2], r[1], a[3], ttl, prio)
     return results
 
 
@@ -310,39 +318,39 @@ def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[
             except CortexCacheError as e:
                 results[n] = e
         return results
-    taken = []  # (index, writer, its memoryview, checksum): the writers this call now owns
+    taken = []  # (index, writer, its memoryview): the writers this call now owns
+    seals = []  # (slot, key bytes, key hash, checksum, ttl, priority) of each
     for n, (w, c) in enumerate(zip(writers, sums)):
         mv = w.take()
         if mv is None:
             results[n] = UsageError("this entry writer was already committed or aborted")
             continue
-        taken.append((n, w, mv, xxh3_64_intdigest(mv) if c is None else int(c)))
+        kb, kh, _, ttl, prio = w.args
+        seals.append((w.slot, kb, kh, xxh3_64_intdigest(mv) if c is None else int(c), ttl, prio))
+        taken.append((n, w, mv))
 
-    def seal_all() -> None:
-        for n, w, _, c in taken:
-            kb, kh, _, ttl, prio = w.args
-            if core.is_writing(w.slot):
-                tiers.seal(w.slot, c, kb, kh, ttl, prio)
-            else:  # a repair took the reservation back (its owner looked dead)
-                results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
+    def seal_all() -> list[bool]:
+        sealed = []
+        for i, kb, kh, c, ttl, prio in seals:
+            sealed.append(core.is_writing(i))
+            if sealed[-1]:
+                tiers.seal(i, c, kb, kh, ttl, prio)
+        return sealed
 
     try:
-        if d is None:
-            sealed = core.seal_many([(w.slot, w.args[0], w.args[1], c, w.args[3], w.args[4])
-                                       for _, w, _, c in taken])
-            for (n, _, _, _), ok in zip(taken, sealed):
-                if not ok:  # a repair took the reservation back (its owner looked dead)
-                    results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
-        else:
-            core.locked(seal_all)
+        # Memory only: the C write path where it runs; with a disk tier, Tiers.seal drops stale disk copies.
+        sealed = core.seal_many(seals) if d is None else core.locked(seal_all)
     except BaseException:
-        abort_taken(core, [w.slot for _, w, _, _ in taken])
+        abort_taken(core, [w.slot for _, w, _ in taken])
         raise
     finally:
-        for _, _, mv, _ in taken:
+        for _, _, mv in taken:
             mv.release()
+    for (n, _, _), ok in zip(taken, sealed):
+        if not ok:  # a repair took the reservation back (its owner looked dead)
+            results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
     if tiers.remote is not None:
-        for n, w, mv, _ in taken:
+        for n, w, _ in taken:
             if results[n] is None:
                 kb, _, flags, ttl, _ = w.args
                 tiers.remote.put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)

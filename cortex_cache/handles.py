@@ -161,6 +161,9 @@ class EntryWriter:
     the space is reclaimed like any unfinished put.
     """
 
+    # An engine reserves a request's chunks together (Pool.reserve_write_many): slots make each cheaper.
+    __slots__ = ("_tiers", "slot", "args", "offset", "nbytes", "memoryview")
+
     def __init__(self, tiers: Tiers, slot: int, kb: bytes, kh: int, flags: int, off: int, nbytes: int,
                  ttl: float | None, priority: int) -> None:
         self._tiers = tiers

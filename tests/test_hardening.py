@@ -20,6 +20,7 @@ import pytest
 
 from cortex_cache import PermissionDenied, Pool, segment
 from cortex_cache.errors import InvalidName
+from cortex_cache.core import PURE_PYTHON_ENV
 from tests.helpers import as_user, check_value, cli, make_value, spawn_py
 
 ROUNDS = int(os.environ.get("CORTEX_CRASH_ROUNDS", "6"))
@@ -206,8 +207,13 @@ def _kill_at_random(op: str, name: str, seed: int, *extra: str) -> None:
             f.close()
 
 
-@pytest.mark.parametrize("op", ["put", "delete", "evict", "repair", "put_many", "get_many", "write_many"])
-def test_sigkill_at_random_points_of_memory_operations(make_pool, op):
+# The writes run both ways: through the C write path (_fastpath_put.h) and through core.py.
+@pytest.mark.parametrize("op,path", [(op, "c") for op in ("put", "delete", "evict", "repair", "put_many",
+                                                          "get_many", "write_many")]
+                         + [(op, "python") for op in ("put", "put_many", "write_many")])
+def test_sigkill_at_random_points_of_memory_operations(make_pool, op, path, monkeypatch):
+    if path == "python":
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")  # the killed child's
     p = make_pool("2M", block_size="16K")
     for k in range(48):
         p.put(f"k{k}", make_value(k, 0, 2000))
