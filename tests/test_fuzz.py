@@ -268,8 +268,20 @@ def _apply(buf: bytearray, edits) -> None:
 
 
 def _exercise_open_pool(p: Pool) -> None:
-    """What a pool opened from damaged bytes must still do: verify, exact gets, puts."""
+    """What a pool opened from damaged bytes must still do: writes that meet the damage before any repair
+    (a clean error or a whole value), verify, exact gets, puts."""
+    early = {"fuzz-early": PUT_VALUE, "fuzz-early-many": make_value(97, 7, 700)}
+    for write in (lambda: p.put("fuzz-early", early["fuzz-early"]),
+                  lambda: p.put_many({"fuzz-early-many": early["fuzz-early-many"]}),
+                  lambda: p.commit_many(p.reserve_write_many([("fuzz-early-zc", 10)]))):
+        try:
+            write()
+        except CortexCacheError:
+            pass
     p.verify(repair=True)
+    for k, want in early.items():
+        got = p.get(k)
+        assert got is None or got == want, k
     for k in SEG_ENTRIES:
         v = p.get(k)
         if v is not None:
@@ -334,10 +346,20 @@ def _open_and_check(name: str) -> str:
     return "opened"
 
 
-@settings(max_examples=1500, deadline=None, database=None,
+@pytest.fixture(params=["c-writes", "python-writes"])
+def write_path(request, monkeypatch):
+    """Every pool the test opens writes through the C write path, or through core.py alone."""
+    if request.param == "python-writes":
+        monkeypatch.setenv("CORTEX_CACHE_PURE_PYTHON", "1")
+    else:
+        monkeypatch.delenv("CORTEX_CACHE_PURE_PYTHON", raising=False)
+    return request.param
+
+
+@settings(max_examples=1000, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_damaged_segment_is_refused_or_still_correct(seg_image, data):
+def test_damaged_segment_is_refused_or_still_correct(seg_image, write_path, data):
     image, geo = seg_image
     edits = data.draw(segment_edits(len(image), geo))
     buf = bytearray(image)
