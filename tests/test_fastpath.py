@@ -262,6 +262,200 @@ def test_fast_and_pure_processes_share_a_pool(make_pool, pool_name):
     assert p.stats()["pinned_entries"] == 0  # every view of both processes was released
 
 
+# ---------------------------------------------------------------- the write path (_fastpath_put.h)
+
+# What two pools given the same writes must hold alike, whichever path wrote them: every slot field but
+# the wall-clock times, every allocation word and map, the chains and the victim list's place.
+_SAME_COLUMNS = ("state", "pins", "key_len", "flags", "next", "key_hash", "value_len", "first_block", "n_blocks",
+                 "checksum", "insert_seq", "access_seq", "access_count", "lfu_epoch", "priority", "key_cell")
+_SAME_HEADER = ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "hits", "misses", "puts", "deletes",
+                "evictions", "expirations", "bytes_evicted", "lfu_epoch", "ops", "used_kcells", "key_hint",
+                "gone_seq", "cand_valid", "cand_count", "cand_pos")
+
+
+def _writes(p: Pool, seed: int) -> list:
+    """A few hundred writes of every kind into a small pool (evicting from the start), pins held across some;
+    what each returned."""
+    rng = np.random.default_rng(seed)
+    out: list = []
+    held = []
+    sizes = [0, 100, 4096, 5000, 40_000, 300_000]  # empty, in one block, several, past the in-lock copy
+    for n in range(400):
+        op = int(rng.integers(0, 6))
+        k = f"k{int(rng.integers(0, 40))}"
+        size = sizes[int(rng.integers(0, len(sizes)))]
+        value = bytes([n % 251]) * size
+        try:
+            if op == 0:
+                p.put(k, value, priority=int(rng.integers(-3, 3)))
+            elif op == 1:
+                got = p.put_many({f"{k}-{j}": value[: size // (j + 1)] for j in range(int(rng.integers(1, 6)))})
+                out.append([type(r).__name__ for r in got])
+            elif op == 2:
+                ws = p.reserve_write_many([(f"{k}-w{j}", size) for j in range(int(rng.integers(1, 5)))])
+                for w in ws:
+                    if not isinstance(w, Exception):
+                        w.memoryview[:] = value
+                out.append([type(r).__name__ for r in ws])
+                out.append([type(r).__name__ for r in p.commit_many([w for w in ws if not isinstance(w, Exception)])])
+            elif op == 3:
+                with p.reserve_write(k, size) as mv:
+                    mv[:] = value
+            elif op == 4:
+                out.append(p.delete(k))
+            elif len(held) < 6:
+                v = p.view(k) if p.contains(k) else None
+                if v is not None:
+                    held.append(v)
+            else:
+                held.pop(0).release()
+        except Exception as e:  # PoolFull with pins held: both paths must say it
+            out.append(type(e).__name__)
+    for v in held:
+        v.release()
+    return out
+
+
+def _state(p: Pool) -> dict:
+    core = p.core
+    h = core.header
+    state = {name: core.columns[name].copy() for name in _SAME_COLUMNS}
+    state.update({name: int(h[name][0]) for name in _SAME_HEADER})
+    state["block_map"], state["key_map"], state["buckets"] = (core.block_map.copy(), core.key_map.copy(),
+                                                              core.buckets.copy())
+    state["values"] = {k: p.peek(k) for k in p.keys()}
+    return state
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "size"])
+def test_both_write_paths_leave_the_same_pool(make_pool, monkeypatch, policy):
+    fast = make_pool("1M", block_size="4K", policy=policy, max_entries=64)
+    monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    slow = make_pool("1M", block_size="4K", policy=policy, max_entries=64)
+    assert fast.core.fast is not None and slow.core.fast is None
+    assert _writes(fast, 5) == _writes(slow, 5)
+    a, b = _state(fast), _state(slow)
+    for name in a:
+        if isinstance(a[name], np.ndarray):
+            assert np.array_equal(a[name], b[name]), name
+        else:
+            assert a[name] == b[name], name
+    assert a["evictions"] > 50, "the writes did not evict: the test missed its point"
+    assert fast.verify()["problems"] == [] and slow.verify()["problems"] == []
+
+
+def _hold_lock(name: str, held, release) -> None:
+    p = Pool.open(name)
+    p.core.locked(lambda: (held.set(), release.wait(60)))
+    p.close()
+
+
+def test_a_busy_lock_sends_the_c_writes_to_the_python_path_unchanged(make_pool, pool_name):
+    p = make_pool("1M", name=f"{pool_name}-busy", block_size="4K")
+    p.put("k", b"old")
+    fast = p.core.fast
+    held, release = CTX.Event(), CTX.Event()
+    holder = CTX.Process(target=_hold_lock, args=(p.name, held, release))
+    holder.start()
+    try:
+        assert held.wait(60)
+        before = bytes(p.core.mv)  # the whole segment: header, tables, data
+        kh = _kh(b"k")
+        nblk = 1
+        assert fast.put(b"k", kh, 1, memoryview(b"new"), nblk, None, 0) is SLOW
+        assert fast.put_many([(b"k", kh, 1, memoryview(b"new"), nblk)], None, 0) is SLOW
+        assert fast.reserve_many([(b"k", kh, 1, 3, nblk)]) is SLOW
+        assert fast.seal_many([(0, b"k", kh, 0, None, 0)]) is SLOW
+        assert bytes(p.core.mv) == before, "a SLOW answer changed the pool"
+    finally:
+        release.set()
+        holder.join(60)
+    p.put("k", b"new")  # the Python path waited for the lock
+    assert p.get("k") == b"new"
+
+
+@pytest.mark.parametrize("write", ["put", "put_many", "reserve_write", "reserve_write_many"])
+def test_a_dirty_mark_sends_the_c_writes_to_the_repair(make_pool, write):
+    p = make_pool("1M", block_size="4K")
+    p.put("k", b"v" * 1000)
+    repairs = p.stats()["repairs"]
+    p.core.counters.cast("B").cast("I")[H_DIRTY] = 1  # as a holder killed mid-change leaves it
+    if write == "put":
+        p.put("k", b"w" * 1000)
+    elif write == "put_many":
+        assert p.put_many({"k": b"w" * 1000}) == [None]
+    elif write == "reserve_write":
+        with p.reserve_write("k", 1000) as mv:
+            mv[:] = b"w" * 1000
+    else:
+        (w,) = p.reserve_write_many([("k", 1000)])
+        w.memoryview[:] = b"w" * 1000
+        assert p.commit_many([w]) == [None]
+    assert p.get("k") == b"w" * 1000
+    assert p.stats()["repairs"] == repairs + 1
+
+
+def test_a_full_pool_fails_one_key_of_a_c_batch_and_stores_the_rest(make_pool):
+    p = make_pool("256K", block_size="4K")
+    views = []
+    for n in range(20):
+        p.put(f"pinned{n}", bytes([n]) * 12_000)
+        views.append(p.view(f"pinned{n}"))  # nothing can be evicted
+    free = p.stats()["blocks_total"] - p.stats()["blocks_used"]
+    # (The failed key first: it evicts whatever is not pinned before it gives up.)
+    got = p.put_many({"too-big": b"b" * ((free + 1) * 4096), "fits": b"a" * 4096, "fits-too": b"c" * 100})
+    assert type(got[0]).__name__ == "PoolFull" and got[1:] == [None, None]
+    assert p.get("fits") == b"a" * 4096 and p.get("fits-too") == b"c" * 100 and p.get("too-big") is None
+    ws = p.reserve_write_many([("w-too-big", (free + 1) * 4096), ("w1", 100), ("w2", 100)])
+    assert type(ws[0]).__name__ == "PoolFull" and not any(isinstance(w, Exception) for w in ws[1:])
+    p.abort_many([w for w in ws if not isinstance(w, Exception)])
+    for v in views:
+        v.release()
+    assert p.verify()["problems"] == []
+
+
+def _mixed_writer(name: str, rounds: int, pure: bool) -> None:
+    """Every kind of write, over and over, through the C write path or (pure) through core.py."""
+    from tests.helpers import make_value
+
+    if pure:
+        os.environ[PURE_PYTHON_ENV] = "1"
+    p = Pool.open(name)
+    assert (p.core.fast is None) == pure
+    for n in range(rounds):
+        p.put(f"k{n % 30}", make_value(n % 30, n, [300, 9000, 70_000][n % 3]))
+        p.put_many({f"m{(n + j) % 30}": make_value(100 + (n + j) % 30, n, 2000) for j in range(3)})
+        ws = p.reserve_write_many([(f"z{(n + j) % 30}", 5000) for j in range(3)])
+        for j, w in enumerate(ws):
+            if not isinstance(w, Exception):
+                w.memoryview[:] = make_value(200 + (n + j) % 30, n, 5000)
+        p.commit_many([w for w in ws if not isinstance(w, Exception)])
+    p.close()
+
+
+def test_c_and_python_writers_share_a_pool(make_pool, pool_name):
+    from tests.helpers import check_value
+
+    name = f"{pool_name}-writers"
+    p = make_pool("2M", name=name, block_size="4K", max_entries=128)
+    sides = [CTX.Process(target=_mixed_writer, args=(name, 1500, pure)) for pure in (False, True)]
+    for side in sides:
+        side.start()
+    try:
+        for n in range(3000):  # this process reads what both write: each value whole, never another key's
+            for prefix, base in (("k", 0), ("m", 100), ("z", 200)):
+                k = f"{prefix}{n % 30}"
+                got = p.get(k)
+                if got is not None:
+                    assert check_value(got)[0] == base + n % 30, k
+    finally:
+        for side in sides:
+            side.join(300)
+    assert [side.exitcode for side in sides] == [0, 0]
+    assert p.verify()["problems"] == []
+    assert p.stats()["puts"] >= 2 * 1500 * 7
+
+
 # ---------------------------------------------------------------- copy_hash (copyhash.py)
 
 COPY_HASH_SIZES = [0, 1, 63, 16 * 1024 - 1, 16 * 1024, 64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1,
