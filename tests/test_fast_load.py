@@ -126,19 +126,21 @@ def test_both_paths_answer_count_and_copy_alike(make_pool, monkeypatch, verify):
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-def test_large_batches_load_alike_on_the_copy_threads(make_pool, monkeypatch, workers):
-    # 12 MiB a batch: over the threshold where the C call copies on `workers` threads.
+@pytest.mark.parametrize("size", [1 << 20, 2 << 20], ids=["12MiB", "24MiB"])
+def test_large_batches_load_alike_on_the_copy_threads(make_pool, monkeypatch, workers, size):
+    # Over the threshold where the C call copies on `workers` threads; 12 MiB a batch is hashed where it
+    # lands, 24 MiB streamed past the cache (LOAD_CACHED_BYTES).
     results = []
     for path in ("fast", "pure"):
         p = make_pool("64M")
         conn = _connector(monkeypatch, p.name, path, workers=workers)
         try:
             keys = [f"big{i}" for i in range(12)]
-            vals = _store(conn, keys, 1 << 20)
-            p.core.mv[_offset(p, "big5") + HEADER_SIZE + 123456] ^= 0x01
-            seen = _seen(p, conn, keys + ["absent"], [1 << 20] * 13)
+            vals = _store(conn, keys, size)
+            p.core.mv[_offset(p, "big5") + HEADER_SIZE + size // 2 + 3] ^= 0x01
+            seen = _seen(p, conn, keys + ["absent"], [size] * 13)
             assert seen["bufs"][:5] == vals[:5] and seen["bufs"][6:12] == vals[6:]
-            assert seen["bufs"][5] == bytes(1 << 20)
+            assert seen["bufs"][5] == bytes(size)
             assert conn.python_keys == ([] if path == "fast" else keys + ["absent"])
             results.append(seen)
         finally:
