@@ -123,6 +123,50 @@ def bench_batch(pool: Pool, size: int, rounds: int) -> dict:
             "put_many_vs_put": med["put"] / med["put_many"]}
 
 
+def bench_write_paths(pool: Pool, rounds: int) -> dict:
+    """The C write path against core.py's on the same pool (a second handle opened with
+    CORTEX_CACHE_PURE_PYTHON=1), interleaved in each round: the engines' zero-copy put -- reserve_write_many
+    and commit_many of 64 x 256 KiB overwrites, checksums given as the engine adapters give them, the
+    values not copied -- in us per key; and a 1 MiB put, in us."""
+    from xxhash import xxh3_64_intdigest
+
+    from cortex_cache.core import PURE_PYTHON_ENV
+
+    os.environ[PURE_PYTHON_ENV] = "1"
+    try:
+        slow = Pool.open(pool.name)
+    finally:
+        del os.environ[PURE_PYTHON_ENV]
+    assert pool.core.fast is not None and slow.core.fast is None
+    size, big = 256 << 10, 1 << 20
+    items = [(f"zc{i}", size) for i in range(BATCH)]
+    value = np.random.default_rng(3).integers(0, 255, big, dtype=np.uint8)
+    sums = [xxh3_64_intdigest(value[:size])] * BATCH
+    for w in pool.reserve_write_many(items):
+        w.memoryview[:] = value[:size]
+        w.commit(sums[0])
+    n = 50
+
+    def zero_copy(p: Pool):
+        return lambda: p.commit_many(p.reserve_write_many(items), sums)
+
+    cases = {"zc_c": zero_copy(pool), "zc_python": zero_copy(slow),
+             "put_c": lambda: [pool.put(f"big{i % 8}", value) for i in range(8)],
+             "put_python": lambda: [slow.put(f"big{i % 8}", value) for i in range(8)]}
+    res: dict[str, list[float]] = {k: [] for k in cases}
+    try:
+        for _ in range(rounds):
+            for k, fn in cases.items():
+                res[k].append(_time(fn, n) / (BATCH if k.startswith("zc") else 8))
+    finally:
+        slow.close()
+        pool.delete_many([k for k, _ in items] + [f"big{i}" for i in range(8)])
+    med = {k: statistics.median(v) * 1e6 for k, v in res.items()}
+    return {"zero_copy_c_us_per_key": med["zc_c"], "zero_copy_python_us_per_key": med["zc_python"],
+            "put_1mib_c_us": med["put_c"], "put_1mib_python_us": med["put_python"],
+            "zero_copy_c_vs_python": med["zc_python"] / med["zc_c"], "put_c_vs_python": med["put_python"] / med["put_c"]}
+
+
 COPY_BATCH = 32  # values a batch in the copy-and-checksum benchmark (LMCache's bench l2 batch)
 
 
@@ -161,6 +205,7 @@ def main() -> int:
     try:
         rows = [bench_size(pool, s, rounds, budget) for s in SIZES]
         batches = [bench_batch(pool, s, rounds) for s in (4 << 10, 64 << 10)]
+        writes = bench_write_paths(pool, rounds)
         copy_rows = [bench_copy_hash(s, rounds, t) for s in (256 << 10, 1 << 20) for t in (1, 2)]
     finally:
         pool.close()
@@ -177,6 +222,10 @@ def main() -> int:
         print(f"{b['size'] >> 10:>6}Ki view {b['view_us_per_key']:.2f}/{b['view_many_us_per_key']:.2f} "
               f"get_into {b['get_into_us_per_key']:.2f}/{b['get_many_into_us_per_key']:.2f} "
               f"put {b['put_us_per_key']:.2f}/{b['put_many_us_per_key']:.2f}")
+    print(f"\nthe C write path / core.py's: {BATCH} x 256 KiB reserve_write_many + commit_many "
+          f"{writes['zero_copy_c_us_per_key']:.2f} / {writes['zero_copy_python_us_per_key']:.2f} us a key "
+          f"({writes['zero_copy_c_vs_python']:.1f}x); 1 MiB put {writes['put_1mib_c_us']:.1f} / "
+          f"{writes['put_1mib_python_us']:.1f} us ({writes['put_c_vs_python']:.2f}x)")
     print(f"\ncopy and checksum a batch of {COPY_BATCH} values, GB/s (C copy_hash, {copy_rows[0]['isa']} / "
           "the Python loop):")
     for c in copy_rows:
@@ -191,16 +240,21 @@ def main() -> int:
         ">=1MiB get_into >= 0.7x copy": all(r["get_into_vs_copy"] >= 0.7 for r in big),
         ">=1MiB get >= 0.7x copy": all(r["get_vs_copy"] >= 0.7 for r in big),
         "batched view <= 2 us/key (batches of 64)": all(b["view_many_us_per_key"] <= 2.0 for b in batches),
+        "zero-copy put, 64 x 256 KiB reserve+commit <= 1.5 us/key": writes["zero_copy_c_us_per_key"] <= 1.5,
     }
     # Issue 17's line: the per-key cost of a batched view against a single-key view+release, same run.
     goals = [{"target": f"{b['size'] >> 10} KiB view_many+release_many <= 2 us/key, batches of {BATCH}",
               "need": "<= 2 us/key", "value": f"{b['view_many_us_per_key']:.2f} us/key",
               "baseline": f"view+release one key {b['view_us_per_key']:.2f} us/key",
               "ratio": b["view_many_vs_view"], "met": b["view_many_us_per_key"] <= 2.0} for b in batches]
+    goals.append({"target": f"{BATCH} x 256 KiB reserve_write_many+commit_many <= 1.5 us/key",
+                  "need": "<= 1.5 us/key", "value": f"{writes['zero_copy_c_us_per_key']:.2f} us/key",
+                  "baseline": f"core.py's path {writes['zero_copy_python_us_per_key']:.2f} us/key",
+                  "ratio": writes["zero_copy_c_vs_python"], "met": writes["zero_copy_c_us_per_key"] <= 1.5})
     for t, ok in targets.items():
         print(f"target {t}: {'met' if ok else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "batches": batches, "copy_hash": copy_rows,
+        Path(args.json).write_text(json.dumps({"rows": rows, "batches": batches, "writes": writes, "copy_hash": copy_rows,
                                                "targets": targets, "goals": goals}, indent=2))
     return 0
 
