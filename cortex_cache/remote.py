@@ -237,7 +237,11 @@ class RemoteTier:
 
     def _failed(self, e: BaseException, writer: bool) -> None:
         # The error is recorded and counted before the rest begins: whoever sees the tier resting
-        # (another thread's lookup, status) also sees why.
+        # (another thread's lookup, status) also sees why.  A command already in flight in another
+        # thread when the rest began fails too, on the client closed below (redis-py then raises
+        # whatever its closed socket gives, a TypeError): the first error says why, not that one.
+        if self._resting():
+            return
         self.last_error = f"{type(e).__name__}: {scrub(str(e), self.url)}"[:300]
         self._count(H_REMOTE_ERRORS, writer=writer)
         self._retry_at = self.monotonic() + self.backoff
