@@ -34,6 +34,9 @@ TIMEOUT_ENV = "CORTEX_CACHE_LOCK_TIMEOUT"
 _SPIN = 20  # non-blocking attempts before a blocking wait (~1 us each)
 _YIELDS = 200  # with a timeout: attempts after giving up the core, before sleeping between them
 PERSIST_BYTE = 1
+# How long a lock that a killed process held may take to go (RecordLock.take_soon): the kernel drops it
+# with the last reference to the file, which can come a few milliseconds after the process is reaped.
+GONE_HOLDER = 0.1
 
 
 def default_timeout() -> float:
@@ -70,6 +73,17 @@ class RecordLock:
         self._fd = fd
         self._lock = _flock(fcntl.F_WRLCK, byte)
         self._unlock = _flock(fcntl.F_UNLCK, byte)
+
+    def take_soon(self) -> bool:
+        """Try for a moment (GONE_HOLDER seconds): held, or False if another holder keeps it.  For locks a
+        killed process may have held: the kernel can let such a lock go a few milliseconds after the
+        process is reaped (when its last reference to the file, its mapping, is dropped in a kernel
+        thread), and the one who waited for the kill must not be told the dead one still runs."""
+        try:
+            self.acquire(GONE_HOLDER)
+        except LockTimeout:
+            return False
+        return True
 
     def acquire(self, timeout: float | None = None) -> None:
         """Block until held; with `timeout` (seconds), raise LockTimeout after it.

@@ -304,7 +304,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
     old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
     try:
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
-        if not lock.try_acquire():
+        if not lock.take_soon():
             raise busy(old.core.seg.fd, target, "restore")
         running = RecordLock(old.core.seg.fd, RESTORE_BYTE)  # says "a restore" to whoever waits on PERSIST_BYTE
         running.try_acquire()
@@ -451,7 +451,7 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
     """Put every live record of `snap` into a new, empty pool; NoSpace if they do not all stay."""
     core = pool.core
     lock = RecordLock(core.seg.fd, PERSIST_BYTE)
-    if not lock.try_acquire():
+    if not lock.take_soon():
         raise busy(core.seg.fd, pool.name, "restore")
     try:
         now = core.clock()
