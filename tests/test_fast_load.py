@@ -34,6 +34,13 @@ from tests.test_lmcache import wait
 CTX = mp.get_context("spawn")
 
 
+@pytest.fixture(autouse=True)
+def fast_path_unless_asked(monkeypatch):
+    """Handles opened here use the C path, whatever the environment says; the tests ask for the Python
+    path where they compare (`_connector(..., "pure")`)."""
+    monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
+
+
 def _connector(monkeypatch, name: str, path: str, **params) -> CortexConnector:
     """A connector on the C load ("fast") or the Python path ("pure"); its Python-path keys recorded in
     `conn.python_keys`."""
