@@ -186,6 +186,7 @@ complete -c cortex -n '__cortex_using verify 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using persist' -s o -l output -r -F -d 'Write the snapshot to this file instead of the snapshot directory'
 complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)'
+complete -c cortex -n '__cortex_using persist' -l full -d 'Write every value again, sharing nothing with the snapshots kept (in the snapshot directory; --output always writes a whole file)'
 complete -c cortex -n '__cortex_using persist' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using persist' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and exit'
@@ -203,6 +204,7 @@ complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_snapshots)' -d snapshot
 
+complete -c cortex -n '__cortex_using snapshots' -l verify -d 'Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack'
 complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using snapshots' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using snapshots' -l help -d 'Show this message and exit'

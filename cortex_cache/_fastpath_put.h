@@ -267,6 +267,22 @@ static int seal_held(Fast *s, int64_t i, PyObject *kbo, uint64_t kh, uint64_t ck
     return 1;
 }
 
+/* The pending exception, as one key's result in a batch (PoolFull and its kind: the batch goes on). */
+static PyObject *error_result(void) {
+    PyObject *tp, *val, *tb;
+    PyErr_Fetch(&tp, &val, &tb);
+    PyErr_NormalizeException(&tp, &val, &tb);
+    if (tb != NULL) PyException_SetTraceback(val, tb);
+    Py_XDECREF(tp);
+    Py_XDECREF(tb);
+    return val;
+}
+
+/* A batch's result list given up at item `from` (an error): its unset items filled, so it can be freed. */
+static void fill_none(PyObject *list, Py_ssize_t from) {
+    for (Py_ssize_t r = from; r < PyList_GET_SIZE(list); r++) PyList_SET_ITEM(list, r, Py_NewRef(Py_None));
+}
+
 /* The arguments every put shares, parsed: key bytes and hash, slot flags, blocks. */
 typedef struct {
     PyObject *kb;
@@ -418,18 +434,12 @@ static PyObject *do_put_many(Fast *self, PyObject *const *args, Py_ssize_t nargs
         int rc = put_held(self, keys[m].kb, keys[m].kh, keys[m].flags, bufs[m].buf, (uint64_t)bufs[m].len,
                           keys[m].nblk, ttl, prio, t, &slot, &dirty);
         if (rc < 0 && !dirty) { /* PoolFull and its kind: this key's result; the metadata is whole */
-            PyObject *tp, *val, *tb;
-            PyErr_Fetch(&tp, &val, &tb);
-            PyErr_NormalizeException(&tp, &val, &tb);
-            if (tb != NULL) PyException_SetTraceback(val, tb);
-            Py_XDECREF(tp);
-            Py_XDECREF(tb);
-            PyList_SET_ITEM(out, m, val);
+            PyList_SET_ITEM(out, m, error_result());
             continue;
         }
         if (rc < 0) {
             give(self, 0);
-            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+            fill_none(out, m);
             Py_DECREF(out);
             goto done;
         }
@@ -492,22 +502,16 @@ static PyObject *do_reserve_many(Fast *self, PyObject *const *args, Py_ssize_t n
         if (reserve(self, keys[m].kb, keys[m].kh, keys[m].flags, lens[m], keys[m].nblk, &slot, &off) < 0) {
             if (!error_is_clean(self)) {
                 give(self, 0);
-                for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+                fill_none(out, m);
                 goto done; /* the reservations so far are this process's: the repair takes them back */
             }
-            PyObject *tp, *val, *tb;
-            PyErr_Fetch(&tp, &val, &tb);
-            PyErr_NormalizeException(&tp, &val, &tb);
-            if (tb != NULL) PyException_SetTraceback(val, tb);
-            Py_XDECREF(tp);
-            Py_XDECREF(tb);
-            PyList_SET_ITEM(out, m, val);
+            PyList_SET_ITEM(out, m, error_result());
             continue;
         }
         PyObject *pair = Py_BuildValue("(LK)", (long long)slot, (unsigned long long)off);
         if (pair == NULL) {
             give(self, 0);
-            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(out, r, Py_NewRef(Py_None));
+            fill_none(out, m);
             goto done;
         }
         PyList_SET_ITEM(out, m, pair);
@@ -566,7 +570,7 @@ static PyObject *do_seal_many(Fast *self, PyObject *const *args, Py_ssize_t narg
         int rc = seal_held(self, w->slot, w->kb, w->kh, w->cks, w->ttl, w->prio, t);
         if (rc < 0) {
             give(self, 0);
-            for (Py_ssize_t r = m; r < n; r++) PyList_SET_ITEM(list, r, Py_NewRef(Py_None));
+            fill_none(list, m);
             Py_DECREF(list);
             goto done;
         }

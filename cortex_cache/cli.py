@@ -23,7 +23,7 @@ from .cli_render import (
     print_table, prometheus, run_with_progress, say, say_created, say_restored, show_key, snapshots_table,
     watch_line,
 )
-from .errors import EX_PROBLEM, KeyNotFound, UsageError
+from .errors import EX_PROBLEM, KeyNotFound, SnapshotCorrupt, UsageError
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 from .units import entries, plural
 
@@ -521,6 +521,7 @@ def persist(
     name: str = NAME_ARG,
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
     keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)."),
+    full: bool = typer.Option(False, "--full", help="Write every value again, sharing nothing with the snapshots kept (in the snapshot directory; --output always writes a whole file)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -528,8 +529,11 @@ def persist(
 
     Without --output the snapshot goes to the snapshot directory
     (CORTEX_CACHE_SNAPSHOT_DIR) as NAME-<UTC time>.ccsnap, and NAME.ccsnap
-    always names the newest.  A second persist of the same pool while one
-    runs exits 75 at once.
+    always names the newest.  It is incremental: only the values that no
+    kept snapshot holds are written, into a pack file beside it
+    (NAME-<UTC time>.ccpack); packs no kept snapshot needs are deleted.
+    --output writes one self-contained file (to copy to another host).  A
+    second persist of the same pool while one runs exits 75 at once.
 
     Example: cortex cache persist llama --keep 5
     """
@@ -537,13 +541,15 @@ def persist(
     from .pool import Pool
 
     with Pool.open(name, lock_timeout=10) as p:
-        result = run_with_progress(f"persist {name}", lambda cb: snap.persist(p, output, keep=keep, progress=cb))
+        result = run_with_progress(f"persist {name}",
+                                   lambda cb: snap.persist(p, output, keep=keep, progress=cb, full=full))
     doc = {"pool": name, **result.as_dict()}
     if as_json:
         print_json(doc)
     else:
+        wrote = f", {fmt_size(doc['written_bytes'])} of it written" if doc["incremental"] else ""
         say(
-            f"persisted {entries(doc['entries'])}, {fmt_size(doc['bytes'])} of {name} to {doc['path']} "
+            f"persisted {entries(doc['entries'])}, {fmt_size(doc['bytes'])} of {name}{wrote} to {doc['path']} "
             f"in {doc['seconds']:.2f}s ({doc['gbps']:.2f} GB/s)"
         )
         if result.skipped_corrupt:
@@ -620,28 +626,38 @@ def restore(
 @cache.command()
 def snapshots(
     name: str = NAME_ARG,
+    verify: bool = typer.Option(False, "--verify", help="Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
     """List every snapshot of a pool in the snapshot directory, oldest first.
 
-    Shows each file's time, size and entries, and which one NAME.ccsnap (what
-    restore reads by default) names.  Reads only the files' headers.
+    Shows each one's time, entries and value bytes, the bytes on disk that
+    are its own and those it shares with the others (the packs of
+    incremental snapshots), and which one NAME.ccsnap (what restore reads by
+    default) names; then what they take on disk together.  Reads the
+    snapshot files, not the values, unless --verify.
 
-    Example: cortex cache snapshots llama
+    Example: cortex cache snapshots llama --verify
     """
     from . import persist as snap
     from . import segment
 
     segment.validate_name(name)
-    rows = snap.list_snapshots(name)
+    rows = snap.list_snapshots(name, verify=verify)
+    space = snap.snapshot_space(name)
+    bad = [r for r in rows if "error" in r]
     if as_json:
-        print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows})
-        return
-    if not rows:
+        print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows, "space": space})
+    elif not rows:
         say(f"no snapshots of {name} in {snap.snapshot_dir()}", stderr=True)
-        return
-    print_table(snapshots_table(rows))
+    else:
+        print_table(snapshots_table(rows))
+        ratio = f", {space['ratio']:.2f}x the largest" if space["ratio"] else ""
+        say(f"on disk: {fmt_size(space['total_bytes'])} ({fmt_size(space['pack_bytes'])} in packs){ratio}"
+            + (f"; {len(rows) - len(bad)} of {len(rows)} verified whole" if verify else ""))
+    if verify and bad:
+        raise typer.Exit(SnapshotCorrupt.exit_code)
 
 
 @cache.command()

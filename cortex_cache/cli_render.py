@@ -258,14 +258,15 @@ def snapshots_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for col in ("TIME", "AGE", "SIZE", "ENTRIES", "LATEST", "PATH"):
-        t.add_column(col, justify="right" if col in ("SIZE", "ENTRIES") else "left")
+    numbers = ("ENTRIES", "VALUES", "OWN", "SHARED")
+    for col in ("TIME", "AGE", *numbers, "LATEST", "PATH"):
+        t.add_column(col, justify="right" if col in numbers else "left")
     for r in rows:
         if "error" in r:
-            t.add_row("-", "-", "-", "-", "", f"{r['path']} ({r['error']})")
+            t.add_row("-", "-", "-", "-", "-", "-", "", f"{r['path']} ({r['error']})")
             continue
-        t.add_row(fmt_time(r["time"]), fmt_age(r["time"]), fmt_size(r["bytes"]), str(r["entries"]),
-                  "yes" if r["latest"] else "", r["path"])
+        t.add_row(fmt_time(r["time"]), fmt_age(r["time"]), str(r["entries"]), fmt_size(r["value_bytes"]),
+                  fmt_size(r["own_bytes"]), fmt_size(r["shared_bytes"]), "yes" if r["latest"] else "", r["path"])
     return t
 
 

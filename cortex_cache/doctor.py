@@ -106,9 +106,29 @@ def check_directory(what: str, path: Path, need: int) -> list[Finding]:
 
 def check_snapshots(pools) -> list[Finding]:
     from .persist import snapshot_dir
+    from .snapshot import SPACE_BOUND, snapshot_space
 
     need = sum(info["stats"]["value_bytes"] for _, info, _ in pools if info)
-    return check_directory("snapshot", snapshot_dir(), need)
+    out = check_directory("snapshot", snapshot_dir(), need)
+    # Incremental snapshots share packs; compaction keeps them within SPACE_BOUND of the largest one.
+    over = []
+    for name, _, _ in pools:
+        try:
+            space = snapshot_space(name)
+        except (OSError, CortexCacheError):
+            continue
+        # (A few KiB of pack headers over: a tiny pool's snapshots are not bloated.)
+        if space["waste_ratio"] is not None and space["total_bytes"] > SPACE_BOUND * space["needed_bytes"] + (64 << 10):
+            over.append((name, space))
+    out.append(_finding(
+        "snapshot-space", not over,
+        f"snapshots take at most {SPACE_BOUND}x what the kept ones need" if not over else
+        "; ".join(f"snapshots of {n} take {format_size(sp['total_bytes'])}, {sp['waste_ratio']:.1f}x what the kept "
+                  f"ones need" for n, sp in over),
+        "; ".join(f"`cortex cache persist {n}`: it deletes what no snapshot needs and compacts the rest (a pack "
+                  f"it cannot read stays until the snapshots naming it age out; `persist {n} --full` shares "
+                  "nothing with them)" for n, _ in over)))
+    return out
 
 
 def check_disk_tiers(pools) -> list[Finding]:

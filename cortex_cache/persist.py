@@ -25,6 +25,8 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     TRAILER,
     READS,
     VERSION,
+    MANIFEST_VERSION,
+    SPACE_BOUND,
     PersistResult,
     Snapshot,
     WriteBehind,
@@ -32,6 +34,7 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     list_snapshots,
     namespaced,
     snapshot_dir,
+    snapshot_space,
     snapshot_usage,
     snapshots_of,
     write,
@@ -43,14 +46,19 @@ def persist(
     path: str | os.PathLike | None = None,
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    full: bool = False,
 ) -> PersistResult:
     """Write a snapshot of `pool`'s live entries and its whole configuration (snapshot.write has the details).
+
+    Into the snapshot directory it is incremental: only the values no kept
+    snapshot holds are written (`full`: every value, sharing nothing); with
+    `path`, one self-contained file.
 
     Retention: as many snapshots as the pool keeps (`Pool.snapshot_keep`,
     default 3); a `keep` given here is stored with the pool first, which
     only the pool's owner (or root) may do: PermissionDenied (77) for
     anyone else, before anything is written."""
-    return write(pool.core, pool.configuration, path, keep, progress)
+    return write(pool.core, pool.configuration, path, keep, progress, full)
 
 
 def restore(
@@ -74,5 +82,5 @@ def restore(
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
-           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS", "list_snapshots", "snapshot_usage", "namespaced",
+           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS", "list_snapshots", "snapshot_usage", "snapshot_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced",
            "DEFAULT_KEEP"]

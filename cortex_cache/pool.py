@@ -845,16 +845,19 @@ class Pool:
         path: str | os.PathLike | None = None,
         progress: Callable[[int, int], None] | None = None,
         keep: int | None = None,
+        full: bool = False,
     ) -> "os.PathLike":
         """Write an atomic, checksummed snapshot of the live entries; return its path.
 
         Without `path` it goes to the snapshot directory (CORTEX_CACHE_SNAPSHOT_DIR)
         as a timestamped file, `<name>.ccsnap` names the newest, and as many as
         the pool keeps (`snapshot_keep`, default 3) are kept; a `keep` given
-        here is stored with the pool first.  Raises PersistBusy if one is
-        already running.
+        here is stored with the pool first.  There it is incremental: only the
+        values that no kept snapshot holds are written, into a pack beside it
+        (`full`: all of them).  With `path`, one self-contained file.  Raises
+        PersistBusy if one is already running.
         """
-        return snapshot.write(self.core, self.configuration, path, keep=keep, progress=progress).path
+        return snapshot.write(self.core, self.configuration, path, keep=keep, progress=progress, full=full).path
 
     @classmethod
     def restore(

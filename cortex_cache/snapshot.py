@@ -34,6 +34,22 @@ Snapshot format, version 2 (version 1 is still read).  All integers little-endia
       0   8s  magic b"CRTXEND\\0"  8 u64 record count    16 u64 value bytes
       24  u64 xxh3_64 of every byte of the file before the trailer
 
+Version 3, the incremental snapshot (a manifest): what persist writes into the
+snapshot directory.  The values are not in the file but in pack files beside
+it (packs.py), shared with the other snapshots of the pool::
+
+    file header  FILE_HEAD, version 3;  configuration block, as version 2
+    pack table   PACK_TABLE (8 bytes): u32 packs, u32 reserved; then per pack
+      PACK_ENTRY (24 bytes): u64 pack id, u64 file size, u32 name length,
+      u32 reserved; then the name (UTF-8: a file in this file's directory)
+    records, one per live entry: MAN_REC (104 bytes), key
+      as REC_HEAD, magic b"CMRC", and the two reserved words used:
+      12  u32 index of the value's pack in the pack table
+      88  u64 offset of the value's record in that pack
+      96  u64 xxh3_64 of bytes 0..95 of this head plus the key
+    trailer      TRAILER, as version 2 (the checksum covers this file only;
+                 each value is checked against its own checksum when read)
+
 Writing: a temp file in the target directory (mode 0600, O_EXCL), fsync,
 rename over the target, fsync of the directory: a crash at any point leaves
 the previous snapshot whole.  Entries are pinned in small batches and copied
@@ -62,7 +78,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import xxhash
 
-from . import config, interrupts, safefs, segment
+from . import config, interrupts, packs, safefs, segment
 from .core import Core
 from .errors import (
     OUT_OF_FILES,
@@ -83,9 +99,11 @@ from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 
 MAGIC = b"CRTXSNAP"
-VERSION = 2
-READS = (1, 2)  # versions this code restores
+VERSION = 2  # a self-contained file (persist --output)
+MANIFEST_VERSION = 3  # an incremental snapshot in the snapshot directory, its values in packs
+READS = (1, 2, 3)  # versions this code restores
 REC_MAGIC = b"CREC"
+MAN_MAGIC = b"CMRC"
 END_MAGIC = b"CRTXEND\0"
 SUFFIX = ".ccsnap"
 SNAPSHOT_DIR_ENV = "CORTEX_CACHE_SNAPSHOT_DIR"
@@ -96,6 +114,8 @@ HEAD_CHECK = struct.Struct("<Q")
 REC_HEAD = struct.Struct("<4sIII Q ddd QQQ q Q Q")
 REC_CHECK = struct.Struct("<Q")
 TRAILER = struct.Struct("<8sQQQ")
+PACK_TABLE = struct.Struct("<II")
+PACK_ENTRY = struct.Struct("<QQI4x")
 assert FILE_HEAD.size + HEAD_CHECK.size == 320 and REC_HEAD.size + REC_CHECK.size == 104 and TRAILER.size == 32
 
 COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expirations", "bytes_evicted")
@@ -180,9 +200,12 @@ def latest_path(name: str, directory: Path | None = None) -> Path:
     return (directory or snapshot_dir()) / f"{namespaced(name)}{SUFFIX}"
 
 
+def _stamp(now: float) -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+
+
 def _timestamped(name: str, directory: Path, now: float) -> Path:
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
-    return directory / f"{namespaced(name)}-{stamp}{SUFFIX}"
+    return directory / f"{namespaced(name)}-{_stamp(now)}{SUFFIX}"
 
 
 def _os_error(e: OSError, what: str) -> CortexCacheError:
@@ -202,14 +225,18 @@ def _os_error(e: OSError, what: str) -> CortexCacheError:
 class PersistResult:
     path: Path
     entries: int
-    bytes: int
+    bytes: int  # value bytes the snapshot holds
     seconds: float
     skipped_corrupt: int = 0
+    written: int | None = None  # value bytes this persist wrote (an incremental one); None: all of them
+    incremental: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        written = self.bytes if self.written is None else self.written
         return {"path": str(self.path), "entries": self.entries, "bytes": self.bytes,
-                "seconds": round(self.seconds, 6), "gbps": round(gbps, 3), "skipped_corrupt": self.skipped_corrupt}
+                "seconds": round(self.seconds, 6), "gbps": round(gbps, 3), "skipped_corrupt": self.skipped_corrupt,
+                "written_bytes": written, "incremental": self.incremental}
 
 
 # Persists running in this process, by pool name: an OFD lock does not
@@ -224,16 +251,19 @@ def write(
     path: str | os.PathLike | None = None,
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    full: bool = False,
 ) -> PersistResult:
     """Write a snapshot of the live entries of the pool of `core`.
 
     `configuration()` (run with the lock held) gives the pool's whole
     configuration as `Pool.configuration` does; its rest beyond the file
     header goes into the configuration block.  With `path`, write exactly
-    that file.  Without, write a timestamped file in the snapshot directory,
-    point `<name>.ccsnap` at it and keep the newest timestamped snapshots of
-    the pool: as many as the pool keeps (its header's `snapshot_keep`,
-    default 3).  A `keep` given here is stored with the pool first, so every
+    that file (self-contained, version 2).  Without, write an incremental
+    snapshot (version 3) in the snapshot directory: a timestamped manifest
+    and a pack of the values no kept snapshot holds (`full`: of every value,
+    sharing nothing), point `<name>.ccsnap` at it and keep the newest
+    timestamped snapshots of the pool: as many as the pool keeps (its
+    header's `snapshot_keep`, default 3), with the packs they refer to.  A `keep` given here is stored with the pool first, so every
     later persist keeps as many.  Raises PersistBusy
     (exit 75) if another persist of this pool is running, PermissionDenied,
     StorageIOError (disk full, I/O error); on any error the previous snapshot
@@ -243,6 +273,9 @@ def write(
         raise UsageError(f"--keep must be at least 1, not {keep}")
     if path is not None and keep is not None:
         raise UsageError("--keep applies to the snapshot directory; it cannot be combined with --output")
+    if path is not None and full:
+        raise UsageError("--output always writes a complete, self-contained snapshot; --full is for the snapshot "
+                         "directory")
     if keep is not None:
         check_settings_owner(core, "change its retention (--keep)", f"it keeps {int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP}")
     with _running_guard:
@@ -251,12 +284,12 @@ def write(
         _running.add(core.name)
     try:
         lock = RecordLock(core.seg.fd, PERSIST_BYTE)
-        if not lock.try_acquire():  # another process persists (or restores) this pool
+        if not lock.take_soon():  # another process persists (or restores) this pool
             raise busy(core.seg.fd, core.name, "persist")
         try:
             if keep is not None:
                 core.fields.snapshot_keep[0] = keep
-            return _persist_locked(core, configuration, path, progress)
+            return _persist_locked(core, configuration, path, progress, full)
         finally:
             lock.release()
     finally:
@@ -300,7 +333,7 @@ def check_settings_owner(core: Core, what: str, instead: str) -> None:
         )
 
 
-def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
+def _persist_locked(core: Core, configuration, path, progress, full: bool = False) -> PersistResult:
     t0 = time.perf_counter()
     now = time.time()
     if path is None:
@@ -317,6 +350,8 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
     elif not directory.is_dir():
         raise CannotCreate(f"cannot create {str(target)!r}: no directory {str(directory)!r}")
     _clean_stale_temps(directory, namespaced(core.name), target.name)
+    if path is None:
+        packs.sweep_temps(namespaced(core.name), directory)
     tmp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -331,9 +366,16 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
                     os.fchown(fd, -1, gid)
                 except PermissionError:
                     pass
+        incremental = None
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             f = WriteBehind(raw)
-            entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)
+            if path is None:
+                incremental = _Incremental(core, directory, now, full, snapshot_file_mode(pool_mode),
+                                           int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP)
+                data, entries, nbytes, skipped = incremental.write(configuration, progress)
+                f.write(data)
+            else:
+                entries, nbytes, skipped = _write_snapshot(core, configuration, f, now, progress)
             f.finish()
             os.fsync(raw.fileno())
         with interrupts.commit():  # renamed into place: a signal now waits, and the persist reports success
@@ -349,15 +391,16 @@ def _persist_locked(core: Core, configuration, path, progress) -> PersistResult:
         if isinstance(e, OSError) and not isinstance(e, CortexCacheError):
             raise _os_error(e, f"writing {str(target)!r}") from None
         raise
-    if path is None:
-        _prune(core.name, directory, int(core.fields.snapshot_keep[0]) or DEFAULT_KEEP)
+    if incremental is not None:
+        incremental.after()
 
     def note() -> None:
         core.header["last_snapshot"] = now
 
     if is_owner(core):  # another user's snapshot (in their directory) is not the owner's last one
         core.locked(note)
-    return PersistResult(target, entries, nbytes, time.perf_counter() - t0, skipped)
+    written = None if incremental is None else incremental.written
+    return PersistResult(target, entries, nbytes, time.perf_counter() - t0, skipped, written, path is None)
 
 
 class WriteBehind:
@@ -490,32 +533,31 @@ def _record_head(e: SnapshotEntry) -> bytes:
     )
 
 
-def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
-    """Write header, records and trailer to `f`; return (entries, value bytes, skipped)."""
-    file_hash = xxhash.xxh3_64()
-
-    def out(data) -> None:
-        f.write(data)
-        file_hash.update(data)
-
+def _file_head(core: Core, configuration, now: float, version: int) -> tuple[bytes, bytes]:
+    """The file header (with its checksum) and the configuration block of a snapshot of `core`'s pool."""
     cfg = core.locked(pool_config, core)
     block = config.encode(core.locked(configuration))
     head = FILE_HEAD.pack(
-        MAGIC, VERSION, FILE_HEAD.size + HEAD_CHECK.size, now,
+        MAGIC, version, FILE_HEAD.size + HEAD_CHECK.size, now,
         cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
         cfg["lfu_period"], cfg["name"], *[cfg["counters"][c] for c in COUNTERS], len(block),
     )
-    out(head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)))
-    out(block)
-    # Live entries at the start, oldest insert first; entries put later are
-    # not part of this snapshot, entries deleted meanwhile are skipped.
+    return head + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)), block
+
+
+class _Skipped:
+    count = 0
+
+
+def _live_values(core: Core, skipped: _Skipped) -> Iterator[tuple[SnapshotEntry, Any]]:
+    """Every live entry at the start, oldest insert first, with its value (a view of the pinned bytes, good
+    until the next item): entries put later are not part of the snapshot, entries deleted meanwhile are
+    skipped, and so (counted in `skipped`) are values whose bytes fail their checksum in memory."""
     def live() -> tuple[Any, Any]:
         order = core.live_in_insert_order()
         return order, core.columns["value_len"][order].copy()
 
     order, sizes = core.locked(live)
-    total = int(sizes.sum()) if len(order) else 0
-    entries = nbytes = skipped = 0
     k = 0
     while k < len(order):
         batch_slots = []
@@ -527,30 +569,250 @@ def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple
         batch = core.locked(_pin_entries, core, batch_slots)
         try:
             for e in batch:
-                vlen = e.length
-                value = core.mv[e.offset : e.offset + vlen] if e.copy is None else e.copy
+                value = core.mv[e.offset : e.offset + e.length] if e.copy is None else e.copy
                 if xxhash.xxh3_64_intdigest(value) != e.checksum:
-                    skipped += 1  # bytes damaged in memory: never write them as good
+                    skipped.count += 1  # bytes damaged in memory: never write them as good
                     continue
-                head_bytes = _record_head(e)
-                rh = head_bytes + REC_CHECK.pack(xxhash.xxh3_64_intdigest(head_bytes + e.key))
-                out(rh)
-                out(e.key)
-                out(value)
-                entries += 1
-                nbytes += vlen
-                if progress is not None:
-                    progress(nbytes, total)
+                yield e, value
         finally:
             core.locked(core.unpin_batch, [e for e in batch if e.pin >= 0])
-    out_trailer = TRAILER.pack(END_MAGIC, entries, nbytes, file_hash.intdigest())
-    f.write(out_trailer)
-    return entries, nbytes, skipped
 
 
-# A temp file of a persist in our snapshot directory: ".STEM[-STAMP].ccsnap.tmp-XXXXXXXXXXXX" (STEM the
+def _live_total(core: Core) -> int:
+    return int(core.locked(lambda: core.columns["value_len"][core.live_mask()].sum()))
+
+
+def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
+    """Write a self-contained snapshot (version 2) to `f`; return (entries, value bytes, skipped)."""
+    file_hash = xxhash.xxh3_64()
+
+    def out(data) -> None:
+        f.write(data)
+        file_hash.update(data)
+
+    head, block = _file_head(core, configuration, now, VERSION)
+    out(head)
+    out(block)
+    total = _live_total(core) if progress is not None else 0
+    entries = nbytes = 0
+    skipped = _Skipped()
+    for e, value in _live_values(core, skipped):
+        head_bytes = _record_head(e)
+        out(head_bytes + REC_CHECK.pack(xxhash.xxh3_64_intdigest(head_bytes + e.key)))
+        out(e.key)
+        out(value)
+        entries += 1
+        nbytes += e.length
+        if progress is not None:
+            progress(nbytes, total)
+    f.write(TRAILER.pack(END_MAGIC, entries, nbytes, file_hash.intdigest()))
+    return entries, nbytes, skipped.count
+
+
+class _Kept(NamedTuple):
+    """A kept incremental snapshot, read: its file, the bytes before its pack table (header and
+    configuration, kept as they are when it is rewritten), and its records with where their values are."""
+
+    path: Path
+    prefix: bytes
+    refs: list  # (Reference, PackRef, offset)
+
+
+def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
+    """The incremental snapshots among `paths` that check out (the manifest whole, every pack there with the
+    size it gives and its header whole); the others are left as they are: not shared from, not rewritten.
+    The values in the packs are not read here: a value damaged on disk after it was written is found when
+    a snapshot naming it is restored or checked (`cortex cache snapshots NAME --verify`)."""
+    out = []
+    for path in paths:
+        try:
+            with Snapshot(path, verify=False, private=True) as snap:
+                if snap.header.version != MANIFEST_VERSION:
+                    continue
+                snap.verify_manifest()
+                if not all(_pack_there(directory, r) for r in snap.pack_refs):
+                    continue
+                snap.open_packs()  # each pack's header checked (its values are checked when read back)
+                out.append(_Kept(path, bytes(snap._mv[: snap.pack_table_off]), list(snap.references())))
+        except CortexCacheError:
+            continue
+    return out
+
+
+def _pack_there(directory: Path, ref: packs.PackRef) -> bool:
+    try:
+        st = (directory / ref.name).stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == ref.size and st.st_uid == os.geteuid()
+
+
+def _manifest(prefix: bytes, records: list[tuple[Any, packs.PackRef, int]]) -> bytes:
+    """A version 3 file: `prefix` (file header and configuration block), the pack table of the packs the
+    records name, the records (an entry's fields -- a SnapshotEntry or a Reference -- its pack and the offset
+    of its value's record there), the trailer."""
+    index: dict[str, int] = {}
+    table: list[packs.PackRef] = []
+    body = bytearray()
+    nbytes = 0
+    for e, ref, off in records:
+        if ref.name not in index:
+            index[ref.name] = len(table)
+            table.append(ref)
+        length = e.length
+        head = REC_HEAD.pack(
+            MAN_MAGIC, len(e.key), e.flags, index[ref.name], length, e.created, e.last_access, e.expiry,
+            e.insert_seq, e.access_seq, e.access_count, e.priority, e.checksum, off,
+        )
+        body += head + REC_CHECK.pack(xxhash.xxh3_64_intdigest(head + e.key)) + e.key
+        nbytes += length
+    out = bytearray(prefix)
+    out += PACK_TABLE.pack(len(table), 0)
+    for ref in table:
+        name = ref.name.encode()
+        out += PACK_ENTRY.pack(ref.pack_id, ref.size, len(name)) + name
+    out += body
+    out += TRAILER.pack(END_MAGIC, len(records), nbytes, xxhash.xxh3_64_intdigest(out))
+    return bytes(out)
+
+
+class _Incremental:
+    """One incremental persist into the snapshot directory (version 3), in the order that keeps every kept
+    snapshot restorable whatever the kill point:
+
+    1. `write`: the live values no kept snapshot holds, and the records of mostly dead packs that the
+       snapshots kept after this one still need (compaction), go into a new pack, flushed to disk and
+       renamed into place, the directory flushed; then the manifest's bytes, which the caller writes,
+       flushes and renames into place;
+    2. `after`: each kept snapshot that pointed into a compacted pack is rewritten (temp file, flush,
+       rename) to point at the copies; retention then deletes the snapshots beyond `keep` and every pack
+       no kept snapshot names.
+    """
+
+    def __init__(self, core: Core, directory: Path, now: float, full: bool, mode: int, keep: int) -> None:
+        self.core, self.directory, self.now, self.full, self.mode, self.keep = core, directory, now, full, mode, keep
+        self.stem = namespaced(core.name)
+        self.remap: dict[tuple[str, int], int] = {}  # (compacted pack, offset) -> offset in the new pack
+        self.new_ref = packs.PackRef(packs.pack_name(self.stem, _stamp(now)), int(round(now * 1e6)), 0)
+        self.staying: list[_Kept] = []
+        self.written = 0
+
+    def write(self, configuration, progress) -> tuple[bytes, int, int, int]:
+        """(manifest bytes, entries, value bytes, skipped), the new pack durable."""
+        core, directory = self.core, self.directory
+        old = _timestamped_files(self.stem, directory)
+        # The snapshots this persist's retention keeps beside the new one: shared from, and compacted for.
+        self.staying = _read_kept(old[len(old) - (self.keep - 1):] if self.keep > 1 else [], directory)
+        held: dict[tuple[bytes, int, int], tuple[packs.PackRef, int]] = {}
+        if not self.full:
+            for kept in reversed(self.staying):  # the newest first
+                for ref, pack, off in kept.refs:
+                    held.setdefault((ref.key, ref.length, ref.checksum), (pack, off))
+        writer: packs.PackWriter | None = None
+        records: list[tuple[Any, packs.PackRef, int]] = []
+        total = _live_total(core) if progress is not None else 0
+        nbytes = 0
+        skipped = _Skipped()
+        try:
+            for e, value in _live_values(core, skipped):
+                h = held.get((e.key, e.length, e.checksum))
+                if h is None:
+                    if writer is None:
+                        writer = self._writer()
+                    records.append((e, self.new_ref, writer.add(e.key, value, e.checksum)))
+                    self.written += e.length
+                else:
+                    records.append((e, *h))
+                nbytes += e.length
+                if progress is not None:
+                    progress(nbytes, total)
+            writer = self._compact(records, writer)
+            if writer is not None:
+                writer.finish()
+                self.new_ref.size = writer.size
+                _fsync_dir(directory)  # the pack's name is on disk before any manifest that names it
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        head, block = _file_head(core, configuration, self.now, MANIFEST_VERSION)
+        return _manifest(head + block, self._remapped(records)), len(records), nbytes, skipped.count
+
+    def _writer(self) -> packs.PackWriter:
+        return packs.PackWriter(self.directory / self.new_ref.name, self.new_ref.pack_id, self.now, self.mode,
+                                WriteBehind)
+
+    def _compact(self, records: list, writer: packs.PackWriter | None) -> packs.PackWriter | None:
+        """Copy into the new pack the records still needed of every pack that the snapshots kept after this
+        persist refer to for less than packs.COMPACT_BELOW of its bytes, so that it can go.  A pack one of
+        whose records does not check out is left as it is (the snapshots naming it keep naming it)."""
+        needed: dict[str, dict[int, Any]] = {}  # pack -> offset -> the record's fields
+        sizes: dict[str, packs.PackRef] = {}
+        for rows in [records] + [k.refs for k in self.staying]:
+            for e, pack, off in rows:
+                if pack is not self.new_ref:
+                    needed.setdefault(pack.name, {})[off] = e
+                    sizes[pack.name] = pack
+        used = {name: sum(packs.REC_SIZE + len(e.key) + e.length for e in offs.values())
+                for name, offs in needed.items()}
+        share = packs.live_share({n: r.size for n, r in sizes.items()}, used)
+        for name in sorted(n for n, f in share.items() if f < packs.COMPACT_BELOW):
+            try:
+                reader = packs.PackReader(self.directory, sizes[name], self.directory / name, private=True)
+            except CortexCacheError:
+                continue
+            copies: list = []
+            try:
+                copies = [(off, e, reader.value(off, e.key, e.length, e.checksum, reader.path, check_value=True))
+                          for off, e in sorted(needed[name].items())]
+                if writer is None:
+                    writer = self._writer()
+                for off, e, value in copies:
+                    self.remap[(name, off)] = writer.add(e.key, value, e.checksum)
+                    self.written += e.length
+            except CortexCacheError:
+                continue
+            finally:
+                del copies
+                reader.close()
+        return writer
+
+    def _remapped(self, records: list) -> list:
+        return [(e, self.new_ref, self.remap[(pack.name, off)]) if (pack.name, off) in self.remap else (e, pack, off)
+                for e, pack, off in records]
+
+    def after(self) -> None:
+        """Once the new manifest is in place: point the kept snapshots at the compacted copies, then retention."""
+        directory = self.directory
+        if self.remap:
+            for kept in self.staying:
+                if not any((pack.name, off) in self.remap for _, pack, off in kept.refs):
+                    continue
+                data = _manifest(kept.prefix, self._remapped(kept.refs))
+                tmp = directory / f".{kept.path.name}.tmp-{secrets.token_hex(6)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.fchmod(fd, stat.S_IMODE(kept.path.stat().st_mode))
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.rename(tmp, kept.path)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except FileNotFoundError:
+                        pass
+                    raise
+            _fsync_dir(directory)  # the rewritten snapshots are on disk before the packs they left go
+        _prune(self.core.name, directory, self.keep)
+
+
+# A temp file of a persist in our snapshot directory: ".STEM[-STAMP].ccsnap.tmp-XXXXXXXXXXXX" or a pack's
+# ".STEM-STAMP.ccpack.tmp-XXXXXXXXXXXX" (STEM the
 # namespaced pool name): what `_clean_stale_temps` sweeps for one pool, and `doctor` reports for all.
-TEMP_RE = re.compile(r"^\.(?P<stem>.+?)(?:-" + _STAMP_RE + r")?" + re.escape(SUFFIX) + r"\.tmp-[0-9a-f]{12}$")
+TEMP_RE = re.compile(r"^\.(?P<stem>.+?)(?:-" + _STAMP_RE + r")?(?:" + re.escape(SUFFIX) + "|" + re.escape(packs.PACK_SUFFIX)
+                     + r")\.tmp-[0-9a-f]{12}$")
 
 
 def _clean_stale_temps(directory: Path, pool_name: str, target_name: str) -> None:
@@ -597,21 +859,29 @@ def _fsync_dir(directory: Path) -> None:
 
 def snapshots_of(name: str, directory: Path | None = None) -> list[Path]:
     """Timestamped snapshots of pool `name` in the directory, oldest first."""
-    directory = directory or snapshot_dir()
-    pattern = re.compile(r"^" + re.escape(namespaced(name)) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
+    return _timestamped_files(namespaced(name), directory or snapshot_dir())
+
+
+def _timestamped_files(stem: str, directory: Path) -> list[Path]:
+    pattern = re.compile(r"^" + re.escape(stem) + r"-" + _STAMP_RE + re.escape(SUFFIX) + r"$")
     try:
         return sorted(p for p in directory.iterdir() if pattern.match(p.name))
     except (FileNotFoundError, NotADirectoryError):  # none yet, or a file in the way (persist says so: 73)
         return []
 
 
-def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, Any]]:
+def list_snapshots(name: str, directory: Path | None = None, verify: bool = False) -> list[dict[str, Any]]:
     """Every snapshot of pool `name` in the snapshot directory, oldest first.
 
-    Each: path, time (of the persist), bytes (file size), entries, value_bytes,
-    latest (what `NAME.ccsnap` names), and configuration (the remote URL
+    Each: path, time (of the persist), bytes (the file's size: a manifest's,
+    for an incremental snapshot), entries, value_bytes, own_bytes (on disk
+    for this snapshot alone: its file and the pack records no other snapshot
+    refers to), shared_bytes (pack records it shares with others), latest
+    (what `NAME.ccsnap` names), version and configuration (the remote URL
     redacted); a file that cannot be read has "error" instead of the figures.
-    Only headers and trailers are read: this is cheap and never touches a pool.
+    Manifests are read (not the packs, nor the values of version 2 files): this
+    never touches a pool.  With `verify`, every snapshot is also read whole and
+    each value checked ("verified": True, or "error" saying what is damaged).
     """
     directory = directory or snapshot_dir()
     latest = latest_path(name, directory)
@@ -620,8 +890,10 @@ def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, A
     except OSError:
         latest_ino = None
     out = []
+    refs: list[set[tuple[str, int, int]]] = []  # per row: the pack records it refers to
     for path in snapshots_of(name, directory):
         row: dict[str, Any] = {"path": str(path)}
+        mine: set[tuple[str, int, int]] = set()
         try:
             st = path.stat()
             row["bytes"] = st.st_size
@@ -631,27 +903,82 @@ def list_snapshots(name: str, directory: Path | None = None) -> list[dict[str, A
                 row.update(time=h.created, entries=snap.entries, value_bytes=snap.value_bytes, version=h.version,
                            size_bytes=h.size, policy=h.policy,
                            configuration=config.redacted(h.config) if h.config else None)
+                if h.version == MANIFEST_VERSION:
+                    for rec, pack, off in snap.references():
+                        mine.add((pack.name, off, packs.REC_SIZE + len(rec.key) + rec.length))
+                if verify:
+                    snap.verify()
+                    row["verified"] = True
         except SnapshotNotFound:
             continue  # rotated away meanwhile
         except (CortexCacheError, OSError) as e:
             row["error"] = str(e)
         out.append(row)
+        refs.append(mine)
+    counts: dict[tuple[str, int, int], int] = {}
+    for mine in refs:
+        for r in mine:
+            counts[r] = counts.get(r, 0) + 1
+    for row, mine in zip(out, refs):
+        if "error" in row:
+            continue
+        row["own_bytes"] = row["bytes"] + sum(r[2] for r in mine if counts[r] == 1)
+        row["shared_bytes"] = sum(r[2] for r in mine if counts[r] > 1)
     return out
 
 
+def snapshot_space(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """What pool `name`'s snapshots take on disk: their files (manifests, version 2 files), the packs,
+    the total; what the kept snapshots need of it (their files and every pack record one of them refers
+    to); the largest kept snapshot as a self-contained file would be; and total / needed ("waste_ratio",
+    which compaction keeps within SPACE_BOUND) and total / largest ("ratio")."""
+    directory = directory or snapshot_dir()
+    stem = namespaced(name)
+    files = sum(_size(p) for p in snapshots_of(name, directory))
+    pack_bytes = sum(_size(p) for p in packs.packs_of(stem, directory))
+    rows = list_snapshots(name, directory)
+    largest = max((r["own_bytes"] + r["shared_bytes"] for r in rows if "error" not in r), default=0)
+    needed = files + sum(n for _, _, n in _referenced(name, directory))
+    total = files + pack_bytes
+    return {"snapshot_file_bytes": files, "pack_bytes": pack_bytes, "total_bytes": total, "needed_bytes": needed,
+            "largest_bytes": largest, "ratio": total / largest if largest else None,
+            "waste_ratio": total / needed if needed else None}
+
+
+def _referenced(name: str, directory: Path) -> set[tuple[str, int, int]]:
+    """(pack, offset, record bytes) of every pack record a snapshot of pool `name` refers to."""
+    out: set[tuple[str, int, int]] = set()
+    for path in snapshots_of(name, directory):
+        try:
+            with Snapshot(path, verify=False) as snap:
+                if snap.header.version == MANIFEST_VERSION:
+                    for rec, pack, off in snap.references():
+                        out.add((pack.name, off, packs.REC_SIZE + len(rec.key) + rec.length))
+        except (CortexCacheError, OSError):
+            continue
+    return out
+
+
+# Disk used by a pool's snapshots over what they need: compaction keeps it within this (doctor flags more).
+SPACE_BOUND = 1.5
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
 def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
-    """Count and total bytes of pool `name`'s snapshots, and the latest one's time and bytes (None: none).
+    """Count and total bytes of pool `name`'s snapshots (with the packs they keep), and the latest one's
+    time and bytes (None: none).
 
     From the directory listing alone (no file is read): cheap enough for every `status`.
     """
     directory = directory or snapshot_dir()
     files = snapshots_of(name, directory)
-    total = 0
-    for f in files:
-        try:
-            total += f.stat().st_size
-        except OSError:
-            pass
+    total = sum(_size(f) for f in files) + sum(_size(p) for p in packs.packs_of(namespaced(name), directory))
     try:
         st = latest_path(name, directory).stat()
         last_time, last_bytes = st.st_mtime, st.st_size
@@ -662,11 +989,25 @@ def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
 
 
 def _prune(name: str, directory: Path, keep: int) -> None:
+    """Retention: the newest `keep` snapshots stay; then every pack none of them refers to goes.  A pack
+    is deleted only once no kept manifest names it, so a kill anywhere in here leaves every kept
+    snapshot whole (what it did not get to, the next persist does)."""
     for old in snapshots_of(name, directory)[:-keep]:
         try:
             old.unlink()
         except FileNotFoundError:
             pass
+    referenced: set[str] = set()
+    for path in snapshots_of(name, directory):
+        try:
+            with Snapshot(path, verify=False, private=True) as snap:
+                referenced.update(r.name for r in snap.pack_refs)
+        except SnapshotNotFound:
+            continue
+        except CortexCacheError:
+            # A kept manifest that cannot be read: keep every pack (what it names cannot be known).
+            return
+    packs.remove_unreferenced(namespaced(name), directory, referenced)
 
 
 # ---------------------------------------------------------------- read and verify
@@ -757,6 +1098,9 @@ class Snapshot:
             os.close(fd)
         self._mv = memoryview(self._mm)
         self.size = size
+        self.private = private
+        self.pack_refs: list[packs.PackRef] = []  # version 3: the packs its values are in
+        self._packs: dict[int, packs.PackReader] = {}
         try:
             self.header = self._read_header()
             end = self.size - TRAILER.size
@@ -770,6 +1114,9 @@ class Snapshot:
             raise
 
     def close(self) -> None:
+        for reader in getattr(self, "_packs", {}).values():
+            reader.close()
+        self._packs = {}
         if self._mv is not None:
             mv, self._mv = self._mv, None
             try:
@@ -820,10 +1167,96 @@ class Snapshot:
             self.records_off += config_len
         elif config_len:
             raise self._corrupt("header checksum mismatch")
+        if version == MANIFEST_VERSION:
+            self.records_off = self._read_pack_table(self.records_off)
         return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
                               lfu_period or 1024, pool_name, dict(zip(COUNTERS, counters)), version, cfg)
 
+    def _read_pack_table(self, pos: int) -> int:
+        """Version 3: read the pack table at `pos` into `pack_refs`; where the records begin."""
+        self.pack_table_off = pos
+        mv, end = self._mv, self.size - TRAILER.size
+        if end - pos < PACK_TABLE.size:
+            raise self._corrupt("no pack table")
+        count, _ = PACK_TABLE.unpack_from(mv, pos)
+        pos += PACK_TABLE.size
+        if count > (end - pos) // PACK_ENTRY.size:
+            raise self._corrupt("impossible pack table")
+        for _ in range(count):
+            if end - pos < PACK_ENTRY.size:
+                raise self._corrupt("pack table cut short")
+            pack_id, size, nlen = PACK_ENTRY.unpack_from(mv, pos)
+            pos += PACK_ENTRY.size
+            if not 0 < nlen <= 512 or nlen > end - pos:
+                raise self._corrupt("impossible pack name")
+            try:
+                name = bytes(mv[pos : pos + nlen]).decode()
+            except UnicodeDecodeError:
+                raise self._corrupt("impossible pack name") from None
+            if "/" in name or name in (".", "..") or not name.endswith(packs.PACK_SUFFIX):
+                raise self._corrupt(f"pack name {name!r} is not a file beside the snapshot")
+            pos += nlen
+            self.pack_refs.append(packs.PackRef(name, pack_id, size))
+        return pos
+
+    def _pack(self, index: int) -> packs.PackReader:
+        """The reader of pack `index` of the pack table, opened (and its header checked) on first use."""
+        reader = self._packs.get(index)
+        if reader is None:
+            if index >= len(self.pack_refs):
+                raise self._corrupt(f"a record names pack {index}; the table has {len(self.pack_refs)}")
+            reader = packs.PackReader(self.path.parent, self.pack_refs[index], self.path, self.private)
+            self._packs[index] = reader
+        return reader
+
+    def open_packs(self) -> None:
+        """Open every pack now (version 3): a missing or damaged one is refused before anything is read."""
+        for n in range(len(self.pack_refs)):
+            self._pack(n).advise_sequential()
+
+    def verify_manifest(self) -> None:
+        """Version 3: check the manifest alone (its checksum, every record's structure), not the packs."""
+        end = self.size - TRAILER.size
+        if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
+            raise self._corrupt("file checksum mismatch")
+        count = total = 0
+        for rec, _pack, _off in self.references(verify=True):
+            count += 1
+            total += rec.length
+        if count != self.entries or total != self.value_bytes:
+            raise self._corrupt(f"trailer says {self.entries} entries / {self.value_bytes} bytes, found {count} / {total}")
+
+    def references(self, verify: bool = False) -> Iterator[tuple["Reference", packs.PackRef, int]]:
+        """Version 3: every record of the manifest, with the pack and offset of its value (nothing read from
+        the packs); with `verify`, each record's checksum checked."""
+        mv = self._mv
+        pos = self.records_off
+        end = self.size - TRAILER.size
+        while pos < end:
+            if end - pos < REC_HEAD.size + REC_CHECK.size:
+                raise self._corrupt(f"record at byte {pos} is cut short")
+            (magic, klen, flags, pack, vlen, created, last_access, expiry, iseq, aseq, count, prio, checksum,
+             off) = REC_HEAD.unpack_from(mv, pos)
+            kpos = pos + REC_HEAD.size + REC_CHECK.size
+            if magic != MAN_MAGIC or not 0 < klen <= MAX_KEY_BYTES or klen > end - kpos:
+                raise self._corrupt(f"no record at byte {pos}")
+            if pack >= len(self.pack_refs):
+                raise self._corrupt(f"record at byte {pos} names pack {pack}; the table has {len(self.pack_refs)}")
+            key = bytes(mv[kpos : kpos + klen])
+            if verify:
+                (rcheck,) = REC_CHECK.unpack_from(mv, pos + REC_HEAD.size)
+                if rcheck != xxhash.xxh3_64_intdigest(bytes(mv[pos : pos + REC_HEAD.size]) + key):
+                    raise self._corrupt(f"record at byte {pos} fails its checksum")
+            yield (Reference(key, flags, vlen, created, last_access, expiry, iseq, aseq, count, prio, checksum, pack),
+                   self.pack_refs[pack], off)
+            pos = kpos + klen
+
     def verify(self) -> None:
+        if self.header.version == MANIFEST_VERSION:
+            self.verify_manifest()
+            for _ in self.records(verify=True):  # every value read from its pack and checked
+                pass
+            return
         end = self.size - TRAILER.size
         if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
             raise self._corrupt("file checksum mismatch")
@@ -844,8 +1277,13 @@ class Snapshot:
 
     def records(self, verify: bool = False, values: bool = True, hasher: Any | None = None) -> Iterator[Record]:
         """The records in file order; with `verify`, check every checksum and length
-        (with `values=False`, all but the values' own checksums).  A `hasher`
-        (xxh3_64) is fed every byte before the trailer, for `check_trailer`."""
+        (with `values=False`, all but the values' own checksums: the file hash
+        covers them -- except in version 3, whose values are in packs and
+        always checked).  A `hasher` (xxh3_64) is fed every byte before the
+        trailer, for `check_trailer`."""
+        if self.header.version == MANIFEST_VERSION:
+            yield from self._pack_records(verify, hasher)
+            return
         mv = self._mv
         pos = self.records_off
         end = self.size - TRAILER.size
@@ -877,6 +1315,47 @@ class Snapshot:
             pos = kpos + klen + vlen
 
 
-__all__ = ["write", "Snapshot", "Record", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
-           "snapshots_of", "list_snapshots", "snapshot_usage", "namespaced", "pool_config", "COUNTERS",
+    def _pack_records(self, verify: bool, hasher: Any | None) -> Iterator[Record]:
+        mv = self._mv
+        self._seen_bytes = 0
+        if hasher is not None:
+            hasher.update(mv[: self.records_off])
+        pos = self.records_off
+        for ref, _pack, off in self.references(verify=verify):
+            value = self._pack(ref.pack).value(off, ref.key, ref.length, ref.checksum, self.path, check_value=verify)
+            if hasher is not None:
+                n = REC_HEAD.size + REC_CHECK.size + len(ref.key)
+                hasher.update(mv[pos : pos + n])
+                pos += n
+            self._seen_bytes += ref.length
+            yield Record(ref.key, ref.flags, value, ref.created, ref.last_access, ref.expiry, ref.insert_seq,
+                         ref.access_seq, ref.access_count, ref.priority, ref.checksum)
+
+    def shared_bytes(self) -> dict[str, int]:
+        """Version 3: the record bytes this snapshot refers to in each pack (by pack name)."""
+        used: dict[str, int] = {}
+        for ref, pack, _off in self.references():
+            used[pack.name] = used.get(pack.name, 0) + packs.REC_SIZE + len(ref.key) + ref.length
+        return used
+
+
+class Reference(NamedTuple):
+    """A version 3 manifest's record: an entry's key and metadata, its value in pack `pack` (an index)."""
+
+    key: bytes
+    flags: int
+    length: int
+    created: float
+    last_access: float
+    expiry: float
+    insert_seq: int
+    access_seq: int
+    access_count: int
+    priority: int
+    checksum: int
+    pack: int
+
+
+__all__ = ["write", "Snapshot", "Record", "Reference", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
+           "snapshots_of", "list_snapshots", "snapshot_usage", "snapshot_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced", "pool_config", "COUNTERS",
            "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]

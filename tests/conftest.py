@@ -79,6 +79,28 @@ def make_pool(pool_name):
             DiskLog.destroy(tier)
 
 
+@pytest.fixture
+def snapshot_dir(tmp_path, monkeypatch):
+    """A snapshot directory of the test's own (CORTEX_CACHE_SNAPSHOT_DIR, inherited by what it starts)."""
+    d = tmp_path / "snapshots"
+    monkeypatch.setenv("CORTEX_CACHE_SNAPSHOT_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def restored():
+    """Pools made by restore in a test: closed and unlinked afterwards."""
+    from cortex_cache import Pool
+
+    made = []
+    yield made
+    for p in made:
+        name = p.name
+        p.close()
+        if Pool.exists(name):
+            Pool.unlink(name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _remove_snapshot_dir():
     yield

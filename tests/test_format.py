@@ -16,8 +16,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(autouse=True)
-def snapshot_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CORTEX_CACHE_SNAPSHOT_DIR", str(tmp_path / "snapshots"))
+def _own_snapshot_dir(snapshot_dir):
+    """Every test here persists into a directory of its own (conftest's snapshot_dir)."""
+    return snapshot_dir
 
 
 def test_snapshot_of_format_2_restores(tmp_path, pool_name):

@@ -24,22 +24,9 @@ from tests.helpers import check_value, cli, make_value, memory_bound, run_py, sp
 
 
 @pytest.fixture(autouse=True)
-def snapshot_dir(tmp_path, monkeypatch):
-    d = tmp_path / "snapshots"
-    monkeypatch.setenv("CORTEX_CACHE_SNAPSHOT_DIR", str(d))
-    return d
-
-
-@pytest.fixture
-def restored():
-    """Pools made by restore in a test: closed and unlinked afterwards."""
-    made = []
-    yield made
-    for p in made:
-        name = p.name
-        p.close()
-        if Pool.exists(name):
-            Pool.unlink(name)
+def _own_snapshot_dir(snapshot_dir):
+    """Every test here persists into a directory of its own (conftest's snapshot_dir)."""
+    return snapshot_dir
 
 
 def _fill(p: Pool, n: int = 40) -> dict:
@@ -302,9 +289,9 @@ def test_newer_version_is_refused(make_pool, tmp_path, pool_name):
     p.put("k", b"v")
     path = snap.persist(p, tmp_path / "s.ccsnap").path
     data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, 8, 3)
+    struct.pack_into("<I", data, 8, 4)
     path.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorrupt, match="version 3"):
+    with pytest.raises(SnapshotCorrupt, match="version 4"):
         Pool.restore(path, name=pool_name)
     assert not Pool.exists(pool_name)
 

@@ -11,6 +11,7 @@ import pytest
 
 from cortex_cache import Pool
 from cortex_cache import persist as snap
+from cortex_cache import packs
 from cortex_cache import watch as w
 
 from .helpers import REPO, cli, spawn_py
@@ -23,7 +24,8 @@ def pool(pool_name):
     p.close()
     if Pool.exists(pool_name):
         Pool.unlink(pool_name)
-    for f in snap.snapshots_of(pool_name) + [snap.latest_path(pool_name)]:
+    for f in snap.snapshots_of(pool_name) + [snap.latest_path(pool_name)] + packs.packs_of(
+            snap.namespaced(pool_name), snap.snapshot_dir()):
         f.unlink(missing_ok=True)
 
 
@@ -45,8 +47,12 @@ def test_snapshots_listing_status_and_prometheus(pool, pool_name):
     assert all(r["entries"] == 1 and r["bytes"] > 100 and r["configuration"]["disk"] is None for r in rows)
     table = cli("cache", "snapshots", pool_name).stdout.decode()
     assert rows[1]["path"] in table and "yes" in table
+    # The second persist found the value held by the first: both refer to the same pack record.
+    assert rows[0]["shared_bytes"] == rows[1]["shared_bytes"] > 100 and rows[1]["own_bytes"] == rows[1]["bytes"]
     st = _doc(cli("cache", "status", pool_name, "--json"))
-    assert st["snapshots"]["count"] == 2 and st["snapshots"]["bytes"] == sum(r["bytes"] for r in rows)
+    space = snap.snapshot_space(pool_name)
+    assert st["snapshots"]["count"] == 2 and st["snapshots"]["bytes"] == space["total_bytes"]
+    assert space["total_bytes"] == sum(r["bytes"] for r in rows) + space["pack_bytes"]
     prom = cli("cache", "status", pool_name, "--format", "prometheus").stdout.decode()
     assert f'cortex_cache_snapshots{{pool="{pool_name}"}} 2' in prom
     assert f'cortex_cache_last_snapshot_bytes{{pool="{pool_name}"}} {rows[1]["bytes"]}' in prom

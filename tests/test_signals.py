@@ -131,14 +131,12 @@ def test_a_signal_during_persist_leaves_no_temp_file(make_pool, tmp_path):
     snaps = tmp_path / "snaps"
     child = Child("""
         import cortex_cache.snapshot as s
-        orig = s._write_snapshot
-        def write(core, configuration, f, now, progress):
-            def step(done, total):
+        orig = s._live_values
+        def values(core, skipped):  # every persist's entries, one by one
+            for item in orig(core, skipped):
                 stop()
-                if progress is not None:
-                    progress(done, total)
-            return orig(core, configuration, f, now, step)
-        s._write_snapshot = write
+                yield item
+        s._live_values = values
         """, ["cache", "persist", p.name], {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)})
     child.wait_stopped()
     assert any(".tmp-" in n for n in os.listdir(snaps))
@@ -225,11 +223,11 @@ def test_doctor_reports_a_killed_persists_temp_file(make_pool, tmp_path):
     env = {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)}
     child = Child("""
         import cortex_cache.snapshot as s
-        orig = s._write_snapshot
-        def write(core, configuration, f, now, progress):
+        orig = s._live_values
+        def values(core, skipped):  # before the first entry is written
             stop()
-            return orig(core, configuration, f, now, progress)
-        s._write_snapshot = write
+            yield from orig(core, skipped)
+        s._live_values = values
         """, ["cache", "persist", p.name], env)
     child.wait_stopped()
     child.proc.kill()
