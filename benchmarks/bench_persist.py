@@ -51,6 +51,11 @@ The disk is virtual: the host may still cache it, so "dropped" is not a
 guaranteed cold-disk read.  Every number is a median over rounds (3; --quick
 2) with min-max; these machines are noisy, so compare the ratios.  Targets:
 persist >= 0.7x write + fsync; restore >= 0.7x read (both page-cache states).
+
+Then the incremental part (issue 26): a pool of --inc-gib GiB (--quick: 256
+MiB) persisted into the snapshot directory (format 3), a full persist
+(--full) against one after 5% of the entries changed, alternating, each
+after its own 5% change; targets: bytes written <= 0.10x and time <= 0.2x.
 """
 
 from __future__ import annotations
@@ -363,6 +368,59 @@ def run(args, workdir: Path) -> dict:
             "residency": residency, "ratios": ratios}
 
 
+def run_incremental(args, workdir: Path) -> dict:
+    """Issue 26: persists into the snapshot directory (incremental, format 3) of a pool of args.inc_mib MiB
+    of 1 MiB values: a full one (--full: every value written) against one after 5% of the entries changed,
+    alternating, each after its own 5% change; bytes written and seconds."""
+    from cortex_cache import Pool
+    from cortex_cache.persist import persist
+
+    n_values = args.inc_mib * (1 << 20) // VALUE
+    rounds = 2 if args.quick else 3
+    keys = [f"k{i:06d}" for i in range(n_values)]
+    blocks_per = -(-(VALUE + len(keys[0])) // BLOCK)
+    pool_size = n_values * blocks_per * BLOCK + 16 * BLOCK
+    rng = np.random.default_rng(1)
+    ring = np.frombuffer(rng.bytes(RING), np.uint8).copy()
+    live: dict[str, Pool] = {}
+    times: dict[str, list[float]] = {"full": [], "changed_5pct": []}
+    written: dict[str, list[int]] = {"full": [], "changed_5pct": []}
+    gc.disable()
+    try:
+        live["inc"] = pool = Pool.create("inc", pool_size, block_size=BLOCK)
+        for i, k in enumerate(keys):
+            off = (i * VALUE) % (RING - VALUE + 1)
+            pool.put(k, ring[off : off + VALUE])
+        persist(pool, full=True)  # untimed: the first snapshot, and the code paths
+        step = 0
+
+        def change() -> None:  # 5% of the entries get new values
+            nonlocal step
+            step += 1
+            for i in rng.choice(n_values, n_values // 20, replace=False):
+                off = int(rng.integers(0, RING - VALUE))
+                pool.put(keys[i], ring[off : off + VALUE])
+
+        for r in range(rounds):
+            for kind in (("full", "changed_5pct") if r % 2 == 0 else ("changed_5pct", "full")):
+                change()
+                res = persist(pool, full=kind == "full")
+                times[kind].append(res.seconds)
+                written[kind].append(res.written)
+            print(f"  incremental round {r + 1}: full {times['full'][-1]:.2f} s {written['full'][-1] / 2**30:.2f} GiB, "
+                  f"5% changed {times['changed_5pct'][-1]:.2f} s {written['changed_5pct'][-1] / 2**30:.3f} GiB",
+                  flush=True)
+    finally:
+        pool = None
+        for name in list(live):
+            discard(live, name)
+        gc.enable()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    wmed = {k: statistics.median(v) for k, v in written.items()}
+    return {"pool_bytes": n_values * VALUE, "rounds": rounds, "seconds": times, "written": written,
+            "time_ratio": med["changed_5pct"] / med["full"], "bytes_ratio": wmed["changed_5pct"] / wmed["full"]}
+
+
 def report(out: dict) -> dict[str, bool]:
     s, ratios = out["results"], out["ratios"]
     fb = out["file_bytes"]
@@ -394,11 +452,19 @@ def report(out: dict) -> dict[str, bool]:
           f"{ratios['restore_vs_read_dropped']:.2f}, warm {ratios['restore_vs_read_warm']:.2f}; "
           f"(restore - create)/read dropped {ratios['restore_minus_create_vs_read_dropped']:.2f}, "
           f"warm {ratios['restore_minus_create_vs_read_warm']:.2f}")
+    inc = out.get("incremental")
+    if inc:
+        print(f"incremental persist, {inc['pool_bytes'] / 2**30:.1f} GiB pool, 5% of the entries changed / a full "
+              f"one: bytes written {inc['bytes_ratio']:.3f}x, time {inc['time_ratio']:.3f}x "
+              f"(full: {statistics.median(inc['seconds']['full']):.2f} s)")
     targets = {
         f"persist >= {TARGET}x write+fsync": ratios["persist_vs_write"] >= TARGET,
         f"restore >= {TARGET}x read (file dropped from page cache)": ratios["restore_vs_read_dropped"] >= TARGET,
         f"restore >= {TARGET}x read (file warm in page cache)": ratios["restore_vs_read_warm"] >= TARGET,
     }
+    if inc:
+        targets["incremental persist, 5% changed: bytes <= 0.10x a full one"] = inc["bytes_ratio"] <= 0.10
+        targets["incremental persist, 5% changed: time <= 0.2x a full one"] = inc["time_ratio"] <= 0.2
     for t, ok in targets.items():
         print(f"target {t}: {'met' if ok else 'MISSED'}")
     create, read_warm = s["create"]["median_s"], s["read_warm"]["median_s"]
@@ -415,9 +481,11 @@ def main() -> int:
     ap.add_argument("--dir", help="make the temp directory here (default: the temp dir if it is on a disk, "
                     "else beside the working directory's git repository; never tmpfs)")
     ap.add_argument("--json", metavar="PATH", help="also write results as JSON")
+    ap.add_argument("--inc-gib", type=int, default=4, help="pool size of the incremental part (default 4)")
     args = ap.parse_args()
     args.mib = 256 if args.quick else 2048
-    live = args.mib << 20
+    args.inc_mib = 256 if args.quick else args.inc_gib * 1024
+    live = max(args.mib, args.inc_mib) << 20
     parent, args.fs_type = pick_parent(args.dir, 2 * live + (256 << 20))
     if args.fs_type in ("tmpfs", "ramfs"):
         print(f"warning: {parent} is {args.fs_type}: this measures memory, not a disk", file=sys.stderr)
@@ -430,6 +498,7 @@ def main() -> int:
     os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = str(workdir)
     try:
         out = run(args, workdir)
+        out["incremental"] = run_incremental(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     targets = report(out)

@@ -549,10 +549,12 @@ class _Skipped:
     count = 0
 
 
-def _live_values(core: Core, skipped: _Skipped) -> Iterator[tuple[SnapshotEntry, Any]]:
+def _live_values(core: Core, skipped: _Skipped, held: Any = None) -> Iterator[tuple[SnapshotEntry, Any]]:
     """Every live entry at the start, oldest insert first, with its value (a view of the pinned bytes, good
     until the next item): entries put later are not part of the snapshot, entries deleted meanwhile are
-    skipped, and so (counted in `skipped`) are values whose bytes fail their checksum in memory."""
+    skipped, and so (counted in `skipped`) are values whose bytes fail their checksum in memory.  An entry
+    whose (key, length, checksum) is in `held` comes with None: a snapshot already has its bytes, checked
+    against that checksum when written (and again when read back), so they are neither read nor hashed."""
     def live() -> tuple[Any, Any]:
         order = core.live_in_insert_order()
         return order, core.columns["value_len"][order].copy()
@@ -569,6 +571,9 @@ def _live_values(core: Core, skipped: _Skipped) -> Iterator[tuple[SnapshotEntry,
         batch = core.locked(_pin_entries, core, batch_slots)
         try:
             for e in batch:
+                if held is not None and (e.key, e.length, e.checksum) in held:
+                    yield e, None
+                    continue
                 value = core.mv[e.offset : e.offset + e.length] if e.copy is None else e.copy
                 if xxhash.xxh3_64_intdigest(value) != e.checksum:
                     skipped.count += 1  # bytes damaged in memory: never write them as good
@@ -714,8 +719,8 @@ class _Incremental:
         nbytes = 0
         skipped = _Skipped()
         try:
-            for e, value in _live_values(core, skipped):
-                h = held.get((e.key, e.length, e.checksum))
+            for e, value in _live_values(core, skipped, held):
+                h = None if value is not None else held[(e.key, e.length, e.checksum)]
                 if h is None:
                     if writer is None:
                         writer = self._writer()
@@ -792,7 +797,13 @@ class _Incremental:
                 tmp = directory / f".{kept.path.name}.tmp-{secrets.token_hex(6)}"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
-                    os.fchmod(fd, stat.S_IMODE(kept.path.stat().st_mode))
+                    st = kept.path.stat()
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode))  # as persist made it: the pool's group may read it
+                    if st.st_gid != os.fstat(fd).st_gid:
+                        try:
+                            os.fchown(fd, -1, st.st_gid)
+                        except PermissionError:
+                            pass
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
                         f.flush()

@@ -132,8 +132,8 @@ def test_a_signal_during_persist_leaves_no_temp_file(make_pool, tmp_path):
     child = Child("""
         import cortex_cache.snapshot as s
         orig = s._live_values
-        def values(core, skipped):  # every persist's entries, one by one
-            for item in orig(core, skipped):
+        def values(core, skipped, held=None):  # every persist's entries, one by one
+            for item in orig(core, skipped, held):
                 stop()
                 yield item
         s._live_values = values
@@ -224,9 +224,9 @@ def test_doctor_reports_a_killed_persists_temp_file(make_pool, tmp_path):
     child = Child("""
         import cortex_cache.snapshot as s
         orig = s._live_values
-        def values(core, skipped):  # before the first entry is written
+        def values(core, skipped, held=None):  # before the first entry is written
             stop()
-            yield from orig(core, skipped)
+            yield from orig(core, skipped, held)
         s._live_values = values
         """, ["cache", "persist", p.name], env)
     child.wait_stopped()
