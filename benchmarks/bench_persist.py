@@ -371,7 +371,8 @@ def run(args, workdir: Path) -> dict:
 def run_incremental(args, workdir: Path) -> dict:
     """Issue 26: persists into the snapshot directory (incremental, format 3) of a pool of args.inc_mib MiB
     of 1 MiB values: a full one (--full: every value written) against one after 5% of the entries changed,
-    alternating, each after its own 5% change; bytes written and seconds."""
+    alternating, each after its own 5% change; bytes written and seconds.  The pool keeps every snapshot
+    of the run, so no timed persist deletes a pack."""
     from cortex_cache import Pool
     from cortex_cache.persist import persist
 
@@ -387,7 +388,9 @@ def run_incremental(args, workdir: Path) -> dict:
     written: dict[str, list[int]] = {"full": [], "changed_5pct": []}
     gc.disable()
     try:
-        live["inc"] = pool = Pool.create("inc", pool_size, block_size=BLOCK)
+        # Retention never deletes inside a timed persist: the one after a full persist would pay for
+        # unlinking its GiBs of pack, which no steady run of incremental persists ever does.
+        live["inc"] = pool = Pool.create("inc", pool_size, block_size=BLOCK, keep=2 * rounds + 2)
         for i, k in enumerate(keys):
             off = (i * VALUE) % (RING - VALUE + 1)
             pool.put(k, ring[off : off + VALUE])
