@@ -106,7 +106,8 @@ typedef struct {
     uint64_t *ostart;
     double *created;
     uint64_t put_in_lock;      /* values up to this size are put in one lock hold (core.COPY_IN_LOCK) */
-    PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation that needs eviction, lock held */
+    PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation C leaves to Python, lock held */
+    PyObject *evict_hook;      /* Core.evict_or_corrupt: evict one victim by policy, lock held */
     PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
 } Fast;
 
@@ -428,12 +429,13 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->free_entry = get_obj(spec, "free_entry");
     self->late_unpin = get_obj(spec, "late_unpin");
     self->reserve_hook = get_obj(spec, "reserve_hook");
+    self->evict_hook = get_obj(spec, "evict_hook");
     self->err_base = get_obj(spec, "error");
     self->err_corrupt = get_obj(spec, "corrupt_error");
-    if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->err_base ||
+    if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->evict_hook || !self->err_base ||
         !self->err_corrupt) {
         PyErr_SetString(PyExc_ValueError,
-                        "fast path spec needs on_unpin, free_entry, late_unpin, reserve_hook, error and corrupt_error");
+                        "fast path spec needs on_unpin, free_entry, late_unpin, reserve_hook, evict_hook, error and corrupt_error");
         return -1;
     }
     return 0;
@@ -447,6 +449,7 @@ static void Fast_release_all(Fast *self) {
     Py_CLEAR(self->free_entry);
     Py_CLEAR(self->late_unpin);
     Py_CLEAR(self->reserve_hook);
+    Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
     if (self->have_buf) {
@@ -469,6 +472,7 @@ static int Fast_traverse(Fast *self, visitproc visit, void *arg) {
     Py_VISIT(self->free_entry);
     Py_VISIT(self->late_unpin);
     Py_VISIT(self->reserve_hook);
+    Py_VISIT(self->evict_hook);
     Py_VISIT(self->err_base);
     Py_VISIT(self->err_corrupt);
     return 0;
@@ -482,6 +486,7 @@ static int Fast_clear(Fast *self) {
     Py_CLEAR(self->free_entry);
     Py_CLEAR(self->late_unpin);
     Py_CLEAR(self->reserve_hook);
+    Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
     return 0;

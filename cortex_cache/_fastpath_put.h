@@ -5,10 +5,12 @@
  * and seal do, field for field and in the same order, under the same lock and dirty mark, so that C and
  * Python writers share a pool freely:
  *
- *   reserve   a slot from the free list, key cells and blocks where the two cursors point (the common
- *             case: a pool with room, or the run an eviction or a replaced value just freed); when they
- *             are not free there, Core.reserve_or_corrupt does it, lock held: it evicts by policy (the
- *             victim list is Python's) and raises PoolFull when nothing can go;
+ *   reserve   a slot from the free list, key cells and blocks where the two cursors point or the next
+ *             free run beyond them (a pool with room, or the run an eviction or a replaced value just
+ *             freed); in a full pool, step by step as Core._alloc_slot, _alloc_kcells and _alloc_blocks
+ *             do, calling Core.evict_one (the victim list is Python's) for each victim; when nothing
+ *             can go, or a field looks damaged, Core.reserve_or_corrupt does it all, lock held (and
+ *             raises PoolFull);
  *   copy      copy_hash (the fused copy and checksum), inside the lock for values up to put_in_lock,
  *             outside it (the GIL released too) for larger ones, which are reserved in one lock hold and
  *             sealed in another, as tiers.py does;
@@ -94,6 +96,134 @@ static int reserve_here(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     return 1;
 }
 
+/* allocator.run_around: after freeing [first, first + count), the start of a free run of k blocks that
+ * touches it, or -1 (an eviction's check: each victim costs O(k), not a scan). */
+static int64_t run_around(const uint8_t *map, uint64_t n, uint64_t first, uint64_t count, uint64_t k) {
+    uint64_t lo = first >= k - 1 ? first - (k - 1) : 0;
+    uint64_t hi = first + count + (k - 1) < n ? first + count + (k - 1) : n;
+    uint64_t run = 0;
+    for (uint64_t j = lo; j < hi; j++) {
+        if (LOAD(map[j]))
+            run = 0;
+        else if (++run == k)
+            return (int64_t)(j + 1 - k);
+    }
+    return -1;
+}
+
+/* Core.evict_one (lock held): 1 a victim went, its run of blocks in *first, *n; 0 nothing could go; -1
+ * the hook raised. */
+static int evict(Fast *s, uint64_t *first, uint64_t *n) {
+    PyObject *r = PyObject_CallNoArgs(s->evict_hook);
+    if (r == NULL) return -1;
+    if (r == Py_None) {
+        Py_DECREF(r);
+        return 0;
+    }
+    unsigned long long f = 0, c = 0;
+    int ok = PyArg_ParseTuple(r, "KK", &f, &c);
+    Py_DECREF(r);
+    if (!ok) return -1;
+    *first = f;
+    *n = c;
+    return 1;
+}
+
+/* Core._free_slot of a slot just taken from the free list. */
+static void give_slot(Fast *s, int64_t i) {
+    s->state[i] = FREE;
+    s->pins[i] = 0;
+    s->khash[i] = 0;
+    s->cks[i] = 0;
+    s->next[i] = (int32_t)*s->free_slot;
+    *s->free_slot = i;
+}
+
+/* Core._free_kcells of a run just taken. */
+static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
+    memset(s->kmap + kf, 0, k);
+    *s->used_kcells -= k;
+    *s->key_hint = kf;
+}
+
+/* Core.reserve in a pool that needs room: _alloc_slot, _alloc_kcells and _alloc_blocks step by step, each
+ * evicting (Core.evict_one, the victim list's choice) until it has what it needs, and placing as they do,
+ * so the pool ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back
+ * (nothing could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised
+ * (what this took given back). */
+static int reserve_evicting(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
+                            uint64_t nblk, int64_t *slot, uint64_t *off) {
+    uint64_t vf = 0, vn = 0;
+    int rc;
+    int64_t i;
+    while ((i = LOAD(*s->free_slot)) < 0)
+        if ((rc = evict(s, &vf, &vn)) <= 0) return rc;
+    if ((uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
+    int32_t after = LOAD(s->next[i]);
+    if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
+    *s->free_slot = after;
+    s->next[i] = -1;
+    uint64_t k = (klen + KEY_CELL - 1) / KEY_CELL;
+    uint64_t kf = LOAD(*s->key_hint);
+    int64_t at;
+    if (kf <= s->n_kcells && k <= s->n_kcells - kf && run_free(s->kmap, kf, k)) {
+        at = (int64_t)kf;
+    } else {
+        at = find_run(s->kmap, s->n_kcells, k, kf);
+        while (at < 0) {
+            if ((rc = evict(s, &vf, &vn)) <= 0) {
+                give_slot(s, i);
+                return rc;
+            }
+            at = find_run(s->kmap, s->n_kcells, k, 0);
+        }
+    }
+    kf = (uint64_t)at;
+    memset(s->kmap + kf, 1, k);
+    *s->used_kcells += k;
+    *s->key_hint = kf + k < s->n_kcells ? kf + k : 0;
+    uint64_t first = LOAD(*s->alloc_hint);
+    if (first <= s->n_blocks && nblk <= s->n_blocks - first && run_free(s->bmap, first, nblk)) {
+        at = (int64_t)first;
+    } else {
+        uint64_t used = LOAD(*s->used_blocks);
+        at = used <= s->n_blocks && nblk <= s->n_blocks - used ? find_run(s->bmap, s->n_blocks, nblk, first) : -1;
+        while (at < 0) {
+            if ((rc = evict(s, &vf, &vn)) <= 0) {
+                give_kcells(s, kf, k);
+                give_slot(s, i);
+                return rc;
+            }
+            /* The victim's own run when it is as long (equal-sized KV chunks), else its neighbours. */
+            if (vn >= nblk && vf <= s->n_blocks - nblk)
+                at = (int64_t)vf;
+            else if (vn > 0 && vf < s->n_blocks)
+                at = run_around(s->bmap, s->n_blocks, vf, vn, nblk);
+            else
+                at = find_run(s->bmap, s->n_blocks, nblk, 0);
+        }
+    }
+    first = (uint64_t)at;
+    memset(s->bmap + first, 1, nblk);
+    *s->used_blocks += nblk;
+    *s->alloc_hint = first + nblk < s->n_blocks ? first + nblk : 0;
+    memcpy(s->base + s->keys_off + kf * KEY_CELL, kb, klen);
+    s->kcell[i] = kf;
+    s->klen[i] = (uint32_t)klen;
+    s->flags_col[i] = flags;
+    s->pins[i] = 0;
+    s->opid[i] = s->pid;
+    s->khash[i] = kh;
+    s->vlen[i] = vlen;
+    s->first[i] = first;
+    s->nblk[i] = nblk;
+    s->ostart[i] = s->pstart;
+    s->state[i] = 1; /* WRITING */
+    *slot = i;
+    *off = s->data_off + first * s->bs;
+    return 1;
+}
+
 /* After the reserve hook raised: 1 if the metadata is consistent (give the lock back clean). */
 static int error_is_clean(Fast *s) {
     return PyErr_ExceptionMatches(s->err_base) && !PyErr_ExceptionMatches(s->err_corrupt);
@@ -103,7 +233,10 @@ static int error_is_clean(Fast *s) {
 static int reserve(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, uint64_t vlen, uint64_t nblk,
                    int64_t *slot, uint64_t *off) {
     const char *kb = PyBytes_AS_STRING(kbo);
-    if (reserve_here(s, kb, (uint64_t)PyBytes_GET_SIZE(kbo), kh, flags, vlen, nblk, slot, off)) return 1;
+    uint64_t klen = (uint64_t)PyBytes_GET_SIZE(kbo);
+    if (reserve_here(s, kb, klen, kh, flags, vlen, nblk, slot, off)) return 1;
+    int rc = nblk <= s->n_blocks ? reserve_evicting(s, kb, klen, kh, flags, vlen, nblk, slot, off) : 0;
+    if (rc != 0) return rc;
     PyObject *r = PyObject_CallFunction(s->reserve_hook, "OKIKK", kbo, (unsigned long long)kh, (unsigned)flags,
                                         (unsigned long long)vlen, (unsigned long long)nblk);
     if (r == NULL) return -1;

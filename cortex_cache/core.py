@@ -224,7 +224,8 @@ class Core:
             "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
             # The write path (_fastpath_put.h).
             "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
-            "reserve_hook": self.reserve_or_corrupt, "error": CortexCacheError, "corrupt_error": SegmentCorrupt,
+            "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt,
+            "error": CortexCacheError, "corrupt_error": SegmentCorrupt,
         }
         for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
                      "cand_max_primary", "cand_max_secondary", "cand_next_expiry", "free_slot", "alloc_hint",
@@ -476,6 +477,14 @@ class Core:
 
             self.locked(seal_all)
         return got
+
+    def evict_or_corrupt(self) -> tuple[int, int] | None:
+        """`evict_one`, for the C write path making room (lock held, taken by C); damaged metadata is a
+        SegmentCorrupt, as in `reserve_or_corrupt`."""
+        try:
+            return self.evict_one()
+        except METADATA_ERRORS as e:
+            raise self.damaged(e) from e
 
     def put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
                   ttl: float | None, priority: int) -> int:
