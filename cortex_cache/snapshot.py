@@ -705,13 +705,15 @@ class _Incremental:
     def write(self, configuration, progress) -> tuple[bytes, int, int, int]:
         """(manifest bytes, entries, value bytes, skipped), the new pack durable."""
         core, directory = self.core, self.directory
-        old = _timestamped_files(self.stem, directory)
-        # The snapshots this persist's retention keeps beside the new one: shared from, and compacted for.
-        self.staying = _read_kept(old[len(old) - (self.keep - 1):] if self.keep > 1 else [], directory)
+        # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
+        # the new one names).  Compacted for: those retention keeps beside the new one.
+        kept = _read_kept(_timestamped_files(self.stem, directory), directory)
+        survivors = set(_timestamped_files(self.stem, directory)[-(self.keep - 1):] if self.keep > 1 else [])
+        self.staying = [k for k in kept if k.path in survivors]
         held: dict[tuple[bytes, int, int], tuple[packs.PackRef, int]] = {}
         if not self.full:
-            for kept in reversed(self.staying):  # the newest first
-                for ref, pack, off in kept.refs:
+            for k in reversed(kept):  # the newest first
+                for ref, pack, off in k.refs:
                     held.setdefault((ref.key, ref.length, ref.checksum), (pack, off))
         writer: packs.PackWriter | None = None
         records: list[tuple[Any, packs.PackRef, int]] = []

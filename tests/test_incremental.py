@@ -100,6 +100,23 @@ def test_retention_keeps_the_bytes_kept_snapshots_share_and_drops_the_rest(make_
         assert not path.exists()
 
 
+def test_keeping_one_snapshot_still_shares_with_the_one_it_replaces(make_pool, snapshot_dir, restored, pool_name):
+    p = make_pool("8M", block_size="4K", keep=1)
+    values = _values(20, 0)
+    _put_all(p, values)
+    snap.persist(p)
+    values.update(_values(1, 1))
+    _put_all(p, _values(1, 1))
+    second = snap.persist(p)
+    assert second.written == 20_000  # the one changed value; the rest stays in the first pack
+    manifests, pk = _pool_files(p, snapshot_dir)
+    assert manifests == [second.path] and len(pk) == 2
+    name = p.name
+    p.close()
+    Pool.unlink(name)
+    _restores_to(second.path, values, pool_name, restored)
+
+
 def test_compaction_keeps_the_space_near_the_largest_snapshot(make_pool, snapshot_dir, restored, pool_name):
     p = make_pool("16M", block_size="4K", keep=3)
     rng = random.Random(3)
