@@ -1106,7 +1106,8 @@ class Core:
     # ------------------------------------------------------------------ dead processes
 
     def reap_dead(self) -> bool:
-        """Reclaim reservations of dead writers and pins of dead readers (lock held); True if anything was freed."""
+        """Reclaim reservations of dead writers and pins of dead readers (lock held); True if anything was freed
+        or can be evicted again."""
         freed = False
         alive = procs.alive_checker()
         ppid, pslot, pstart = self.pin_records["pid"], self.pin_records["slot"], self.pin_records["start"]
@@ -1120,7 +1121,9 @@ class Core:
                     pins[i] -= 1
                     if pins[i] == 0 and state[i] == ZOMBIE:
                         self._free_entry(i)
-                        freed = True
+                    # A zombie's blocks are free now; a sealed entry can be evicted again (the victim list
+                    # passed it over while pinned): either way the caller looking for room looks again.
+                    freed = freed or pins[i] == 0
         opid, ostart = self.columns["owner_pid"], self.columns["owner_start"]
         for i in map(int, np.flatnonzero(state == WRITING)):
             if not alive(int(opid[i]), int(ostart[i])):

@@ -242,6 +242,39 @@ def test_sigkill_at_random_points_of_disk_tier_operations(make_pool, tmp_path, o
         Pool.unlink(name)
 
 
+HOLDS_VIEWS = """
+import sys
+from cortex_cache import Pool
+p = Pool.open(sys.argv[1])
+views = p.view_many(sys.argv[2:])
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, monkeypatch):
+    """A process holding views of most of a small pool is killed: the next put that needs their room
+    reaps its pins and evicts (issue: it exited 73 once, and the same put then succeeded)."""
+    if path == "python":
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    p = make_pool("1M", block_size="64K")
+    for i in range(4):
+        p.put(f"k{i}", make_value(i, 0, 250_000))
+    child = spawn_py(HOLDS_VIEWS, p.name, "k0", "k1", "k2")
+    try:
+        assert child.stdout.readline() == b"held\n", child.stderr.read().decode()[-2000:]
+        assert p.stats()["pinned_entries"] == 3
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        for f in (child.stdin, child.stdout, child.stderr):
+            f.close()
+    p.put("new", make_value(9, 0, 600_000))  # needs three of the four entries' room
+    assert check_value(p.get("new"))[0] == 9
+    assert p.stats()["pinned_entries"] == 0 and p.verify()["ok"]
+
+
 def test_sigkill_mid_evict_all_to_disk_loses_no_entry(make_pool, tmp_path):
     # An entry moving memory -> disk must be readable in one tier or the other at every instant,
     # whenever its mover is killed (issue 15).
