@@ -685,7 +685,7 @@ def doctor(
         print_json({"ok": not bad, "findings": findings})
     else:
         for f in findings:
-            line = f"{'ok  ' if f['ok'] else 'FAIL'} {f['message']}"
+            line = f"{'FAIL' if not f['ok'] else 'warn' if f.get('warning') else 'ok  '} {f['message']}"
             sys.stdout.write(line + (f"\n     fix: {f['fix']}" if f["fix"] else "") + "\n")
     if bad:
         raise typer.Exit(EX_PROBLEM)

@@ -346,8 +346,9 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
         ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
         ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
-         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch; alert when it gets old."),
-        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot."),
+         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch (0: never); alert when it "
+         "gets old."),
+        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot (0: none)."),
     ]
     with_snaps = [r for r in ok if r.get("snapshots")]
     for metric, key, kind, help_ in snap_metrics if with_snaps else []:
@@ -355,8 +356,10 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         out.append(f"# HELP {name} {help_}")
         out.append(f"# TYPE {name} {kind}")
         for r in with_snaps:
+            # A pool never persisted has no latest snapshot: 0, not NaN, so that the staleness alert
+            # (time() - cortex_cache_last_snapshot_timestamp_seconds > interval) fires for it too.
             v = r["snapshots"][key]
-            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else "NaN"}')
+            out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else 0}')
     out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
     out.append("# TYPE cortex_cache_up gauge")
     for r in rows:
