@@ -55,7 +55,7 @@ _cortex_options()
         create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --allow-other-owner --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
         status) _cortex_words '--json --format --watch --count -q --quiet --help' ;;
-        delete) _cortex_words '-f --force -q --quiet --help' ;;
+        delete) _cortex_words '-f --force --disk-path -q --quiet --help' ;;
         put) _cortex_words '--ttl --priority -q --quiet --help' ;;
         get) _cortex_words '-o --output --peek --verify -q --quiet --help' ;;
         keys) _cortex_words '--prefix --limit -l --long --tier --json -q --quiet --help' ;;

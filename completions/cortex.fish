@@ -138,6 +138,7 @@ complete -c cortex -n '__cortex_using status' -l help -d 'Show this message and 
 complete -c cortex -n '__cortex_using status 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using delete' -s f -l force -d 'Delete even while other processes have the pool mapped, and remove its disk tier too'
+complete -c cortex -n '__cortex_using delete' -l disk-path -x -d 'With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)'
 complete -c cortex -n '__cortex_using delete' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using delete' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using delete 0' -a '(__cortex_pools)' -d pool

@@ -14,8 +14,8 @@ from typing import Any
 
 from . import header, interrupts, procs, segment
 from . import persist as snap
-from .disklog import DiskLog
-from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt
+from .disklog import META_NAME, DiskLog
+from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt, UsageError
 from .pool import Pool
 
 
@@ -129,18 +129,27 @@ class Deleted:
     orphan: bool = False  # there was no segment, only a tier of the name that a killed delete left
 
 
-def delete_pool(name: str, force: bool = False) -> Deleted:
+def delete_pool(name: str, force: bool = False, disk_path: str | None = None) -> Deleted:
     """Remove pool `name`'s segment; its disk tier stays (a pool created again on it finds its entries),
     unless `force`, which removes the tier first, then the segment, as one step that SIGINT and SIGTERM
     wait for (interrupts.commit): a delete killed in between leaves the segment, and running it again
     finishes it.  With `force` and no segment, an orphaned tier of the name at the default place
     (`orphaned_tier`: what a delete killed by an older version left) is removed.
 
+    `disk_path` (with `force`, when no segment of the name exists): the directory of a disk tier the pool
+    left there (`Pool.unlink` leaves the tier), removed if it is ours and no live pool uses it.
+
     Processes that have the pool mapped keep their mapping; without `force` such a pool is PoolBusy.
     Something else on the name (a symlink, a directory...) is SegmentCorrupt, and removed with `force`."""
     segment.validate_name(name)
+    if disk_path is not None and not force:
+        raise UsageError("--disk-path goes with --force: it removes a disk tier whose pool is gone")
+    if disk_path is not None and segment.exists(name):
+        raise UsageError(f"pool {name!r} exists: `delete {name} --force` removes it with its own disk tier")
     if not segment.exists(name):
         orphan = orphaned_tier(name) if force else None
+        if disk_path is not None:
+            orphan = _orphan_at(name, disk_path)
         if orphan is not None:
             with interrupts.commit():
                 DiskLog.destroy(orphan)
@@ -161,6 +170,25 @@ def delete_pool(name: str, force: bool = False) -> Deleted:
             DiskLog.destroy(tier)  # type: ignore[arg-type]
         segment.unlink(name)
     return Deleted(squatter=None, disk_tier=tier, tier_removed=removed)
+
+
+def _orphan_at(name: str, path: str) -> str:
+    """`path` if it holds a disk tier of ours that no live pool uses (delete NAME --force --disk-path)."""
+    from .disktier import live_owner
+
+    path = os.path.abspath(path)
+    if not DiskLog.exists(path):
+        raise PoolNotFound(f"no pool named {name!r}, and no disk tier in {path!r}")
+    try:
+        st = os.lstat(os.path.join(path, META_NAME))
+    except OSError as e:
+        raise PoolNotFound(f"no disk tier in {path!r}: {e.strerror}") from None
+    if st.st_uid != os.geteuid() and os.geteuid() != 0:
+        raise PermissionDenied(f"the disk tier in {path!r} is uid {st.st_uid}'s, not yours")
+    owner = live_owner(path, segment.shm_path(name))
+    if owner is not None:
+        raise PoolBusy(f"{path!r} is the disk tier of the live pool {owner}; delete that pool instead")
+    return path
 
 
 def remove_disk_tier(path: str) -> None:

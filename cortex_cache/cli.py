@@ -319,6 +319,7 @@ def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None
 def delete(
     name: str = NAME_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped, and remove its disk tier too."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)."),
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Remove a pool.
@@ -327,13 +328,14 @@ def delete(
     it; without --force such a pool is not deleted.  A disk tier is kept
     (a pool created again on it finds its entries) unless --force is given;
     --force also removes a tier left at the default place by a delete that
-    was killed after its segment went.
+    was killed after its segment went, and --force --disk-path DIR one left
+    elsewhere (by Pool.unlink, or a pool deleted without --force).
 
     Example: cortex cache delete llama
     """
     from . import admin, segment
 
-    gone = admin.delete_pool(name, force=force)
+    gone = admin.delete_pool(name, force=force, disk_path=disk_path)
     if gone.squatter is not None:
         say(f"removed {gone.squatter} at {segment.shm_path(name)}", stderr=True)
         return

@@ -587,6 +587,14 @@ def live_owner(path: str, owner: str) -> str | None:
     return None
 
 
+def _name_of(owner: str) -> str:
+    """The pool name of a /dev/shm path of ours (segment.shm_path's inverse)."""
+    from . import segment
+
+    base = os.path.basename(owner)
+    return base[len(segment.prefix()):] if base.startswith(segment.prefix()) else base
+
+
 def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: bool,
                      owner: str, mode: int = 0o600) -> tuple[DiskLog, bool]:
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made).
@@ -601,7 +609,8 @@ def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: b
         if size is not None and DiskLog.capacity_for(size) != log.capacity:
             raise UsageError(
                 f"{path!r} holds a disk tier of {log.capacity} bytes; give that --disk-size "
-                "(or none) to use it, or remove it with `cortex cache delete --force`"
+                f"(or none) to use it, or remove it with `cortex cache delete {_name_of(owner)} --force "
+                f"--disk-path {path}`"
             )
         was = log.owner()
         if was and was != owner and was.startswith("/dev/shm/") and os.path.exists(was):

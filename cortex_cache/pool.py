@@ -408,9 +408,17 @@ class Pool:
             raise
 
     @staticmethod
-    def unlink(name: str) -> None:
-        """Destroy pool `name` (processes still attached keep their mapping until they close)."""
+    def unlink(name: str) -> str | None:
+        """Destroy pool `name` (processes still attached keep their mapping until they close).
+
+        Its disk tier stays, as after `cortex cache delete` without --force (a pool created again on it
+        finds its entries): returns that tier's directory, or None without one.  Remove it with
+        `cortex cache delete NAME --force --disk-path DIR`."""
+        from .admin import disk_tier_of
+
+        tier = disk_tier_of(name) if segment.exists(name) else None
         segment.unlink(name)
+        return tier
 
     @staticmethod
     def exists(name: str) -> bool:

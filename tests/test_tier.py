@@ -620,3 +620,26 @@ def test_restore_replace_empties_both_tiers(make_pool, tier_dir, tmp_path):
         assert q.stats()["disk"]["entries"] == 0 and q.get("k0") is None
     finally:
         q.close()
+
+
+def test_a_tier_left_by_unlink_is_named_and_removed_by_delete_force_disk_path(make_pool, tmp_path, pool_name):
+    tier = tmp_path / "tier"
+    p = make_pool("1M", name=f"{pool_name}-gone", block_size="4K", disk_path=tier, disk_size="1M")
+    p.put("k", b"v")
+    name = p.name
+    p.close()
+    assert Pool.unlink(name) == str(tier)  # says what it leaves
+    assert DiskLog.exists(tier)
+    r = cli("cache", "delete", name, "--disk-path", str(tier))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and DiskLog.exists(tier)
+    r = cli("cache", "delete", name, "--force", "--disk-path", str(tmp_path / "nothing"))
+    assert r.returncode == 66 and len(r.stderr.splitlines()) == 1
+    live = make_pool("1M", name=f"{pool_name}-live", block_size="4K", disk_path=tmp_path / "live", disk_size="1M")
+    r = cli("cache", "delete", name, "--force", "--disk-path", str(tmp_path / "live"))
+    assert r.returncode == 75 and live.name.encode() in r.stderr and DiskLog.exists(tmp_path / "live")
+    r = cli("cache", "delete", live.name, "--force", "--disk-path", str(tier))
+    assert r.returncode == 2 and Pool.exists(live.name)  # a pool that exists goes with its own tier
+    r = cli("cache", "delete", name, "--force", "--disk-path", str(tier))
+    assert r.returncode == 0 and not DiskLog.exists(tier), r.stderr
+    assert Pool.unlink(live.name) == str(tmp_path / "live")
+    DiskLog.destroy(tmp_path / "live")
