@@ -16,7 +16,7 @@ from . import header, interrupts, procs, segment
 from . import persist as snap
 from .disklog import META_NAME, DiskLog
 from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt, UsageError
-from .pool import Pool
+from .pool import Pool, disk_tier_of
 
 
 def status_word(e: CortexCacheError) -> str:
@@ -108,15 +108,6 @@ def all_pool_statuses() -> list[dict[str, Any]]:
         if r["status"] == "ok":
             add_operating_facts(r, attached, described)
     return rows
-
-
-def disk_tier_of(name: str) -> str | None:
-    """The disk tier directory of pool `name` if it has one (None if it cannot be read)."""
-    try:
-        with Pool.open(name, lock_timeout=5) as p:
-            return p.disk_path
-    except CortexCacheError:
-        return None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, READ_QUIET, SLOW, 
 from .disklog import DiskLog
 from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
 from .errors import (
+    CortexCacheError,
     KeyNotFound,
     PoolClosed,
     PoolExists,
@@ -46,6 +47,15 @@ from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes, put_args, show_key, valid_nbytes, writable_bytes
 
 _live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+
+def disk_tier_of(name: str) -> str | None:
+    """The disk tier directory of pool `name` if it has one (None if it cannot be read)."""
+    try:
+        with Pool.open(name, lock_timeout=5) as p:
+            return p.disk_path
+    except CortexCacheError:
+        return None
 
 
 def _after_fork_in_child() -> None:
@@ -414,8 +424,6 @@ class Pool:
         Its disk tier stays, as after `cortex cache delete` without --force (a pool created again on it
         finds its entries): returns that tier's directory, or None without one.  Remove it with
         `cortex cache delete NAME --force --disk-path DIR`."""
-        from .admin import disk_tier_of
-
         tier = disk_tier_of(name) if segment.exists(name) else None
         segment.unlink(name)
         return tier
