@@ -35,15 +35,17 @@ benchmark's full output.
 LMCache's CPU backend is a peer in `peers` too when CORTEX_BENCH_LMCACHE_PYTHON
 names a Python that has LMCache; without it the table says it was not measured.
 
-The last section lists issue 17's targets, one line each: cortex's figure,
+The last section lists the issues' targets, one line each: cortex's figure,
 its baseline, the ratio and met/missed -- the head-to-head pairs of `peers`
-(1 MiB put against the naive store's overwrite, 1 MiB get_into against
-LMCache's CPU backend, a 64 KiB hot-key get against Redis), `pool`'s batched
-view, `lmcache`'s store and load against fs_native (verification on, and off
-for comparison), and the eviction p99, snapshot and disk-tier figures of this
-run against those recorded in docs/performance.md (RECORDED below); and issue
-28's "128k-token lookup, remembered, < 50 us" (`lookup`, at 256- and 16-token
-chunks, beside the un-remembered lookup).
+(1 MiB put against the naive store's overwrite and against a bare copy into
+kept-attached shared memory, 1 MiB get_into against LMCache's CPU backend, a
+64 KiB hot-key get against Redis), `pool`'s batched view and zero-copy put,
+`lmcache`'s store and load against fs_native (verification on, and off for
+comparison), the eviction p99, snapshot and disk-tier figures of this run
+against those recorded in docs/performance.md (RECORDED below), the
+"128k-token lookup, remembered, < 50 us" (`lookup`, at 256- and 16-token
+chunks, beside the un-remembered lookup), and `persist`'s incremental persist
+against a full one.
 """
 
 from __future__ import annotations
@@ -378,7 +380,7 @@ def main() -> int:
     for name, why in doc["not_run"].items():
         print(f"\n[{name}] not run: {why}")
     if doc["goals"]:
-        print("\nissue 17 targets (cortex, baseline, ratio: same run; ratio > 1 is cortex ahead / better than the "
+        print("\ntargets of the issues (cortex, baseline, ratio: same run; ratio > 1 is cortex ahead / better than the "
               "record)" + (" -- --quick: smaller runs than the recorded ones" if args.quick else ""))
         w = max(len(g["target"]) for g in doc["goals"])
         for g in doc["goals"]:
