@@ -47,55 +47,6 @@ static int64_t find_run(const uint8_t *map, uint64_t n, uint64_t k, uint64_t hin
     return -1;
 }
 
-/* Core.reserve where no eviction is needed (lock held): 1 done, 0 not here (nothing changed). */
-static int reserve_here(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
-                        uint64_t nblk, int64_t *slot, uint64_t *off) {
-    int64_t i = LOAD(*s->free_slot);
-    if (i < 0 || (uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
-    int32_t after = LOAD(s->next[i]);
-    if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
-    /* Core._alloc_kcells and _alloc_blocks: the run at the cursor, else the next-fit scan (the blocks' only
-     * while enough are free: a full pool goes straight to eviction, in Python). */
-    uint64_t k = (klen + KEY_CELL - 1) / KEY_CELL;
-    uint64_t kf = LOAD(*s->key_hint);
-    if (kf > s->n_kcells || k > s->n_kcells - kf || !run_free(s->kmap, kf, k)) {
-        int64_t at = find_run(s->kmap, s->n_kcells, k, kf);
-        if (at < 0) return 0;
-        kf = (uint64_t)at;
-    }
-    uint64_t first = LOAD(*s->alloc_hint);
-    if (first > s->n_blocks || nblk > s->n_blocks - first || !run_free(s->bmap, first, nblk)) {
-        uint64_t used = LOAD(*s->used_blocks);
-        int64_t at = used <= s->n_blocks && nblk <= s->n_blocks - used ? find_run(s->bmap, s->n_blocks, nblk, first) : -1;
-        if (at < 0) return 0;
-        first = (uint64_t)at;
-    }
-    /* Core._alloc_slot, _alloc_kcells, _alloc_blocks, then the fields reserve() writes. */
-    *s->free_slot = after;
-    s->next[i] = -1;
-    memset(s->kmap + kf, 1, k);
-    *s->used_kcells += k;
-    *s->key_hint = kf + k < s->n_kcells ? kf + k : 0;
-    memset(s->bmap + first, 1, nblk);
-    *s->used_blocks += nblk;
-    *s->alloc_hint = first + nblk < s->n_blocks ? first + nblk : 0;
-    memcpy(s->base + s->keys_off + kf * KEY_CELL, kb, klen);
-    s->kcell[i] = kf;
-    s->klen[i] = (uint32_t)klen;
-    s->flags_col[i] = flags;
-    s->pins[i] = 0;
-    s->opid[i] = s->pid;
-    s->khash[i] = kh;
-    s->vlen[i] = vlen;
-    s->first[i] = first;
-    s->nblk[i] = nblk;
-    s->ostart[i] = s->pstart;
-    s->state[i] = 1; /* WRITING */
-    *slot = i;
-    *off = s->data_off + first * s->bs;
-    return 1;
-}
-
 /* allocator.run_around: after freeing [first, first + count), the start of a free run of k blocks that
  * touches it, or -1 (an eviction's check: each victim costs O(k), not a scan). */
 static int64_t run_around(const uint8_t *map, uint64_t n, uint64_t first, uint64_t count, uint64_t k) {
@@ -146,12 +97,13 @@ static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
     *s->key_hint = kf;
 }
 
-/* Core.reserve in a pool that needs room: _alloc_slot, _alloc_kcells and _alloc_blocks step by step, each
- * evicting (Core.evict_one, the victim list's choice) until it has what it needs, and placing as they do,
- * so the pool ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back
- * (nothing could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised
- * (what this took given back). */
-static int reserve_evicting(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
+/* Core.reserve (lock held): _alloc_slot, _alloc_kcells and _alloc_blocks step by step -- the free list's
+ * head, the run at each cursor or the next free one beyond it -- each evicting (Core.evict_one, the victim
+ * list's choice) until it has what it needs when the pool is full, and placing as they do, so the pool
+ * ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back (nothing
+ * could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised (what this
+ * took given back). */
+static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
                             uint64_t nblk, int64_t *slot, uint64_t *off) {
     uint64_t vf = 0, vn = 0;
     int rc;
@@ -229,13 +181,13 @@ static int error_is_clean(Fast *s) {
     return PyErr_ExceptionMatches(s->err_base) && !PyErr_ExceptionMatches(s->err_corrupt);
 }
 
-/* Core.reserve (lock held): 1 reserved, -1 the hook raised (exception set). */
+/* Core.reserve (lock held): in C, else (no room, a damaged field) by Core.reserve_or_corrupt.  1 reserved,
+ * -1 an error (exception set). */
 static int reserve(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, uint64_t vlen, uint64_t nblk,
                    int64_t *slot, uint64_t *off) {
     const char *kb = PyBytes_AS_STRING(kbo);
     uint64_t klen = (uint64_t)PyBytes_GET_SIZE(kbo);
-    if (reserve_here(s, kb, klen, kh, flags, vlen, nblk, slot, off)) return 1;
-    int rc = nblk <= s->n_blocks ? reserve_evicting(s, kb, klen, kh, flags, vlen, nblk, slot, off) : 0;
+    int rc = reserve_in_c(s, kb, klen, kh, flags, vlen, nblk, slot, off);
     if (rc != 0) return rc;
     PyObject *r = PyObject_CallFunction(s->reserve_hook, "OKIKK", kbo, (unsigned long long)kh, (unsigned)flags,
                                         (unsigned long long)vlen, (unsigned long long)nblk);
