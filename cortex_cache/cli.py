@@ -646,8 +646,7 @@ def snapshots(
     from . import segment
 
     segment.validate_name(name)
-    rows = snap.list_snapshots(name, verify=verify)
-    space = snap.snapshot_space(name)
+    rows, space = snap.snapshots_and_space(name, verify=verify)
     bad = [r for r in rows if "error" in r]
     if as_json:
         print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows, "space": space})

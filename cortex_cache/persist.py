@@ -36,6 +36,7 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     snapshot_dir,
     snapshot_space,
     snapshot_usage,
+    snapshots_and_space,
     snapshots_of,
     write,
 )
@@ -82,5 +83,5 @@ def restore(
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",
-           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS", "list_snapshots", "snapshot_usage", "snapshot_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced",
+           "check_snapshot_dir", "STAGING_PREFIX", "COUNTERS", "list_snapshots", "snapshot_usage", "snapshot_space", "snapshots_and_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced",
            "DEFAULT_KEEP"]

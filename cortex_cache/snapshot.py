@@ -896,14 +896,28 @@ def list_snapshots(name: str, directory: Path | None = None, verify: bool = Fals
     never touches a pool.  With `verify`, every snapshot is also read whole and
     each value checked ("verified": True, or "error" saying what is damaged).
     """
+    return snapshots_and_space(name, directory, verify)[0]
+
+
+def snapshot_space(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """What pool `name`'s snapshots take on disk: their files (manifests, version 2 files), the packs,
+    the total; what the kept snapshots need of it (their files and every pack record one of them refers
+    to); the largest kept snapshot as a self-contained file would be; and total / needed ("waste_ratio",
+    which compaction keeps within SPACE_BOUND) and total / largest ("ratio")."""
+    return snapshots_and_space(name, directory)[1]
+
+
+def snapshots_and_space(name: str, directory: Path | None = None,
+                        verify: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`list_snapshots` and `snapshot_space` from one reading of the manifests."""
     directory = directory or snapshot_dir()
     latest = latest_path(name, directory)
     try:
         latest_ino = latest.stat().st_ino
     except OSError:
         latest_ino = None
-    out = []
-    refs: list[set[tuple[str, int, int]]] = []  # per row: the pack records it refers to
+    rows: list[dict[str, Any]] = []
+    refs: list[set[tuple[str, int, int]]] = []  # per row: (pack, offset, record bytes) it refers to
     for path in snapshots_of(name, directory):
         row: dict[str, Any] = {"path": str(path)}
         mine: set[tuple[str, int, int]] = set()
@@ -926,50 +940,24 @@ def list_snapshots(name: str, directory: Path | None = None, verify: bool = Fals
             continue  # rotated away meanwhile
         except (CortexCacheError, OSError) as e:
             row["error"] = str(e)
-        out.append(row)
+        rows.append(row)
         refs.append(mine)
     counts: dict[tuple[str, int, int], int] = {}
     for mine in refs:
         for r in mine:
             counts[r] = counts.get(r, 0) + 1
-    for row, mine in zip(out, refs):
-        if "error" in row:
-            continue
-        row["own_bytes"] = row["bytes"] + sum(r[2] for r in mine if counts[r] == 1)
-        row["shared_bytes"] = sum(r[2] for r in mine if counts[r] > 1)
-    return out
-
-
-def snapshot_space(name: str, directory: Path | None = None) -> dict[str, Any]:
-    """What pool `name`'s snapshots take on disk: their files (manifests, version 2 files), the packs,
-    the total; what the kept snapshots need of it (their files and every pack record one of them refers
-    to); the largest kept snapshot as a self-contained file would be; and total / needed ("waste_ratio",
-    which compaction keeps within SPACE_BOUND) and total / largest ("ratio")."""
-    directory = directory or snapshot_dir()
-    stem = namespaced(name)
-    files = sum(_size(p) for p in snapshots_of(name, directory))
-    pack_bytes = sum(_size(p) for p in packs.packs_of(stem, directory))
-    rows = list_snapshots(name, directory)
+    for row, mine in zip(rows, refs):
+        if "error" not in row:
+            row["own_bytes"] = row["bytes"] + sum(r[2] for r in mine if counts[r] == 1)
+            row["shared_bytes"] = sum(r[2] for r in mine if counts[r] > 1)
+    files = sum(r.get("bytes", 0) for r in rows)
+    pack_bytes = sum(_size(p) for p in packs.packs_of(namespaced(name), directory))
     largest = max((r["own_bytes"] + r["shared_bytes"] for r in rows if "error" not in r), default=0)
-    needed = files + sum(n for _, _, n in _referenced(name, directory))
+    needed = files + sum(r[2] for r in counts)
     total = files + pack_bytes
-    return {"snapshot_file_bytes": files, "pack_bytes": pack_bytes, "total_bytes": total, "needed_bytes": needed,
-            "largest_bytes": largest, "ratio": total / largest if largest else None,
-            "waste_ratio": total / needed if needed else None}
-
-
-def _referenced(name: str, directory: Path) -> set[tuple[str, int, int]]:
-    """(pack, offset, record bytes) of every pack record a snapshot of pool `name` refers to."""
-    out: set[tuple[str, int, int]] = set()
-    for path in snapshots_of(name, directory):
-        try:
-            with Snapshot(path, verify=False) as snap:
-                if snap.header.version == MANIFEST_VERSION:
-                    for rec, pack, off in snap.references():
-                        out.add((pack.name, off, packs.REC_SIZE + len(rec.key) + rec.length))
-        except (CortexCacheError, OSError):
-            continue
-    return out
+    return rows, {"snapshot_file_bytes": files, "pack_bytes": pack_bytes, "total_bytes": total,
+                  "needed_bytes": needed, "largest_bytes": largest, "ratio": total / largest if largest else None,
+                  "waste_ratio": total / needed if needed else None}
 
 
 # Disk used by a pool's snapshots over what they need: compaction keeps it within this (doctor flags more).
@@ -1370,5 +1358,5 @@ class Reference(NamedTuple):
 
 
 __all__ = ["write", "Snapshot", "Record", "Reference", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
-           "snapshots_of", "list_snapshots", "snapshot_usage", "snapshot_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced", "pool_config", "COUNTERS",
+           "snapshots_of", "list_snapshots", "snapshot_usage", "snapshot_space", "snapshots_and_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced", "pool_config", "COUNTERS",
            "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -192,7 +193,7 @@ def test_a_version_2_snapshot_in_the_directory_still_restores_and_the_next_persi
     _restores_to(new.path, values, pool_name, restored)
 
 
-def _pack_of(path) -> "packs.Path":
+def _pack_of(path) -> Path:
     with snap.Snapshot(path, verify=False) as s:
         return path.parent / s.pack_refs[-1].name
 
