@@ -61,6 +61,9 @@ static const char *copy_hash_isa = "baseline";
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 
 enum { POL_LRU, POL_LFU, POL_FIFO, POL_PRIORITY, POL_TTL, POL_SIZE };
+/* The queue policies (queues.py), by what a hit does: count the read (s3fifo, auto), or move the entry
+ * from queue 0 to queue 1 (arc). */
+enum { Q_NONE, Q_COUNT_READS, Q_PROMOTE };
 
 static PyObject *SLOW;  /* the module's sentinel */
 
@@ -109,6 +112,13 @@ typedef struct {
     PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation C leaves to Python, lock held */
     PyObject *evict_hook;      /* Core.evict_or_corrupt: evict one victim by policy, lock held */
     PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
+    /* queue policies: QueueVictims.admit (a new value's queue, lock held), the queue columns, the
+     * header's two queue counts and the second victim list's next expiry */
+    int qkind;
+    PyObject *admit;
+    uint8_t *queue, *qfreq;
+    uint64_t *qcount;
+    double *cand1_next_expiry;
 } Fast;
 
 
@@ -319,6 +329,20 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {"flags", &c_flags}, {"owner_pid", &c_opid}, {"owner_start", &c_ostart}, {"created", &c_created},
         {"put_in_lock", &self->put_in_lock},
     };
+    uint64_t qkind = 0, c_queue = 0, c_qfreq = 0, o_qcount = 0, o_cnext1 = 0;
+    struct { const char *name; uint64_t *out; } qfields[] = {
+        {"queue_col", &c_queue}, {"freq_col", &c_qfreq}, {"h_q_count0", &o_qcount},
+        {"h_cand1_next_expiry", &o_cnext1},
+    };
+    if (PyDict_GetItemString(spec, "queues") != NULL) {
+        if (get_u64(spec, "queues", &qkind) < 0) return -1;
+        if (qkind > Q_PROMOTE) {
+            PyErr_SetString(PyExc_ValueError, "fast path: bad queue kind");
+            return -1;
+        }
+        for (size_t k = 0; qkind && k < sizeof(qfields) / sizeof(qfields[0]); k++)
+            if (get_u64(spec, qfields[k].name, qfields[k].out) < 0) return -1;
+    }
     for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
         if (get_u64(spec, fields[k].name, fields[k].out) < 0) return -1;
 
@@ -341,6 +365,15 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         if (regions[k].off > size || regions[k].len > size - regions[k].off || regions[k].off % 4) {
             PyErr_SetString(PyExc_ValueError, "fast path: a region lies outside the segment");
             return -1;
+        }
+    }
+    if (qkind) {
+        struct { uint64_t off, len; } qregions[] = {{c_queue, n}, {c_qfreq, n}, {o_qcount, 16}, {o_cnext1, 8}};
+        for (size_t k = 0; k < sizeof(qregions) / sizeof(qregions[0]); k++) {
+            if (qregions[k].off > size || qregions[k].len > size - qregions[k].off || qregions[k].off == 0) {
+                PyErr_SetString(PyExc_ValueError, "fast path: a queue region lies outside the segment");
+                return -1;
+            }
         }
     }
     if (n_buckets == 0 || (n_buckets & (n_buckets - 1)) || self->pin_size < 16 || self->n_pins == 0) {
@@ -399,6 +432,13 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->opid = (uint32_t *)(b + c_opid);
     self->ostart = (uint64_t *)(b + c_ostart);
     self->created = (double *)(b + c_created);
+    self->qkind = (int)qkind;
+    if (qkind) {
+        self->queue = (uint8_t *)(b + c_queue);
+        self->qfreq = (uint8_t *)(b + c_qfreq);
+        self->qcount = (uint64_t *)(b + o_qcount);
+        self->cand1_next_expiry = (double *)(b + o_cnext1);
+    }
 
     struct flock lk = {0};
     lk.l_type = F_WRLCK;
@@ -432,6 +472,10 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->evict_hook = get_obj(spec, "evict_hook");
     self->err_base = get_obj(spec, "error");
     self->err_corrupt = get_obj(spec, "corrupt_error");
+    if (qkind && !(self->admit = get_obj(spec, "admit"))) {
+        PyErr_SetString(PyExc_ValueError, "fast path spec of a queue policy needs admit");
+        return -1;
+    }
     if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->evict_hook || !self->err_base ||
         !self->err_corrupt) {
         PyErr_SetString(PyExc_ValueError,
@@ -452,6 +496,7 @@ static void Fast_release_all(Fast *self) {
     Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
+    Py_CLEAR(self->admit);
     if (self->have_buf) {
         self->have_buf = 0;
         PyBuffer_Release(&self->buf);
@@ -475,6 +520,7 @@ static int Fast_traverse(Fast *self, visitproc visit, void *arg) {
     Py_VISIT(self->evict_hook);
     Py_VISIT(self->err_base);
     Py_VISIT(self->err_corrupt);
+    Py_VISIT(self->admit);
     return 0;
 }
 
@@ -489,6 +535,7 @@ static int Fast_clear(Fast *self) {
     Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
+    Py_CLEAR(self->admit);
     return 0;
 }
 
@@ -648,6 +695,13 @@ static int touch(Fast *self, int64_t i, double t) {
     self->acount[i] = (self->acount[i] >> (age < 63 ? age : 63)) + 1;
     self->lfuep[i] = epoch;
     *self->hits += 1;
+    if (self->qkind == Q_COUNT_READS) { /* QueueVictims.hit */
+        if (self->qfreq[i] < 3) self->qfreq[i] += 1;
+    } else if (self->qkind == Q_PROMOTE && self->queue[i] == 0) {
+        self->queue[i] = 1;
+        if (self->qcount[0]) self->qcount[0] -= 1;
+        self->qcount[1] += 1;
+    }
     /* VictimCache.on_score_change's fast exit, here; the rest in Python. */
     if (!self->monotone && *self->cand_valid && !(primary(self, i) > *self->cand_max_primary)) {
         PyObject *r = PyObject_CallFunction(self->on_score_change, "L", (long long)i);
@@ -695,6 +749,8 @@ static int unpin(Fast *self, uint64_t j, int64_t i) {
     uint32_t st = LOAD(self->state[i]);
     if (st == ZOMBIE) {
         hook = self->free_entry;
+    } else if (st == SEALED && self->qkind) {
+        hook = self->on_unpin; /* QueueVictims.on_unpin: the list of the entry's queue decides */
     } else if (st == SEALED && *self->cand_valid) {
         /* VictimCache.on_unpin: nothing to do when the entry scores above the last listed victim
          * (it cannot belong in the list) and has not expired; then only its expiry matters. */

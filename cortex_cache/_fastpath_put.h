@@ -236,6 +236,10 @@ static void remove_entry(Fast *s, int64_t i) {
             j = nj;
         }
     }
+    if (s->qkind) { /* QueueVictims.removed */
+        uint8_t q = s->queue[i] & 1;
+        if (s->qcount[q]) s->qcount[q] -= 1;
+    }
     *s->n_entries -= 1;
     *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
     if (s->pins[i])
@@ -270,6 +274,12 @@ static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, dou
         PyObject *r = PyObject_CallFunction(s->on_score_change, "L", (long long)i);
         if (r == NULL) return -1;
         Py_DECREF(r);
+    }
+    if (s->qkind) { /* QueueVictims.admit: its queue, by the ghosts (Python: the rings and the target) */
+        PyObject *r = PyObject_CallFunction(s->admit, "L", (long long)i);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        if (e > 0 && e < *s->cand1_next_expiry) *s->cand1_next_expiry = e;
     }
     if (e > 0 && e < *s->cand_next_expiry) *s->cand_next_expiry = e;
     return 0;

@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from . import procs, segment
+from . import procs, queues, segment
 from .allocator import find_run, run_around
 from .chains import unchain
 from .errors import (
@@ -86,7 +86,9 @@ READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
 # Copying a large value outside the lock without a pin (the seqlock check) relies on stores becoming
 # visible in program order (x86-64's TSO); elsewhere the fast path leaves large values to the pinned path.
 # The policies as _fastpath.c numbers them (its POL_* enum), for its copy of eviction.py's scores.
-_POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5}
+_POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5, "s3fifo": 0, "arc": 0, "auto": 0}
+# ... and what a hit does in a queue policy (its Q_* enum): count the read, or promote to queue 1.
+_QUEUE_KINDS = {"s3fifo": 1, "arc": 2, "auto": 1}
 SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
 # What damaged metadata raises under the lock (an index out of range, a counter at its limit).
 METADATA_ERRORS = (IndexError, ValueError, OverflowError, ZeroDivisionError)
@@ -118,6 +120,7 @@ class Core:
     closed = False
     fast: Any = None
     guard: Any = None
+    queues: Any = None
     _typed_views: list = []
 
     def __init__(
@@ -197,9 +200,18 @@ class Core:
         self.policy = pol.name
         vo = g.victim_columns()
         victims = {name: np.frombuffer(mm, fmt, CANDIDATES, vo[name]) for name, fmt in VICTIM_COLUMNS}
-        self.victims = VictimCache(
-            pol, hdr, self.columns, victims, self.clock, (self._hu32, self._hu64, self._hf64), views
-        )
+        hdr_views = (self._hu32, self._hu64, self._hf64)
+        # A queue policy's two queues (queues.py), or None: the hooks below cost one test for the others.
+        self.queues: queues.QueueVictims | None = None
+        if pol.queues and g.qslots_off:
+            self.queues = queues.build(pol, mv, g, hdr, self.columns, views, hdr_views, victims, self.clock,
+                                       self._typed_views)
+            self.victims = self.queues  # type: ignore[assignment]  # the same interface, over two lists
+            self.repair_hooks.append(self.queues.repair)
+        elif pol.queues:
+            raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: policy {pol.name} without its queues")
+        else:
+            self.victims = VictimCache(pol, hdr, self.columns, victims, self.clock, hdr_views, views)
         self.fast = self._fast_path(offs) if clock is None else None  # it reads the real clock
 
     def _fast_path(self, slot_offsets: dict[str, int]) -> Any:
@@ -235,6 +247,10 @@ class Core:
                      "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell",
                      "flags", "owner_pid", "owner_start", "created"):
             spec[name] = slot_offsets[name]
+        if self.queues is not None:
+            qo = g.qslot_columns()
+            spec.update(queues=_QUEUE_KINDS[pol.name], admit=self.queues.admit, queue_col=qo["queue"],
+                        freq_col=qo["freq"], h_q_count0=hoff["q_count0"], h_cand1_next_expiry=hoff["cand1_next_expiry"])
         return _fastpath.Fast(self.seg.mm, self.seg.fd, spec)
 
     def close(self) -> None:
@@ -246,6 +262,7 @@ class Core:
             self.fast.close()  # lets the mapping go (after any call still copying in another thread)
             self.fast = None
         self.victims = None  # type: ignore[assignment]
+        self.queues = None
         self.columns = None  # type: ignore[assignment]
         self.fields = None  # type: ignore[assignment]
         for attr in [a for a, v in vars(self).items() if isinstance(v, np.ndarray)]:
@@ -556,6 +573,8 @@ class Core:
         v = self.victims
         if not v.policy.monotone:
             v.on_score_change(i)
+        elif self.queues is not None:
+            self.queues.admit(i)
         if e:
             v.on_expiry_set(e)
 
@@ -725,6 +744,8 @@ class Core:
         if not expired and self.on_evict is not None:
             self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
         self._count_eviction(i, expired)
+        if not expired and self.queues is not None:
+            self.queues.evicted(i)
         self.remove(i)
         return first, n
 
@@ -784,6 +805,8 @@ class Core:
             if spill and not expired and self.on_evict is not None:
                 self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
             self._count_eviction(i, expired)
+            if not expired and self.queues is not None:
+                self.queues.evicted(i)
             self.remove(i)
         return count, freed
 
@@ -808,6 +831,8 @@ class Core:
     def remove(self, i: int) -> None:
         """Take sealed entry `i` out of the index; free it now, or at its last unpin (lock held)."""
         unchain(self._bkt, self._c_next, self._c_khash[i] & self._mask, i)
+        if self.queues is not None:
+            self.queues.removed(i)
         hu64 = self._hu64
         hu64[H_N_ENTRIES] -= 1
         hu64[H_GONE_SEQ] += 1  # a memoized lookup may have counted it (layout.py, gone_seq)
@@ -835,6 +860,8 @@ class Core:
         v = self.victims
         if not v.policy.monotone:
             v.on_score_change(i)
+        elif self.queues is not None:
+            self.queues.hit(i)
 
     def lookup_live(self, kb: bytes, kh: int) -> int:
         """Find a live entry, counting the miss (and expiring it) when there is none (lock held)."""

@@ -31,18 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import UsageError
-from .layout import (
-    CANDIDATES,
-    H_CAND_COUNT,
-    H_CAND_EPOCH,
-    H_CAND_MAX_PRIMARY,
-    H_CAND_MAX_SECONDARY,
-    H_CAND_NEXT_EXPIRY,
-    H_CAND_POS,
-    H_CAND_VALID,
-    H_LFU_EPOCH,
-    SEALED,
-)
+from .layout import CANDIDATES, H_LFU_EPOCH, SEALED, VICTIM_LIST_WORDS
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 from .units import parse_size
 
@@ -89,6 +78,10 @@ class Policy:
     # cached victim.  A hit changes access_seq, which is right for every
     # policy whose order a hit changes.
     identity = "access_seq"
+    # The slot field that orders entries of equal primary score (and breaks every tie).
+    secondary = "access_seq"
+    # A queue policy (QueuePolicy below): entries in two queues, victims chosen by queues.py.
+    queues = False
 
     def primary(self, s: dict, idx, epoch: int) -> np.ndarray:
         """Primary scores (float64) of slots `idx` (an index array or a slice) of the columns `s`."""
@@ -164,9 +157,69 @@ class SizePolicy(Policy):
         return -float(m["value_len"][i])
 
 
+class QueuePolicy(Policy):
+    """A policy of two queues (queues.py does the work; this is its data).
+
+    Every sealed entry is in queue 0 (new entries: S3-FIFO's small queue, ARC's T1) or queue 1 (entries
+    seen again: the main queue, T2).  Each queue is ordered by `secondary`: "qseq", the time it joined
+    the queue's tail (FIFO), or "access_seq" (LRU).  A victim comes from queue 0 while it holds more
+    than its target (`target`: a share of the entries, or ARC's p in entries), else from queue 1.
+    With `second_chance`, a victim read since it joined its queue is not evicted but moves on: from
+    queue 0 to queue 1's tail, or round queue 1 again with one read less (reads count up to 3).
+    Evicted keys are remembered in ghost rings, `ghosts[q]` x the entries the pool holds for queue q;
+    a new key found there joins queue 1 directly, and with `adapt` moves queue 0's target towards the
+    queue that lost it (ARC's rule: by max(1, other ghosts / these ghosts)).
+    """
+
+    monotone = True  # within a queue, a put or a hit puts its entry last
+    constant_primary = True
+    queues = True
+    second_chance = False
+    adapt = ""  # "", "arc" (p, in entries, integer steps) or "share" (a share of the entries)
+    target = 0.0  # queue 0's target at create
+    ghosts = (1, 0)  # ghost ring places per slot, for queue 0 and queue 1 (also each window's length)
+
+    def __init__(self, order: str) -> None:
+        self.secondary = self.identity = order
+
+
+class S3FIFO(QueuePolicy):
+    name = "s3fifo"
+    second_chance = True
+    target = 0.1
+    ghosts = (1, 0)
+
+    def __init__(self) -> None:
+        super().__init__("qseq")
+
+
+class ARC(QueuePolicy):
+    name = "arc"
+    adapt = "arc"
+    ghosts = (1, 1)
+
+    def __init__(self) -> None:
+        super().__init__("access_seq")
+
+
+class Auto(QueuePolicy):
+    """S3-FIFO whose small queue's share adapts as ARC's p does, steered by ghosts of both queues, with a
+    longer memory of keys seen once (3x the entries): benchmarks/sim_eviction.py measures why."""
+
+    name = "auto"
+    second_chance = True
+    adapt = "share"
+    target = 0.1
+    ghosts = (3, 1)
+
+    def __init__(self) -> None:
+        super().__init__("qseq")
+
+
 # The one table of policy implementations.  Names, help and segment ids live
 # in policy_names.py (numpy-free, for the CLI); this must cover exactly those.
-POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), LFU(), FIFO(), PriorityPolicy(), TTLPolicy(), SizePolicy())}
+POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), LFU(), FIFO(), PriorityPolicy(), TTLPolicy(), SizePolicy(),
+                                                   S3FIFO(), ARC(), Auto())}
 assert list(POLICIES) == POLICY_IDS, "eviction.POLICIES and policy_names.POLICY_IDS disagree"
 
 
@@ -175,63 +228,72 @@ def policy_by_id(pid: int) -> Policy | None:
 
 
 class VictimCache:
-    """The shared victim list, interpreted for one policy.
+    """A shared victim list, interpreted for one policy.
 
     All methods run under the pool lock.  `h` is the header record array,
-    `s` the slot columns, `v` the victim-list columns, `clock` the pool's clock.
-    Rows [cand_pos, cand_count) of the list are the best victims known, best
-    first; every live entry not in those rows scores at least as high as the
-    last of them (cand_max_primary, cand_max_secondary).
+    `s` the slot columns, `v` the victim-list columns (its rows), `clock` the
+    pool's clock.  Rows [pos, count) of the list are the best victims known,
+    best first; every live entry not in those rows scores at least as high as
+    the last of them (max_primary, max_secondary).  `words`: the list's header
+    words (layout.VICTIM_LIST_WORDS); `member`: (column, value) to list only
+    the entries whose column holds the value (a queue pool lists each queue
+    apart: queues.py).
     """
 
     def __init__(
         self, policy: Policy, h: np.ndarray, s: dict[str, np.ndarray], v: dict[str, np.ndarray],
         clock: Callable[[], float], hdr_views: tuple[memoryview, memoryview, memoryview],
-        col_views: dict[str, memoryview],
+        col_views: dict[str, memoryview], words: tuple[int, ...] = VICTIM_LIST_WORDS[0],
+        member: tuple[np.ndarray, int] | None = None,
     ) -> None:
         self.policy = policy
         self.h = h
         self.s = s
         self.clock = clock
+        self.rows = v["slot"].size
+        self.member = member
         # numpy for the scans; memoryviews for the per-eviction scalars.
         self._ident = s[policy.identity]
+        self._sec = s[policy.secondary]
         self._state = s["state"]
         self._pins = s["pins"]
         self._vslot, self._vident = v["slot"], v["ident"]
         self._vprim, self._vsec = v["primary"], v["secondary"]
         self._hu32, self._hu64, self._hf64 = hdr_views
+        (self._w_valid, self._w_count, self._w_pos, self._w_next_expiry, self._w_max_primary,
+         self._w_max_secondary, self._w_epoch) = words
         self._m_state, self._m_pins = col_views["state"], col_views["pins"]
         self._m_ident, self._m_expiry = col_views[policy.identity], col_views["expiry"]
+        self._m_sec = col_views[policy.secondary]
         self._m = col_views
 
     def invalidate(self) -> None:
-        self._hu32[H_CAND_VALID] = 0
+        self._hu32[self._w_valid] = 0
 
     def _score(self, i: int) -> tuple[float, int]:
         e = self._m_expiry[i]
         if 0 < e <= self.clock():
             return -INF, int(_expiry_key(e))
-        m = self._m
-        return self.policy.primary_one(m, i, self._hu64[H_LFU_EPOCH]), m["access_seq"][i]
+        return self.policy.primary_one(self._m, i, self._hu64[H_LFU_EPOCH]), self._m_sec[i]
 
     def on_score_change(self, i: int) -> None:
         """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
-        if not self._hu32[H_CAND_VALID]:
+        if not self._hu32[self._w_valid]:
             return
         # Fast exit for the usual case, an unexpired entry scoring above the
         # last listed victim: one primary score, one comparison.
         e = self._m_expiry[i]
         if (e == 0 or e > self.clock()) and self.policy.primary_one(
             self._m, i, self._hu64[H_LFU_EPOCH]
-        ) > self._hf64[H_CAND_MAX_PRIMARY]:
+        ) > self._hf64[self._w_max_primary]:
             return
         self._offer(i)
 
     def on_unpin(self, i: int) -> None:
         """Call when sealed slot `i` loses its last pin: the list may have skipped it."""
-        if not self._hu32[H_CAND_VALID]:
+        if not self._hu32[self._w_valid]:
             return
-        pos, count = self._hu32[H_CAND_POS], self._hu32[H_CAND_COUNT]
+        pos, count = self._hu32[self._w_pos], self._hu32[self._w_count]
         rows = np.flatnonzero(self._vslot[pos:count] == i)
         if rows.size and self._vident[pos + rows[0]] == self._ident[i]:
             return  # still listed, and unchanged
@@ -242,89 +304,99 @@ class VictimCache:
         """Put slot `i` into the list if it scores below the last listed victim."""
         hu32 = self._hu32
         p, sec = self._score(i)
-        mp, ms = self._hf64[H_CAND_MAX_PRIMARY], self._hu64[H_CAND_MAX_SECONDARY]
+        mp, ms = self._hf64[self._w_max_primary], self._hu64[self._w_max_secondary]
         if not (p < mp or (p == mp and sec < ms)):
             return
-        pos, count = hu32[H_CAND_POS], hu32[H_CAND_COUNT]
+        pos, count = hu32[self._w_pos], hu32[self._w_count]
         prim, vsec = self._vprim[pos:count], self._vsec[pos:count]
         after = np.flatnonzero((prim > p) | ((prim == p) & (vsec > sec)))
         if not after.size:
             return  # the list is used up: the next eviction rescans anyway
         k = pos + int(after[0])
-        end = count if count < CANDIDATES else count - 1  # a full list drops its last row
+        end = count if count < self.rows else count - 1  # a full list drops its last row
         for col in (self._vslot, self._vident, self._vprim, self._vsec):
             col[k + 1 : end + 1] = col[k:end].copy()
         self._vslot[k], self._vident[k] = i, self._ident[i]
         self._vprim[k], self._vsec[k] = p, sec
         count = end + 1
-        hu32[H_CAND_COUNT] = count
-        self._hf64[H_CAND_MAX_PRIMARY] = float(self._vprim[count - 1])
-        self._hu64[H_CAND_MAX_SECONDARY] = int(self._vsec[count - 1])
+        hu32[self._w_count] = count
+        self._hf64[self._w_max_primary] = float(self._vprim[count - 1])
+        self._hu64[self._w_max_secondary] = int(self._vsec[count - 1])
 
     def on_expiry_set(self, expiry: float) -> None:
-        if 0 < expiry < self._hf64[H_CAND_NEXT_EXPIRY]:
-            self._hf64[H_CAND_NEXT_EXPIRY] = expiry
+        if 0 < expiry < self._hf64[self._w_next_expiry]:
+            self._hf64[self._w_next_expiry] = expiry
 
-    def next_victim(self) -> tuple[int, bool]:
-        """(slot, expired) of the next entry to evict, or (-1, False) if none can be."""
+    def peek(self) -> tuple[int, bool]:
+        """(slot, expired) of the next entry to evict, left at the head of the list, or (-1, False)."""
         hu32, hu64 = self._hu32, self._hu64
         for attempt in range(2):
-            if not hu32[H_CAND_VALID] or self.clock() >= self._hf64[H_CAND_NEXT_EXPIRY] or (
-                hu64[H_CAND_EPOCH] != hu64[H_LFU_EPOCH]
+            if not hu32[self._w_valid] or self.clock() >= self._hf64[self._w_next_expiry] or (
+                hu64[self._w_epoch] != hu64[H_LFU_EPOCH]
             ):
                 if not self._fill():
                     return -1, False
-            pos, count = hu32[H_CAND_POS], hu32[H_CAND_COUNT]
+            pos, count = hu32[self._w_pos], hu32[self._w_count]
             vslot, vident = self._vslot, self._vident
             state, pins, ident = self._m_state, self._m_pins, self._m_ident
             while pos < count:
                 i = int(vslot[pos])
-                pos += 1
                 # Skipped rows (pinned, changed, gone) come back through
                 # on_unpin / on_score_change if they still belong here.
-                if state[i] == SEALED and pins[i] == 0 and ident[i] == vident[pos - 1]:
-                    hu32[H_CAND_POS] = pos
+                if state[i] == SEALED and pins[i] == 0 and ident[i] == vident[pos]:
+                    hu32[self._w_pos] = pos
                     e = self._m_expiry[i]
                     return i, (0 < e <= self.clock())
-            hu32[H_CAND_POS] = pos
-            hu32[H_CAND_VALID] = 0
+                pos += 1
+            hu32[self._w_pos] = pos
+            hu32[self._w_valid] = 0
         return -1, False
 
+    def next_victim(self) -> tuple[int, bool]:
+        """(slot, expired) of the next entry to evict, taken off the list, or (-1, False) if none can be."""
+        i, expired = self.peek()
+        if i >= 0:
+            self._hu32[self._w_pos] += 1
+        return i, expired
+
     def _fill(self) -> bool:
-        """Scan all live entries and list the best CANDIDATES victims; False if none.
+        """Scan all live entries and list the best `rows` victims; False if none.
 
         In the steady state of a full cache every entry is live and none has
         expired: then the scan works on the columns themselves (views), with
         no index gathers, which halves its cost.
         """
-        h, s = self.h, self.s
+        s = self.s
+        hu32, hu64, hf64 = self._hu32, self._hu64, self._hf64
         now = self.clock()
-        epoch = int(h["lfu_epoch"][0])
-        h["cand_epoch"] = epoch
-        h["cand_pos"] = 0
+        epoch = int(hu64[H_LFU_EPOCH])
+        hu64[self._w_epoch] = epoch
+        hu32[self._w_pos] = 0
         live_mask = (self._state == SEALED) & (self._pins == 0)
+        if self.member is not None:
+            live_mask &= self.member[0] == self.member[1]
         n_live = int(np.count_nonzero(live_mask))
         if n_live == 0:
-            h["cand_valid"] = 0
-            h["cand_count"] = 0
+            hu32[self._w_valid] = 0
+            hu32[self._w_count] = 0
             return False
         # `live`: slot numbers of live entries, or None for "every slot".
         live = None if n_live == live_mask.size else np.flatnonzero(live_mask)
         exp = s["expiry"] if live is None else s["expiry"][live]
-        sec_all = s["access_seq"] if live is None else s["access_seq"][live]
+        sec_all = self._sec if live is None else self._sec[live]
         expired = np.empty(0, dtype=np.int64)
         rest = None  # positions (within live) of unexpired entries; None for all
         next_expiry = INF
         if exp.any():
             is_expired = (exp > 0) & (exp <= now)
             expired = np.flatnonzero(is_expired)
-            expired = expired[np.argsort(exp[expired], kind="stable")][:CANDIDATES]
+            expired = expired[np.argsort(exp[expired], kind="stable")][: self.rows]
             if expired.size:
                 rest = np.flatnonzero(~is_expired)
             future = exp[exp > now]
             next_expiry = float(future.min()) if future.size else INF
         n_rest = n_live if rest is None else rest.size
-        room = CANDIDATES - expired.size
+        room = self.rows - expired.size
         chosen = np.empty(0, dtype=np.int64)  # positions within live
         prim_chosen = np.empty(0)
         if room > 0 and n_rest:
@@ -361,11 +433,11 @@ class VictimCache:
         self._vident[:n] = self._ident[victims]
         self._vprim[:n] = np.concatenate([np.full(expired.size, -INF), prim_chosen])
         self._vsec[:n] = np.concatenate([_expiry_key(exp[expired]), sec_all[chosen]])
-        h["cand_count"] = n
-        h["cand_max_primary"] = self._vprim[n - 1]
-        h["cand_max_secondary"] = self._vsec[n - 1]
-        h["cand_next_expiry"] = next_expiry
-        h["cand_valid"] = 1
+        hu32[self._w_count] = n
+        hf64[self._w_max_primary] = self._vprim[n - 1]
+        hu64[self._w_max_secondary] = int(self._vsec[n - 1])
+        hf64[self._w_next_expiry] = next_expiry
+        hu32[self._w_valid] = 1
         return True
 
 
@@ -383,4 +455,4 @@ def check_selector(percent: Any, nbytes: Any, expired: bool, keys: Any, prefix: 
     return parse_size(nbytes) if nbytes is not None else None
 
 
-__all__ = ["Policy", "POLICIES", "POLICY_IDS", "POLICY_HELP", "DEFAULT_POLICY", "policy_by_id", "VictimCache", "check_selector"]
+__all__ = ["Policy", "QueuePolicy", "POLICIES", "POLICY_IDS", "POLICY_HELP", "DEFAULT_POLICY", "policy_by_id", "VictimCache", "check_selector"]

@@ -192,7 +192,34 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     # Lookups (batch.py, LookupMemo): counts every sealed entry that left memory or had its value
     # replaced in place; a memoized "first n chunks are present" holds while it stays the same.
     ("gone_seq", "<u8", 672),
-    # 680..1023 reserved (zero).
+    # Queue policies (s3fifo, arc, auto; queues.py), carved from the reserved zeros of format 3: all zero in
+    # a pool of another policy, which carries no queue region (qslots_off 0).
+    ("q_count0", "<u8", 680),  # sealed entries in queue 0 (S3-FIFO's small queue, ARC's T1)
+    ("q_count1", "<u8", 688),  # ... in queue 1 (the main queue, ARC's T2)
+    ("q_target", "<f8", 696),  # ARC: p, the target of T1 in entries; s3fifo and auto: queue 0's share of entries
+    ("q_seq", "<u8", 704),  # the queues' clock: +1 whenever an entry joins the tail of a queue (its qseq)
+    ("qslots_off", "<u8", 712),  # the queue region: QSLOT_COLUMNS, then ghost ring 0, then ring 1
+    ("n_ghosts0", "<u8", 720),  # places in ghost ring 0 (keys evicted from queue 0); 0 = no ring
+    ("n_ghosts1", "<u8", 728),  # ... ring 1 (keys evicted from queue 1)
+    ("ghosts0_off", "<u8", 736),
+    ("ghosts1_off", "<u8", 744),
+    ("g0_head", "<u8", 752),  # ghosts ever added to ring 0 (the next one's sequence number)
+    ("g0_tail", "<u8", 760),  # oldest sequence number still in its window
+    ("g0_live", "<u8", 768),  # ghosts in ring 0 (added, not yet forgotten or taken back)
+    ("g1_head", "<u8", 776),
+    ("g1_tail", "<u8", 784),
+    ("g1_live", "<u8", 792),
+    # The second victim list of a queue pool (queue 1's; queue 0's is the cand_* fields above), laid out
+    # as those are, word for word.
+    ("cand1_valid", "<u4", 800),
+    ("cand1_count", "<u4", 804),
+    ("cand1_pos", "<u4", 808),
+    ("cand1_pad", "<u4", 812),
+    ("cand1_next_expiry", "<f8", 816),
+    ("cand1_max_primary", "<f8", 824),
+    ("cand1_max_secondary", "<u8", 832),
+    ("cand1_epoch", "<u8", 840),
+    # 848..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -253,6 +280,31 @@ DSLOT_COLUMNS: list[tuple[str, str]] = [
 ]
 DSLOT_BYTES = sum(np.dtype(f).itemsize for _, f in DSLOT_COLUMNS)  # 96 per disk slot
 
+# The queue region (queues.py), only in a pool of a queue policy (s3fifo, arc, auto): per slot, by column,
+QSLOT_COLUMNS: list[tuple[str, str]] = [
+    ("queue", "<u1"),  # 0 or 1: which queue a sealed entry is in
+    ("freq", "<u1"),  # s3fifo and auto: reads since it joined its queue, at most 3
+    ("qseq", "<u8"),  # q_seq when it joined the tail of its queue (their FIFO order)
+]
+# then two ghost rings of key hashes (n_ghosts0 and n_ghosts1 places), each its columns and its hash buckets
+# (int32 heads, ghost_buckets(n) of them): the keys a queue lost lately, found by hash.
+GHOST_COLUMNS: list[tuple[str, str]] = [
+    ("hash", "<u8"),  # xxh3_64 of the key (as key_hash), 0 = an empty place
+    ("next", "<i4"),  # next place in its bucket's chain, -1 end
+]
+QSLOT_BYTES = sum(np.dtype(f).itemsize for _, f in QSLOT_COLUMNS)  # 10 per slot
+GHOST_BYTES = sum(np.dtype(f).itemsize for _, f in GHOST_COLUMNS)  # 12 per place, and 4 per bucket
+
+
+def ghost_buckets(n: int) -> int:
+    """Hash buckets of a ghost ring of `n` places: a power of two, at least n."""
+    return 1 << max(4, (n - 1).bit_length()) if n else 0
+
+
+def ghost_ring_size(n: int) -> int:
+    return columns_size(GHOST_COLUMNS, n) + ghost_buckets(n) * 4 if n else 0
+
+
 PIN_SIZE = 16
 PIN_FIELDS: list[tuple[str, str, int]] = [
     ("pid", "<u4", 0),  # 0 = free pin record
@@ -262,7 +314,7 @@ PIN_FIELDS: list[tuple[str, str, int]] = [
 
 
 # The struct format of a typed memoryview over a column of each numpy type (the hot paths' views).
-MV_FORMAT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
+MV_FORMAT = {"<u1": "B", "<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "<f8": "d"}
 
 
 def _dtype(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
@@ -340,6 +392,11 @@ class Geometry:
     n_kcells: int = 0
     keymap_off: int = 0
     keys_off: int = 0
+    qslots_off: int = 0  # 0: no queue region (the policy is not a queue policy)
+    n_ghosts0: int = 0
+    n_ghosts1: int = 0
+    ghosts0_off: int = 0
+    ghosts1_off: int = 0
 
     @property
     def data_size(self) -> int:
@@ -354,6 +411,14 @@ class Geometry:
     def dslot_columns(self) -> dict[str, int]:
         return column_offsets(DSLOT_COLUMNS, self.n_dslots, self.dslots_off)
 
+    def qslot_columns(self) -> dict[str, int]:
+        return column_offsets(QSLOT_COLUMNS, self.n_slots, self.qslots_off)
+
+    def ghost_columns(self, ring: int) -> tuple[dict[str, int], int, int]:
+        """(column offsets, places, bucket heads' offset) of ghost ring 0 or 1."""
+        n, off = (self.n_ghosts0, self.ghosts0_off) if ring == 0 else (self.n_ghosts1, self.ghosts1_off)
+        return column_offsets(GHOST_COLUMNS, n, off), n, off + columns_size(GHOST_COLUMNS, n)
+
     @classmethod
     def compute(
         cls,
@@ -362,8 +427,10 @@ class Geometry:
         max_entries: int | None = None,
         n_pins: int = DEFAULT_PINS,
         disk_entries: int = 0,
+        ghosts: tuple[int, int] | None = None,
     ) -> "Geometry":
-        """Lay out a pool whose data region holds `size` bytes (rounded down to blocks)."""
+        """Lay out a pool whose data region holds `size` bytes (rounded down to blocks).  `ghosts`: a queue
+        policy's queue region, with ghost rings of so many places per slot (eviction.QueuePolicy.ghosts)."""
         if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
             raise InvalidSize(
                 f"invalid block size {block_size}: must be a power of two of at least {MIN_BLOCK_SIZE} bytes"
@@ -394,6 +461,13 @@ class Geometry:
         keymap_off = _align(dbuckets_off + n_dbuckets * 4)
         keys_off = _align(keymap_off + n_kcells)
         data_off = _align(keys_off + n_kcells * KEY_CELL)
+        qslots_off = n_g0 = n_g1 = g0_off = g1_off = 0
+        if ghosts is not None:
+            qslots_off = data_off
+            n_g0, n_g1 = ghosts[0] * n_slots, ghosts[1] * n_slots
+            g0_off = _align(qslots_off + columns_size(QSLOT_COLUMNS, n_slots))
+            g1_off = _align(g0_off + ghost_ring_size(n_g0))
+            data_off = _align(g1_off + ghost_ring_size(n_g1))
         # The data region starts on a block boundary (and a page boundary), so
         # every value starts on one: blocks of 4 KiB and up are page-aligned.
         data_off = _align(data_off, max(PAGE, block_size))
@@ -402,6 +476,7 @@ class Geometry:
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
             disk_entries, n_dbuckets, dslots_off, dbuckets_off, n_kcells, keymap_off, keys_off,
+            qslots_off, n_g0, n_g1, g0_off, g1_off,
         )
 
     @classmethod
@@ -413,6 +488,8 @@ class Geometry:
             int(h["pins_off"]), int(h["victims_off"]), int(h["data_off"]), int(h["segment_size"]),
             int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
             int(h["n_kcells"]), int(h["keymap_off"]), int(h["keys_off"]),
+            int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]), int(h["ghosts0_off"]),
+            int(h["ghosts1_off"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -447,8 +524,18 @@ class Geometry:
         regions += [
             (self.keymap_off, self.n_kcells),
             (self.keys_off, self.n_kcells * KEY_CELL),
-            (self.data_off, self.n_blocks * bs),
         ]
+        if self.qslots_off:
+            if not (self.n_ghosts0 <= 8 * self.n_slots and self.n_ghosts1 <= 8 * self.n_slots):
+                return "bad ghost ring sizes"
+            regions += [
+                (self.qslots_off, columns_size(QSLOT_COLUMNS, self.n_slots)),
+                (self.ghosts0_off, ghost_ring_size(self.n_ghosts0)),
+                (self.ghosts1_off, ghost_ring_size(self.n_ghosts1)),
+            ]
+        elif self.n_ghosts0 or self.n_ghosts1 or self.ghosts0_off or self.ghosts1_off:
+            return "ghost rings without a queue region"
+        regions.append((self.data_off, self.n_blocks * bs))
         end = HEADER_SIZE
         for off, length in regions:
             if off < end or off % PAGE:
@@ -465,7 +552,7 @@ __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
     "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE", "KEY_CELL", "key_cells",
     "blocks_for", "MV_FORMAT", "SLOT_FLAG_STR_KEY",
-    "DSLOT_COLUMNS", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
+    "DSLOT_COLUMNS", "QSLOT_COLUMNS", "GHOST_COLUMNS", "ghost_buckets", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 
 
@@ -516,3 +603,17 @@ H_SNAPSHOT_KEEP = _word(HEADER_FIELDS, "snapshot_keep", 4)
     for n in ("remote_hits", "remote_misses", "remote_promotions", "remote_errors", "remote_corrupt", "remote_sent",
               "remote_written", "remote_dropped", "remote_bytes_written", "remote_bytes_read")
 )
+(H_Q_COUNT0, H_Q_COUNT1, H_Q_TARGET, H_Q_SEQ, H_G0_HEAD, H_G0_TAIL, H_G0_LIVE, H_G1_HEAD, H_G1_TAIL,
+ H_G1_LIVE) = (
+    _word(HEADER_FIELDS, n, 8)
+    for n in ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
+              "g1_live")
+)
+# A victim list's header words (eviction.VictimCache), in the order (valid, count, pos: u32 words;
+# next_expiry, max_primary, max_secondary, epoch: u64 words) for list 0 (every pool) and list 1 (queue pools).
+VICTIM_LIST_WORDS = [
+    (_word(HEADER_FIELDS, f"{p}_valid", 4), _word(HEADER_FIELDS, f"{p}_count", 4), _word(HEADER_FIELDS, f"{p}_pos", 4),
+     _word(HEADER_FIELDS, f"{p}_next_expiry", 8), _word(HEADER_FIELDS, f"{p}_max_primary", 8),
+     _word(HEADER_FIELDS, f"{p}_max_secondary", 8), _word(HEADER_FIELDS, f"{p}_epoch", 8))
+    for p in ("cand", "cand1")
+]

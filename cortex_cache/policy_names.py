@@ -12,6 +12,9 @@ POLICY_HELP: dict[str, str] = {
     "priority": "lowest priority first, least recent among equals",
     "ttl": "soonest to expire first; entries without a TTL last",
     "size": "largest value first",
+    "s3fifo": "S3-FIFO: new entries in a small FIFO, those read again kept in a main one; for small caches",
+    "arc": "ARC: recency and frequency, balanced by what each recently lost; steady at every size",
+    "auto": "S3-FIFO with ARC's adaptation and a longer memory: hits best on KV-cache traces",
 }
 POLICY_IDS: list[str] = list(POLICY_HELP)
 DEFAULT_POLICY = "lru"

@@ -201,7 +201,8 @@ class Pool:
             raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
         if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
             raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
-        geo = Geometry.compute(nbytes, bsize, max_entries)
+        ghosts = POLICIES[policy].ghosts if POLICIES[policy].queues else None  # type: ignore[attr-defined]
+        geo = Geometry.compute(nbytes, bsize, max_entries, ghosts=ghosts)
         if lfu_period is not None and lfu_period < 1:
             raise UsageError("lfu_period must be at least 1")
         if remote is not None:
@@ -233,7 +234,7 @@ class Pool:
             dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
             dflags |= DISK_O_DIRECT if disk_o_direct else 0
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
-            geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
+            geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d, ghosts=ghosts)
         try:
             seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
         except BaseException as e:

@@ -1,0 +1,339 @@
+"""The queue policies' machinery: two queues, two victim lists, two ghost rings (docs/internals.md, "Queue policies").
+
+S3-FIFO, ARC and auto (eviction.QueuePolicy says what each is) keep every
+sealed entry in one of two queues, and pick a victim from one queue or the
+other.  That fits the shared victim list of every other policy once the list
+is kept per queue: each queue is ordered by one monotone slot field (qseq, the
+time the entry joined the queue's tail, or access_seq), so each queue's
+victim list is an ordinary monotone VictimCache over the entries of that
+queue, filled by the same vectorised scan and handing out rows the same way.
+What is left, and lives here, is small and O(1) per operation:
+
+- `admit`: a new entry (a put, lock held) joins queue 1 if its key is a ghost
+  of either queue, else queue 0; with `adapt`, a ghost moves queue 0's target;
+- `hit`: ARC moves an entry read in queue 0 to queue 1; S3-FIFO and auto
+  count the read (at most 3);
+- `next_victim`: an expired head of either list first; else queue 0's head
+  while queue 0 holds more than its target, else queue 1's; with
+  `second_chance` a head read since it was queued moves on instead (to queue
+  1, or round queue 1 with one read less), and the next head is looked at;
+- `evicted`: the victim's key hash goes into its queue's ghost ring.
+
+All of it is shared state in the segment: the queue columns (queue, freq,
+qseq), the two rings, and header fields (layout.py, from q_count0), changed
+under the pool lock with the dirty mark set like every other field, so a
+process killed half-way is repaired by the next lock holder (`repair`).
+The C fast path does `hit` and the queue counts of a removal itself, and
+calls `admit` (_fastpath.c, touch; _fastpath_put.h, stamp and remove_entry).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .chains import build_chains, unchain
+from .eviction import QueuePolicy, VictimCache
+from .layout import (
+    GHOST_COLUMNS, MV_FORMAT, QSLOT_COLUMNS, VICTIM_LIST_WORDS, Geometry, ghost_buckets,
+    H_G0_HEAD, H_G0_LIVE, H_G0_TAIL, H_G1_HEAD, H_G1_LIVE, H_G1_TAIL, H_N_ENTRIES, H_Q_COUNT0, H_Q_COUNT1,
+    H_Q_SEQ, H_Q_TARGET, SEALED,
+)
+
+MAX_FREQ = 3  # S3-FIFO's cap on an entry's read count
+
+
+class Ghosts:
+    """One ring of key hashes: the keys its queue evicted lately, found by hash (lock held throughout).
+
+    A ghost is remembered while fewer than `factor` x the pool's entries (at the time) were added after
+    it; taking it back (its key is put again) or adding its key again forgets the old one.  The ring has
+    `factor` x max entries places, so the window always fits; places are chained by hash like the index.
+    """
+
+    def __init__(self, hashes: np.ndarray, nxt: np.ndarray, buckets: np.ndarray, views: tuple, factor: int,
+                 hu64: memoryview, words: tuple[int, int, int]) -> None:
+        self.hashes, self.nxt_arr, self.buckets_arr = hashes, nxt, buckets
+        self._h, self._next, self._bkt = views
+        self.n = hashes.size
+        self._mask = buckets.size - 1
+        self.factor = factor
+        self._hu64 = hu64
+        self._w_head, self._w_tail, self._w_live = words
+
+    @property
+    def live(self) -> int:
+        return self._hu64[self._w_live]
+
+    def _find(self, kh: int) -> int:
+        p = self._bkt[kh & self._mask]
+        steps = 0
+        while p >= 0 and steps <= self.n:
+            if self._h[p] == kh:
+                return p
+            p = self._next[p]
+            steps += 1
+        return -1
+
+    def _forget(self, p: int) -> None:
+        kh = self._h[p]
+        unchain(self._bkt, self._next, kh & self._mask, p)
+        self._h[p] = 0
+        self._next[p] = -1
+        self._hu64[self._w_live] -= 1
+
+    def take(self, kh: int) -> bool:
+        """Forget `kh` if it is a ghost here: True if it was."""
+        if not self.n:
+            return False
+        p = self._find(kh or 1)
+        if p < 0:
+            return False
+        self._forget(p)
+        return True
+
+    def add(self, kh: int, entries: int) -> None:
+        """Remember `kh`, forgetting what falls out of the window of `factor` x `entries` ghosts."""
+        if not self.n:
+            return
+        kh = kh or 1  # 0 marks an empty place
+        hu64 = self._hu64
+        p = self._find(kh)
+        if p >= 0:
+            self._forget(p)
+        head, tail = hu64[self._w_head], hu64[self._w_tail]
+        window = min(self.n, self.factor * max(1, entries))
+        while head + 1 - tail > window:
+            q = tail % self.n
+            if self._h[q]:
+                self._forget(q)
+            tail += 1
+        hu64[self._w_tail] = tail
+        p = head % self.n
+        b = kh & self._mask
+        self._h[p] = kh
+        self._next[p] = self._bkt[b]
+        self._bkt[b] = p
+        hu64[self._w_head] = head + 1
+        hu64[self._w_live] += 1
+
+    def repair(self, fix: bool) -> list[str]:
+        """Check (and with `fix` rebuild) the ring: its window, its count and its chains (lock held)."""
+        hu64 = self._hu64
+        head, tail = hu64[self._w_head], hu64[self._w_tail]
+        problems = []
+        pos = np.arange(self.n, dtype=np.int64)
+        if tail > head or head - tail > self.n:
+            problems.append("a ghost ring's window is impossible: its ghosts forgotten")
+            inside = np.zeros(self.n, dtype=bool)
+            tail = head
+        else:
+            # Place p holds sequence number s with s % n == p; the window is [tail, head).
+            first = tail % self.n if self.n else 0
+            span = head - tail
+            inside = ((pos - first) % max(1, self.n)) < span
+        keep = inside & (self.hashes != 0)
+        live = int(np.count_nonzero(keep))
+        if live != hu64[self._w_live] and not problems:
+            problems.append("a ghost ring's count was out of step")
+        if fix:
+            self.hashes[~keep] = 0
+            members = np.flatnonzero(keep)
+            bkt, nxt = build_chains(members, self.hashes[members], self._mask, self.buckets_arr.size, self.n,
+                                    np.empty(0, dtype=np.int64))
+            self.buckets_arr[:] = bkt
+            self.nxt_arr[:] = nxt
+            hu64[self._w_tail] = tail
+            hu64[self._w_live] = live
+        return problems
+
+
+class QueueVictims:
+    """The victim choice of a queue policy: the interface of VictimCache, over two of them (lock held)."""
+
+    def __init__(self, policy: QueuePolicy, lists: tuple[VictimCache, VictimCache], ghosts: tuple[Ghosts, Ghosts],
+                 cols: dict[str, np.ndarray], views: dict[str, memoryview],
+                 hdr_views: tuple[memoryview, memoryview, memoryview], clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.lists = lists
+        self.ghosts = ghosts
+        self.cols = cols
+        self._queue, self._freq, self._qseq = views["queue"], views["freq"], views["qseq"]
+        self._state, self._khash = views["state"], views["key_hash"]
+        _, self._hu64, self._hf64 = hdr_views
+        self.clock = clock
+
+    # ---- the VictimCache interface
+    def invalidate(self) -> None:
+        for lst in self.lists:
+            lst.invalidate()
+
+    def on_score_change(self, i: int) -> None:  # pragma: no cover - queue policies are monotone
+        pass
+
+    def on_unpin(self, i: int) -> None:
+        self.lists[self._queue[i] & 1].on_unpin(i)
+
+    def on_expiry_set(self, expiry: float) -> None:
+        for lst in self.lists:
+            lst.on_expiry_set(expiry)
+
+    def next_victim(self) -> tuple[int, bool]:
+        """(slot, expired) of the next entry to evict, or (-1, False) if none can be."""
+        l0, l1 = self.lists
+        while True:
+            i0, e0 = l0.peek()
+            i1, e1 = l1.peek()
+            if e0 or e1:  # expired entries go before any policy victim, from either queue
+                return (l0 if e0 else l1).next_victim()
+            if i0 < 0 and i1 < 0:
+                return -1, False
+            q = 0 if i1 < 0 or (i0 >= 0 and self._from_queue0()) else 1
+            i = l0.next_victim()[0] if q == 0 else l1.next_victim()[0]
+            if not (self.policy.second_chance and self._freq[i]):
+                return i, False
+            # Read since it was queued: it moves on, and the next head is looked at.
+            if q == 0:
+                self._move(i, 0, 1)
+                self._freq[i] = 0
+            else:
+                self._freq[i] -= 1
+            self._qseq[i] = self._tick()
+
+    # ---- what the core tells the policy
+    def admit(self, i: int) -> None:
+        """Queue slot `i`, just given a new value (Core._stamp): queue 1 if its key is a ghost, else 0."""
+        if self._state[i] == SEALED:  # written over in place: it leaves its queue first
+            self.removed(i)
+        g0, g1 = self.ghosts
+        kh = self._khash[i]
+        entries = self._hu64[H_N_ENTRIES]
+        live0, live1 = g0.live, g1.live
+        q = 1
+        if g0.take(kh):
+            self._adapt(1, live1, live0, entries)
+        elif g1.take(kh):
+            self._adapt(-1, live0, live1, entries)
+        else:
+            q = 0
+        self._queue[i] = q
+        self._freq[i] = 0
+        self._qseq[i] = self._tick()
+        self._hu64[H_Q_COUNT0 + q] += 1
+
+    def hit(self, i: int) -> None:
+        """A read of sealed slot `i` (Core.touch; _fastpath.c's touch does the same)."""
+        if self.policy.second_chance:
+            if self._freq[i] < MAX_FREQ:
+                self._freq[i] += 1
+        elif self._queue[i] == 0:
+            self._move(i, 0, 1)
+
+    def removed(self, i: int) -> None:
+        """Sealed slot `i` leaves the index (Core.remove)."""
+        w = H_Q_COUNT0 + (self._queue[i] & 1)
+        if self._hu64[w]:
+            self._hu64[w] -= 1
+
+    def evicted(self, i: int) -> None:
+        """Slot `i` is evicted by the policy (not expired, not deleted): remember its key."""
+        self.ghosts[self._queue[i] & 1].add(self._khash[i], self._hu64[H_N_ENTRIES])
+
+    # ---- the rules
+    def _from_queue0(self) -> bool:
+        n0, n1 = self._hu64[H_Q_COUNT0], self._hu64[H_Q_COUNT1]
+        if self.policy.adapt == "arc":
+            return n0 > self._hf64[H_Q_TARGET]
+        return n0 >= self._hf64[H_Q_TARGET] * (n0 + n1)
+
+    def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
+        """ARC's rule: a ghost of queue 0 grows its target, one of queue 1 shrinks it, by max(1, other/this)."""
+        hf64 = self._hf64
+        if self.policy.adapt == "arc":  # p in entries, integer steps (Megiddo and Modha's)
+            step = max(1, other // max(1, this))
+            hf64[H_Q_TARGET] = min(float(entries), max(0.0, hf64[H_Q_TARGET] + sign * step))
+        elif self.policy.adapt == "share":
+            step = max(1.0, other / max(1, this)) / max(1, entries)
+            hf64[H_Q_TARGET] = min(1.0, max(0.0, hf64[H_Q_TARGET] + sign * step))
+
+    def _move(self, i: int, a: int, b: int) -> None:
+        self._queue[i] = b
+        if self._hu64[H_Q_COUNT0 + a]:
+            self._hu64[H_Q_COUNT0 + a] -= 1
+        self._hu64[H_Q_COUNT0 + b] += 1
+
+    def _tick(self) -> int:
+        seq = self._hu64[H_Q_SEQ] + 1
+        self._hu64[H_Q_SEQ] = seq
+        return seq
+
+    # ---- repair
+    def repair(self, fix: bool) -> list[str]:
+        """Check (with `fix`: rebuild) the queue counts, queue numbers and ghost rings from the slots (lock held)."""
+        problems = []
+        state, queue = self.cols["state"], self.cols["queue"]
+        bad = queue > 1
+        if bad.any():
+            problems.append(f"{int(bad.sum())} entr(y/ies) in no queue put in queue 0")
+        sealed = state == SEALED
+        n1 = int(np.count_nonzero(sealed & (queue == 1)))
+        n0 = int(np.count_nonzero(sealed)) - n1
+        hu64, hf64 = self._hu64, self._hf64
+        if (hu64[H_Q_COUNT0], hu64[H_Q_COUNT1]) != (n0, n1) and not problems:
+            problems.append("queue counts out of step with the entries")
+        t = hf64[H_Q_TARGET]
+        limit = float(self.cols["state"].size) if self.policy.adapt == "arc" else 1.0
+        if not 0.0 <= t <= limit:  # NaN too
+            problems.append("queue target out of range reset")
+        for g in self.ghosts:
+            problems += g.repair(fix)
+        if fix:
+            queue[bad] = 0
+            self.cols["freq"][self.cols["freq"] > MAX_FREQ] = MAX_FREQ
+            hu64[H_Q_COUNT0], hu64[H_Q_COUNT1] = n0, n1
+            if not 0.0 <= t <= limit:
+                hf64[H_Q_TARGET] = self.policy.target
+            self.invalidate()
+        return problems
+
+
+def build(policy: QueuePolicy, mv: memoryview, geometry: Geometry, header: np.ndarray,
+          columns: dict[str, np.ndarray], views: dict[str, memoryview], hdr_views: tuple,
+          victims: dict[str, np.ndarray], clock: Callable[[], float], typed: list) -> QueueVictims:
+    """The QueueVictims over a queue pool's mapping `mv`: `columns`/`views` are the slot columns (numpy and
+    typed views), `victims` the victim-list columns, whose rows the two lists share half and half.
+    `typed` collects the memoryviews made here, for Core.close to release."""
+    g = geometry
+    mm = mv.obj  # numpy arrays over the mapping itself, as the core's are (close releases `mv` after them)
+    cols, vws = dict(columns), dict(views)
+    qo = g.qslot_columns()
+    for name, fmt in QSLOT_COLUMNS:
+        size = np.dtype(fmt).itemsize
+        cols[name] = np.frombuffer(mm, fmt, g.n_slots, qo[name])
+        vws[name] = mv[qo[name] : qo[name] + g.n_slots * size].cast(MV_FORMAT[fmt])
+        typed.append(vws[name])
+    half = victims["slot"].size // 2
+    lists = tuple(
+        VictimCache(policy, header, cols, {k: c[q * half : (q + 1) * half] for k, c in victims.items()},
+                    clock, hdr_views, vws, VICTIM_LIST_WORDS[q], (cols["queue"], q))
+        for q in (0, 1)
+    )
+    rings = []
+    for q, words in ((0, (H_G0_HEAD, H_G0_TAIL, H_G0_LIVE)), (1, (H_G1_HEAD, H_G1_TAIL, H_G1_LIVE))):
+        offs, n, boff = g.ghost_columns(q)
+        nb = max(1, ghost_buckets(n))
+        if n:
+            hashes, nxt = (np.frombuffer(mm, fmt, n, offs[name]) for name, fmt in GHOST_COLUMNS)
+            bkt = np.frombuffer(mm, np.int32, nb, boff)
+            vs = tuple(mv[offs[name] : offs[name] + n * np.dtype(fmt).itemsize].cast(MV_FORMAT[fmt])
+                       for name, fmt in GHOST_COLUMNS) + (mv[boff : boff + nb * 4].cast("i"),)
+            typed.extend(vs)
+        else:  # s3fifo keeps no ghosts of its main queue
+            hashes, nxt, bkt = np.zeros(0, np.uint64), np.zeros(0, np.int32), np.full(1, -1, np.int32)
+            vs = (memoryview(hashes), memoryview(nxt), memoryview(bkt))
+        rings.append(Ghosts(hashes, nxt, bkt, vs, policy.ghosts[q], hdr_views[1], words))
+    return QueueVictims(policy, lists, (rings[0], rings[1]), cols, vws, hdr_views, clock)
+
+
+__all__ = ["Ghosts", "QueueVictims", "build", "MAX_FREQ"]
