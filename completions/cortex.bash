@@ -112,7 +112,7 @@ _cortex()
     if [[ -n $opt && $values == *" $opt "* ]]; then
         case $cmd:$opt in
             create:--tier) _cortex_words 'cpu disk' ;;
-            create:--policy) _cortex_words 'lru lfu fifo priority ttl size' ;;
+            create:--policy) _cortex_words 'lru lfu fifo priority ttl size s3fifo arc auto' ;;
             create:--disk-write) _cortex_words 'back through' ;;
             status:--format) _cortex_words 'table json prometheus' ;;
             get:-o|get:--output) _cortex_files ;;

@@ -106,7 +106,7 @@ complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-u
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
 complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
 complete -c cortex -n '__cortex_using create' -l block-size -x -d 'Allocation unit; a power of two'
-complete -c cortex -n '__cortex_using create' -l policy -x -a 'lru lfu fifo priority ttl size' -d 'Eviction policy'
+complete -c cortex -n '__cortex_using create' -l policy -x -a 'lru lfu fifo priority ttl size s3fifo arc auto' -d 'Eviction policy'
 complete -c cortex -n '__cortex_using create' -l max-entries -x -d 'Index capacity (default: one entry per block, at most 1,048,576)'
 complete -c cortex -n '__cortex_using create' -l mode -x -d 'Permission bits of the segment (octal)'
 complete -c cortex -n '__cortex_using create' -l no-reserve -d 'Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)'

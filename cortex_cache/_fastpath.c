@@ -701,6 +701,8 @@ static int touch(Fast *self, int64_t i, double t) {
         self->queue[i] = 1;
         if (self->qcount[0]) self->qcount[0] -= 1;
         self->qcount[1] += 1;
+        double e = self->expiry[i]; /* queue 1's list was filled without it (QueueVictims._move) */
+        if (e > 0 && e < *self->cand1_next_expiry) *self->cand1_next_expiry = e;
     }
     /* VictimCache.on_score_change's fast exit, here; the rest in Python. */
     if (!self->monotone && *self->cand_valid && !(primary(self, i) > *self->cand_max_primary)) {

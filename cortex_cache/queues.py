@@ -160,7 +160,7 @@ class QueueVictims:
         self.ghosts = ghosts
         self.cols = cols
         self._queue, self._freq, self._qseq = views["queue"], views["freq"], views["qseq"]
-        self._state, self._khash = views["state"], views["key_hash"]
+        self._state, self._khash, self._expiry = views["state"], views["key_hash"], views["expiry"]
         _, self._hu64, self._hf64 = hdr_views
         self.clock = clock
 
@@ -185,8 +185,10 @@ class QueueVictims:
         while True:
             i0, e0 = l0.peek()
             i1, e1 = l1.peek()
-            if e0 or e1:  # expired entries go before any policy victim, from either queue
-                return (l0 if e0 else l1).next_victim()
+            if e0 or e1:  # expired entries go before any policy victim: the soonest of both heads
+                exp = self.cols["expiry"]
+                first = l0 if e0 and not (e1 and exp[i1] < exp[i0]) else l1
+                return first.next_victim()
             if i0 < 0 and i1 < 0:
                 return -1, False
             q = 0 if i1 < 0 or (i0 >= 0 and self._from_queue0()) else 1
@@ -262,6 +264,8 @@ class QueueVictims:
         if self._hu64[H_Q_COUNT0 + a]:
             self._hu64[H_Q_COUNT0 + a] -= 1
         self._hu64[H_Q_COUNT0 + b] += 1
+        # Queue b's list was filled without it: its expiry must still make that list look again.
+        self.lists[b].on_expiry_set(self._expiry[i])
 
     def _tick(self) -> int:
         seq = self._hu64[H_Q_SEQ] + 1

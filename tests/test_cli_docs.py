@@ -218,7 +218,7 @@ def test_typer_completion_protocol_through_main():
     assert r.returncode == 0 and r.stdout.split() == [b"create"], show(r)
     env.update(COMP_WORDS="cortex cache create x --policy ", COMP_CWORD="5")
     r = cli(env=env)
-    assert r.returncode == 0 and r.stdout.split() == [b"lru", b"lfu", b"fifo", b"priority", b"ttl", b"size"], show(r)
+    assert r.returncode == 0 and r.stdout.split() == [b"lru", b"lfu", b"fifo", b"priority", b"ttl", b"size", b"s3fifo", b"arc", b"auto"], show(r)
     r = cli(env={"_CORTEX_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "cortex cache del"})
     assert r.returncode == 0 and b'"delete"' in r.stdout, show(r)
 
@@ -312,7 +312,7 @@ def bash_complete(lines: list[str], env: dict | None = None) -> list[list[str]]:
     return out
 
 
-POLICIES = ["fifo", "lfu", "lru", "priority", "size", "ttl"]
+POLICIES = ["arc", "auto", "fifo", "lfu", "lru", "priority", "s3fifo", "size", "ttl"]
 COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore",
                    "snapshots", "doctor"])
 

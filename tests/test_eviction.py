@@ -13,6 +13,7 @@ import contextlib
 import json
 import random
 
+import numpy as np
 import pytest
 
 import cortex_cache
@@ -267,6 +268,8 @@ def test_lfu_aging_exact_counts(small):
 class Model:
     """The policy definitions, written out plainly (one block per entry)."""
 
+    ttls = True  # look for expired entries at every eviction
+
     def __init__(self, policy: str, cap: int, period: int, clock: FakeClock) -> None:
         self.policy, self.cap, self.period, self.clock = policy, cap, period, clock
         self.e: dict[str, dict] = {}
@@ -299,7 +302,7 @@ class Model:
         return (p, m["aseq"])
 
     def _evict_one(self) -> None:
-        exp = [k for k, m in self.e.items() if self._expired(m)]
+        exp = [k for k, m in self.e.items() if self._expired(m)] if self.ttls else []
         if exp:
             k = min(exp, key=lambda k: self.e[k]["expiry"])
             self.stats["expirations"] += 1
@@ -336,12 +339,121 @@ class Model:
         return True
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size"])
+class QueueModel(Model):
+    """The queue policies (s3fifo, arc, auto: eviction.QueuePolicy), written out plainly with TTLs.
+
+    Queue 0 takes new keys, queue 1 keys found in a ghost ring; victims come from queue 0 while it
+    holds more than its target, else from queue 1; expired entries first (soonest first).  arc: LRU
+    queues, a read in queue 0 moves the key to queue 1.  s3fifo and auto: FIFO queues, reads counted
+    up to 3, a victim read since it was queued moves on.  A ghost is remembered while fewer than
+    factor x the entries were added to its ring after it; arc and auto move the target on ghost hits.
+    """
+
+    KINDS = {"s3fifo": (0.1, (1, 0)), "arc": (0.0, (1, 1)), "auto": (0.1, (3, 1))}
+
+    def __init__(self, policy: str, cap: int, clock: FakeClock) -> None:
+        super().__init__(policy, cap, 1 << 30, clock)
+        self.target, self.factors = self.KINDS[policy]
+        self.q: list[dict] = [{}, {}]  # key -> reads, in queue order (dicts keep insertion order)
+        self.ghosts: list[dict] = [{}, {}]  # key -> sequence number, oldest first
+        self.ghost_seq = [0, 0]
+        self.ttls = False  # no entry had a TTL yet: no expired ones to look for
+
+    def _ghost_add(self, r: int, k: str) -> None:
+        if not self.factors[r]:
+            return
+        g = self.ghosts[r]
+        g.pop(k, None)
+        g[k] = self.ghost_seq[r]
+        self.ghost_seq[r] += 1
+        window = self.factors[r] * max(1, len(self.e))
+        while self.ghost_seq[r] - next(iter(g.values())) > window:  # oldest first: dicts keep their order
+            del g[next(iter(g))]
+
+    def _drop(self, k: str) -> None:
+        del self.e[k]
+        for q in self.q:
+            q.pop(k, None)
+
+    def _from_queue0(self) -> bool:
+        n0, n1 = len(self.q[0]), len(self.q[1])
+        if not n0 or not n1:
+            return bool(n0)
+        return n0 > self.target if self.policy == "arc" else n0 >= self.target * (n0 + n1)
+
+    def _evict_one(self) -> None:
+        exp = [k for k, m in self.e.items() if self._expired(m)] if self.ttls else []
+        if exp:
+            k = min(exp, key=lambda k: self.e[k]["expiry"])
+            self.stats["expirations"] += 1
+            self._drop(k)
+            return
+        while True:
+            r = 0 if self._from_queue0() else 1
+            k = next(iter(self.q[r]))
+            f = self.q[r].pop(k)
+            if f and self.policy != "arc":
+                self.q[1][k] = 0 if r == 0 else f - 1
+                continue
+            self.stats["evictions"] += 1
+            self.stats["bytes_evicted"] += self.e[k]["size"]
+            self._ghost_add(r, k)
+            del self.e[k]
+            return
+
+    def put(self, k: str, size: int, ttl, prio: int) -> None:
+        assert k not in self.e
+        while len(self.e) >= self.cap:
+            self._evict_one()
+        now = self.clock()
+        self.e[k] = dict(size=size, expiry=now + ttl if ttl else 0.0)
+        self.ttls = self.ttls or bool(ttl)
+        g0, g1 = self.ghosts
+        live0, live1, entries = len(g0), len(g1), len(self.e) - 1
+        r = 1
+        if g0.pop(k, None) is not None:
+            self._adapt(1, live1, live0, entries)
+        elif g1.pop(k, None) is not None:
+            self._adapt(-1, live0, live1, entries)
+        else:
+            r = 0
+        self.q[r][k] = 0
+
+    def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
+        if self.policy == "arc":
+            self.target = min(float(entries), max(0.0, self.target + sign * max(1, other // this)))
+        elif self.policy == "auto":
+            self.target = min(1.0, max(0.0, self.target + sign * max(1.0, other / this) / max(1, entries)))
+
+    def get(self, k: str) -> bool:
+        m = self.e.get(k)
+        if m is not None and self._expired(m):
+            self._drop(k)
+            self.stats["expirations"] += 1
+            m = None
+        if m is None:
+            self.stats["misses"] += 1
+            return False
+        self.stats["hits"] += 1
+        q0, q1 = self.q
+        r = q0 if k in q0 else q1
+        if self.policy != "arc":
+            r[k] = min(3, r[k] + 1)
+        else:
+            del r[k]
+            q1[k] = 0  # queue 1's most recent
+        return True
+
+
+QUEUE_POLICIES = ["s3fifo", "arc", "auto"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size"] + QUEUE_POLICIES)
 def test_policy_matches_reference_model_on_random_trace(small, clock, policy):
     """Victim by victim, the pool evicts what the plain definition says (exercises the victim cache)."""
     period = 7
     p = small(policy, lfu_period=period)
-    model = Model(policy, NBLOCKS, period, clock)
+    model = QueueModel(policy, NBLOCKS, clock) if policy in QUEUE_POLICIES else Model(policy, NBLOCKS, period, clock)
     rng = random.Random(f"eviction-{policy}")
     universe = [f"u{i}" for i in range(24)]
     for step in range(600):
@@ -733,7 +845,7 @@ def _cross_process_trace(make_pool, policy: str, name: str, child_reads: int) ->
     return gone(p, keys)
 
 
-@pytest.mark.parametrize("policy, reads", [("lru", 1), ("lfu", 3)])
+@pytest.mark.parametrize("policy, reads", [("lru", 1), ("lfu", 3), ("s3fifo", 1), ("arc", 1), ("auto", 1)])
 def test_reads_in_another_process_change_the_victim(make_pool, policy, reads):
     # Without the child's reads, k1 is the victim ...
     assert _cross_process_trace(make_pool, policy, f"xp-{policy}-a", 0) == {"k0", "k1"}
@@ -861,3 +973,97 @@ def test_victim_order_is_exact_in_a_pool_larger_than_the_victim_list(make_pool, 
     count, freed = p.evict(nbytes=target)
     assert (count, freed) == (victims, target)
     assert present(p) == set(order[victims:]) - {k for _, k in expired}
+
+
+# --------------------------------------------------------------------------- queue policies
+
+
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
+def test_queue_policy_is_exact_in_a_pool_larger_than_its_victim_lists(make_pool, clock, policy):
+    """More live entries in each queue than its victim list holds (CANDIDATES / 2 rows): every list
+    refill, second chance and ghost must still give exactly the model's hits, evictions and keys."""
+    from cortex_cache.layout import CANDIDATES
+
+    n = CANDIDATES + 2000
+    p = make_pool(n * 64, block_size=64, policy=policy, clock=clock, max_entries=n)
+    model = QueueModel(policy, n, clock)
+    rng = random.Random(f"big-{policy}")
+    for step in range(40_000):
+        k = f"k{min(int(rng.expovariate(1 / 4000)), 30_000)}"  # skewed, with a long tail of one-hit keys
+        hit = model.get(k)
+        assert (p.get(k) is not None) == hit, step
+        if not hit:
+            model.put(k, 10, None, 0)
+            p.put(k, b"z" * 10)
+    st = p.stats()
+    assert {f: st[f] for f in model.stats} == model.stats
+    assert present(p) == set(model.e)
+    h = p.core.header[0]
+    assert (int(h["q_count0"]), int(h["q_count1"])) == (len(model.q[0]), len(model.q[1]))
+    assert float(h["q_target"]) == pytest.approx(model.target, abs=0, rel=1e-12)
+    assert st["evictions"] > 2 * CANDIDATES and min(len(model.q[0]), len(model.q[1])) > 0
+    assert p.verify()["ok"]
+
+
+def test_s3fifo_keeps_what_was_read_through_a_scan_of_new_keys(small):
+    """A scan of keys read once goes through the small queue; keys read since they were queued move to
+    the main queue instead of being evicted (LRU would lose them to the scan)."""
+    p = small("s3fifo")
+    keys = fill(p)
+    for k in keys[:4]:
+        p.get(k)
+    for i in range(40):
+        p.put(f"scan{i}", V)
+    assert set(keys[:4]) <= present(p) and not set(keys[4:]) & present(p)
+
+
+def test_arc_moves_a_key_read_twice_to_t2_and_its_ghost_steers_p(small):
+    p = small("arc")
+    h = p.core.header[0]
+    keys = fill(p)
+    p.get("k0")  # read again: T2
+    assert (int(h["q_count0"]), int(h["q_count1"])) == (7, 1)
+    p.put("a", V)  # T1's LRU goes (p = 0): k1, remembered in B1
+    assert "k1" not in p and "k0" in p and int(h["g0_live"]) == 1
+    p.put("k1", V)  # a B1 ghost: p grows by max(1, |B2| / |B1|) = 1, and k1 joins T2
+    assert float(h["q_target"]) == 1.0 and int(h["q_count1"]) == 2 and int(h["g0_live"]) == 1  # k2 went to B1
+    assert gone(p, keys) == {"k2"}
+
+
+def test_auto_moves_its_small_queue_share_with_the_ghosts(small):
+    p = small("auto")
+    h = p.core.header[0]
+    fill(p)
+    assert float(h["q_target"]) == 0.1
+    for i in range(8):  # the small queue's victims k0..k7 are ghosts of queue 0
+        p.put(f"n{i}", V)
+    p.put("k0", V)  # back from queue 0's ghosts: the small queue was too small
+    grown = float(h["q_target"])
+    assert grown > 0.1 and int(h["q_count1"]) == 1
+    assert p.verify()["ok"]
+
+
+@pytest.mark.parametrize("policy", QUEUE_POLICIES)
+def test_damaged_queue_state_is_found_and_repaired(small, policy):
+    """Queue counts, queue numbers, the target and the ghost rings are derived state: verify finds them
+    out of step, repair rebuilds them from the slots, and eviction goes on as before."""
+    p = small(policy)
+    fill(p, 20)
+    core = p.core
+    h = core.header[0]
+    counts = int(h["q_count0"]), int(h["q_count1"])
+    live = int(h["g0_live"])
+    h["q_count0"] += 5
+    q = core.queues.cols["queue"]
+    q[int(np.flatnonzero(core.queues.cols["state"] == 2)[0])] = 7
+    h["q_target"] = float("nan")
+    h["g0_live"] += 3
+    rep = p.verify()
+    assert not rep["ok"] and any("queue" in x for x in rep["problems"])
+    p.verify(repair=True)
+    assert p.verify()["ok"]
+    assert int(h["q_count0"]) + int(h["q_count1"]) == sum(counts) and int(h["g0_live"]) == live
+    assert float(h["q_target"]) == (0.0 if policy == "arc" else 0.1)
+    for i in range(20):
+        p.put(f"after{i}", V)
+    assert p.verify()["ok"] and len(p) == NBLOCKS

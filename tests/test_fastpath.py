@@ -56,7 +56,7 @@ def _workload(p: Pool) -> list:
     return seen
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "ttl", "size", "s3fifo", "arc", "auto"])
 def test_both_paths_answer_and_count_alike(make_pool, monkeypatch, policy):
     fast = make_pool("2M", block_size="4K", policy=policy)
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
@@ -271,6 +271,8 @@ _SAME_COLUMNS = ("state", "pins", "key_len", "flags", "next", "key_hash", "value
 _SAME_HEADER = ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "hits", "misses", "puts", "deletes",
                 "evictions", "expirations", "bytes_evicted", "lfu_epoch", "ops", "used_kcells", "key_hint",
                 "gone_seq", "cand_valid", "cand_count", "cand_pos")
+_QUEUE_HEADER = ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
+                 "g1_live", "cand1_valid", "cand1_count", "cand1_pos")
 
 
 def _writes(p: Pool, seed: int) -> list:
@@ -323,11 +325,15 @@ def _state(p: Pool) -> dict:
     state.update({name: int(h[name][0]) for name in _SAME_HEADER})
     state["block_map"], state["key_map"], state["buckets"] = (core.block_map.copy(), core.key_map.copy(),
                                                               core.buckets.copy())
+    if core.queues is not None:  # a queue policy's own state: the queues, the target, the ghosts
+        state.update({name: core.queues.cols[name].copy() for name in ("queue", "freq", "qseq")})
+        state.update({name: float(h[name][0]) for name in _QUEUE_HEADER})
+        state.update({f"ghosts{r}": g.hashes.copy() for r, g in enumerate(core.queues.ghosts)})
     state["values"] = {k: p.peek(k) for k in p.keys()}
     return state
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "size"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "size", "s3fifo", "arc", "auto"])
 def test_both_write_paths_leave_the_same_pool(make_pool, monkeypatch, policy):
     fast = make_pool("1M", block_size="4K", policy=policy, max_entries=64)
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")

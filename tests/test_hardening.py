@@ -222,6 +222,22 @@ def test_sigkill_at_random_points_of_memory_operations(make_pool, op, path, monk
         _check_pool(p)
 
 
+# The queue policies keep more shared state (queues, counts, ghost rings, two victim lists): the same kills.
+@pytest.mark.parametrize("policy,op,path", [(pol, op, "c") for pol in ("s3fifo", "arc", "auto")
+                                            for op in ("put", "get_many", "evict")]
+                         + [("auto", "put", "python"), ("arc", "put_many", "python")])
+def test_sigkill_at_random_points_of_queue_policies(make_pool, policy, op, path, monkeypatch):
+    if path == "python":
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    p = make_pool("2M", block_size="16K", policy=policy)
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 2000))
+    for r in range(ROUNDS):
+        _kill_at_random(op, p.name, 3000 * r + len(op))
+        _check_pool(p)
+    assert p.core.queues.repair(False) == []  # counts, target and ghost rings in step after every repair
+
+
 @pytest.mark.parametrize("op", ["spill", "promote"])
 def test_sigkill_at_random_points_of_disk_tier_operations(make_pool, tmp_path, op):
     p = make_pool("512K", block_size="4K", disk_path=tmp_path / "tier", disk_size="4M")

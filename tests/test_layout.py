@@ -40,6 +40,14 @@ FROZEN_HEADER = [
     ("n_kcells", "<u8", 640), ("used_kcells", "<u8", 648), ("key_hint", "<u8", 656), ("snapshot_keep", "<u4", 664),
     # Carved from the reserved zeros in version 3 (older code reads past it): the lookups' memo counter.
     ("gone_seq", "<u8", 672),
+    # ... and the queue policies' fields (s3fifo, arc, auto: issue 27), zero in every other pool.
+    ("q_count0", "<u8", 680), ("q_count1", "<u8", 688), ("q_target", "<f8", 696), ("q_seq", "<u8", 704),
+    ("qslots_off", "<u8", 712), ("n_ghosts0", "<u8", 720), ("n_ghosts1", "<u8", 728), ("ghosts0_off", "<u8", 736),
+    ("ghosts1_off", "<u8", 744), ("g0_head", "<u8", 752), ("g0_tail", "<u8", 760), ("g0_live", "<u8", 768),
+    ("g1_head", "<u8", 776), ("g1_tail", "<u8", 784), ("g1_live", "<u8", 792), ("cand1_valid", "<u4", 800),
+    ("cand1_count", "<u4", 804), ("cand1_pos", "<u4", 808), ("cand1_pad", "<u4", 812),
+    ("cand1_next_expiry", "<f8", 816), ("cand1_max_primary", "<f8", 824), ("cand1_max_secondary", "<u8", 832),
+    ("cand1_epoch", "<u8", 840),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
@@ -56,6 +64,8 @@ FROZEN_DSLOT_COLUMNS = [
     ("seq", "<u8"), ("expiry", "<f8"), ("priority", "<i8"), ("spilled", "<f8"),
 ]
 FROZEN_PIN = [("pid", "<u4", 0), ("slot", "<i4", 4), ("start", "<u8", 8)]
+FROZEN_QSLOT_COLUMNS = [("queue", "<u1"), ("freq", "<u1"), ("qseq", "<u8")]
+FROZEN_GHOST_COLUMNS = [("hash", "<u8"), ("next", "<i4")]
 
 
 def test_layout_matches_frozen_format():
@@ -66,6 +76,7 @@ def test_layout_matches_frozen_format():
     assert layout.VICTIM_COLUMNS == FROZEN_VICTIM_COLUMNS
     assert layout.PIN_FIELDS == FROZEN_PIN
     assert layout.DSLOT_COLUMNS == FROZEN_DSLOT_COLUMNS
+    assert layout.QSLOT_COLUMNS == FROZEN_QSLOT_COLUMNS and layout.GHOST_COLUMNS == FROZEN_GHOST_COLUMNS
     assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 144, 16, 4096)
     assert layout.DSLOT_BYTES == 96
 
@@ -132,3 +143,34 @@ def test_values_start_on_block_and_page_boundaries(block_size):
 def test_blocks_for_a_value_are_exactly_its_size_in_blocks():
     assert [layout.blocks_for(n, 4096) for n in (0, 1, 4095, 4096, 4097, 8192)] == [0, 1, 1, 1, 2, 2]
     assert layout.key_cells(1) == 1 and layout.key_cells(layout.KEY_CELL) == 1 and layout.key_cells(33) == 2
+
+
+def test_geometry_with_a_queue_region():
+    """Only a queue policy's pool carries the queue region (queue columns and two ghost rings), between the
+    key arena and the data; a pool of another policy is laid out exactly as before."""
+    plain = Geometry.compute(16 << 20, 4096, max_entries=1000)
+    g = Geometry.compute(16 << 20, 4096, max_entries=1000, ghosts=(3, 1))
+    assert g.check(g.segment_size) is None
+    assert (plain.qslots_off, plain.n_ghosts0, plain.n_ghosts1) == (0, 0, 0)
+    assert plain.keys_off == g.keys_off and plain.data_off < g.data_off
+    assert g.keys_off < g.qslots_off < g.ghosts0_off < g.ghosts1_off < g.data_off
+    assert (g.n_ghosts0, g.n_ghosts1) == (3000, 1000)
+    big = Geometry.compute(1 << 30, 4096, max_entries=100_000, ghosts=(3, 1))
+    per_slot = (big.data_off - big.qslots_off) / big.n_slots
+    assert 60 < per_slot < 100  # 10 of queue columns, 4 x 12 of ring places, their buckets
+    s3 = Geometry.compute(16 << 20, 4096, max_entries=1000, ghosts=(1, 0))
+    assert s3.check(s3.segment_size) is None and s3.n_ghosts1 == 0
+    # A header that claims ghost rings without the region, or rings larger than 8 places a slot, is refused.
+    from dataclasses import replace
+
+    assert replace(plain, n_ghosts0=10).check(plain.segment_size) is not None
+    assert replace(g, n_ghosts0=9000 * 1000).check(g.segment_size) is not None
+
+
+def test_queue_fields_and_the_second_victim_list_are_laid_out_as_the_first():
+    hoffs = {n: o for n, _, o in layout.HEADER_FIELDS}
+    first, second = (hoffs[f"{p}_valid"] for p in ("cand", "cand1"))
+    for f in ("count", "pos", "pad", "next_expiry", "max_primary", "max_secondary", "epoch"):
+        assert hoffs[f"cand1_{f}"] - second == hoffs[f"cand_{f}"] - first, f
+    assert layout.H_Q_COUNT1 == layout.H_Q_COUNT0 + 1  # the fast path reads them as a pair
+    assert max(o for n, _, o in layout.HEADER_FIELDS if n != "disk_path" and n != "remote_url") < 1024
