@@ -64,6 +64,16 @@ enum { POL_LRU, POL_LFU, POL_FIFO, POL_PRIORITY, POL_TTL, POL_SIZE };
 /* The queue policies (queues.py), by what a hit does: count the read (s3fifo, auto), or move the entry
  * from queue 0 to queue 1 (arc). */
 enum { Q_NONE, Q_COUNT_READS, Q_PROMOTE };
+/* ... and how a ghost hit moves queue 0's target (QueuePolicy.adapt): not, ARC's p, a share of entries. */
+enum { ADAPT_NONE, ADAPT_ARC, ADAPT_SHARE };
+
+/* A ghost ring (queues.Ghosts): places of key hashes chained by hash, and its live count in the header. */
+typedef struct {
+    uint64_t *hash;
+    int32_t *next, *bkt;
+    uint64_t n, mask;
+    uint64_t *live;
+} GhostRing;
 
 static PyObject *SLOW;  /* the module's sentinel */
 
@@ -112,13 +122,13 @@ typedef struct {
     PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation C leaves to Python, lock held */
     PyObject *evict_hook;      /* Core.evict_or_corrupt: evict one victim by policy, lock held */
     PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
-    /* queue policies: QueueVictims.admit (a new value's queue, lock held), the queue columns, the
-     * header's two queue counts and the second victim list's next expiry */
-    int qkind;
-    PyObject *admit;
+    /* queue policies (queues.py): the queue columns, the header's two queue counts, target and clock,
+     * the second victim list's next expiry, the two ghost rings */
+    int qkind, qadapt;
     uint8_t *queue, *qfreq;
-    uint64_t *qcount;
-    double *cand1_next_expiry;
+    uint64_t *qseq, *qcount, *qclock;
+    double *qtarget, *cand1_next_expiry;
+    GhostRing ghost[2];
 } Fast;
 
 
@@ -329,14 +339,20 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {"flags", &c_flags}, {"owner_pid", &c_opid}, {"owner_start", &c_ostart}, {"created", &c_created},
         {"put_in_lock", &self->put_in_lock},
     };
-    uint64_t qkind = 0, c_queue = 0, c_qfreq = 0, o_qcount = 0, o_cnext1 = 0;
+    uint64_t qkind = 0, qadapt = 0, c_queue = 0, c_qfreq = 0, c_qseq = 0, o_qcount = 0, o_cnext1 = 0;
+    uint64_t o_qtarget = 0, o_qclock = 0, g_n[2] = {0, 0}, g_hash[2] = {0, 0}, g_next[2] = {0, 0};
+    uint64_t g_bkt[2] = {0, 0}, g_nb[2] = {0, 0}, g_live[2] = {0, 0};
     struct { const char *name; uint64_t *out; } qfields[] = {
-        {"queue_col", &c_queue}, {"freq_col", &c_qfreq}, {"h_q_count0", &o_qcount},
-        {"h_cand1_next_expiry", &o_cnext1},
+        {"queue_col", &c_queue}, {"freq_col", &c_qfreq}, {"qseq_col", &c_qseq}, {"h_q_count0", &o_qcount},
+        {"h_cand1_next_expiry", &o_cnext1}, {"h_q_target", &o_qtarget}, {"h_q_seq", &o_qclock},
+        {"adapt", &qadapt}, {"g0_n", &g_n[0]}, {"g0_hash", &g_hash[0]}, {"g0_next", &g_next[0]},
+        {"g0_buckets", &g_bkt[0]}, {"g0_n_buckets", &g_nb[0]}, {"h_g0_live", &g_live[0]}, {"g1_n", &g_n[1]},
+        {"g1_hash", &g_hash[1]}, {"g1_next", &g_next[1]}, {"g1_buckets", &g_bkt[1]}, {"g1_n_buckets", &g_nb[1]},
+        {"h_g1_live", &g_live[1]},
     };
     if (PyDict_GetItemString(spec, "queues") != NULL) {
         if (get_u64(spec, "queues", &qkind) < 0) return -1;
-        if (qkind > Q_PROMOTE) {
+        if (qkind > Q_PROMOTE || qadapt > ADAPT_SHARE) {
             PyErr_SetString(PyExc_ValueError, "fast path: bad queue kind");
             return -1;
         }
@@ -368,10 +384,21 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         }
     }
     if (qkind) {
-        struct { uint64_t off, len; } qregions[] = {{c_queue, n}, {c_qfreq, n}, {o_qcount, 16}, {o_cnext1, 8}};
+        struct { uint64_t off, len; } qregions[] = {
+            {c_queue, n}, {c_qfreq, n}, {c_qseq, n * 8}, {o_qcount, 16}, {o_cnext1, 8}, {o_qtarget, 8},
+            {o_qclock, 8}, {g_live[0], 8}, {g_live[1], 8},
+            {g_hash[0], g_n[0] * 8}, {g_next[0], g_n[0] * 4}, {g_bkt[0], g_nb[0] * 4},
+            {g_hash[1], g_n[1] * 8}, {g_next[1], g_n[1] * 4}, {g_bkt[1], g_nb[1] * 4},
+        };
         for (size_t k = 0; k < sizeof(qregions) / sizeof(qregions[0]); k++) {
             if (qregions[k].off > size || qregions[k].len > size - qregions[k].off || qregions[k].off == 0) {
                 PyErr_SetString(PyExc_ValueError, "fast path: a queue region lies outside the segment");
+                return -1;
+            }
+        }
+        for (int r = 0; r < 2; r++) {
+            if (g_n[r] && (g_nb[r] < g_n[r] || (g_nb[r] & (g_nb[r] - 1)) || g_n[r] >= (1ULL << 31))) {
+                PyErr_SetString(PyExc_ValueError, "fast path: bad ghost ring sizes");
                 return -1;
             }
         }
@@ -433,11 +460,26 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->ostart = (uint64_t *)(b + c_ostart);
     self->created = (double *)(b + c_created);
     self->qkind = (int)qkind;
+    self->qadapt = (int)qadapt;
     if (qkind) {
         self->queue = (uint8_t *)(b + c_queue);
         self->qfreq = (uint8_t *)(b + c_qfreq);
+        self->qseq = (uint64_t *)(b + c_qseq);
         self->qcount = (uint64_t *)(b + o_qcount);
+        self->qclock = (uint64_t *)(b + o_qclock);
+        self->qtarget = (double *)(b + o_qtarget);
         self->cand1_next_expiry = (double *)(b + o_cnext1);
+        for (int r = 0; r < 2; r++) {
+            GhostRing *g = &self->ghost[r];
+            g->n = g_n[r];
+            g->live = (uint64_t *)(b + g_live[r]);
+            if (g->n) {
+                g->hash = (uint64_t *)(b + g_hash[r]);
+                g->next = (int32_t *)(b + g_next[r]);
+                g->bkt = (int32_t *)(b + g_bkt[r]);
+                g->mask = g_nb[r] - 1;
+            }
+        }
     }
 
     struct flock lk = {0};
@@ -472,10 +514,6 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->evict_hook = get_obj(spec, "evict_hook");
     self->err_base = get_obj(spec, "error");
     self->err_corrupt = get_obj(spec, "corrupt_error");
-    if (qkind && !(self->admit = get_obj(spec, "admit"))) {
-        PyErr_SetString(PyExc_ValueError, "fast path spec of a queue policy needs admit");
-        return -1;
-    }
     if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->evict_hook || !self->err_base ||
         !self->err_corrupt) {
         PyErr_SetString(PyExc_ValueError,
@@ -496,7 +534,6 @@ static void Fast_release_all(Fast *self) {
     Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
-    Py_CLEAR(self->admit);
     if (self->have_buf) {
         self->have_buf = 0;
         PyBuffer_Release(&self->buf);
@@ -520,7 +557,6 @@ static int Fast_traverse(Fast *self, visitproc visit, void *arg) {
     Py_VISIT(self->evict_hook);
     Py_VISIT(self->err_base);
     Py_VISIT(self->err_corrupt);
-    Py_VISIT(self->admit);
     return 0;
 }
 
@@ -535,7 +571,6 @@ static int Fast_clear(Fast *self) {
     Py_CLEAR(self->evict_hook);
     Py_CLEAR(self->err_base);
     Py_CLEAR(self->err_corrupt);
-    Py_CLEAR(self->admit);
     return 0;
 }
 

@@ -248,6 +248,65 @@ static void remove_entry(Fast *s, int64_t i) {
         free_entry_here(s, i);
 }
 
+/* Ghosts.take: forget hash kh if ring g holds it; 1 if it did.  Links are checked: a damaged chain ends
+ * the walk (the next repair rebuilds it). */
+static int ghost_take(GhostRing *g, uint64_t kh) {
+    if (!g->n) return 0;
+    if (!kh) kh = 1; /* 0 marks an empty place */
+    int32_t *link = &g->bkt[kh & g->mask];
+    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
+        int32_t p = *link;
+        if (g->hash[p] == kh) {
+            *link = g->next[p];
+            g->hash[p] = 0;
+            g->next[p] = -1;
+            if (*g->live) *g->live -= 1;
+            return 1;
+        }
+        link = &g->next[p];
+    }
+    return 0;
+}
+
+/* QueueVictims._adapt: a ghost of queue 0 (sign 1) or 1 (sign -1) moves queue 0's target. */
+static void queue_adapt(Fast *s, int sign, uint64_t other, uint64_t this, uint64_t entries) {
+    double t = *s->qtarget;
+    if (s->qadapt == ADAPT_ARC) {
+        uint64_t step = other / (this ? this : 1);
+        t += sign * (double)(step ? step : 1);
+        t = t < 0.0 ? 0.0 : t;
+        *s->qtarget = t < (double)entries ? t : (double)entries;
+    } else if (s->qadapt == ADAPT_SHARE) {
+        double step = (double)other / (double)(this ? this : 1);
+        step = (step < 1.0 ? 1.0 : step) / (double)(entries ? entries : 1);
+        t += sign * step;
+        t = t < 0.0 ? 0.0 : t;
+        *s->qtarget = t < 1.0 ? t : 1.0;
+    }
+}
+
+/* QueueVictims.admit (lock held): slot i, just given a new value, joins queue 1 if its key is a ghost of
+ * either queue (the target moved), else queue 0. */
+static void queue_admit(Fast *s, int64_t i) {
+    if (s->state[i] == SEALED) { /* written over in place: it leaves its queue first */
+        uint8_t q = s->queue[i] & 1;
+        if (s->qcount[q]) s->qcount[q] -= 1;
+    }
+    uint64_t kh = s->khash[i], entries = *s->n_entries;
+    uint64_t live0 = *s->ghost[0].live, live1 = *s->ghost[1].live;
+    uint8_t q = 1;
+    if (ghost_take(&s->ghost[0], kh))
+        queue_adapt(s, 1, live1, live0, entries);
+    else if (ghost_take(&s->ghost[1], kh))
+        queue_adapt(s, -1, live0, live1, entries);
+    else
+        q = 0;
+    s->queue[i] = q;
+    s->qfreq[i] = 0;
+    s->qseq[i] = ++*s->qclock;
+    s->qcount[q] += 1;
+}
+
 /* Core._stamp: the metadata of a new put on slot i (lock held).  -1 if the victim list's hook raised. */
 static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
     double e = ttl > 0 ? t + ttl : 0.0;
@@ -275,10 +334,8 @@ static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, dou
         if (r == NULL) return -1;
         Py_DECREF(r);
     }
-    if (s->qkind) { /* QueueVictims.admit: its queue, by the ghosts (Python: the rings and the target) */
-        PyObject *r = PyObject_CallFunction(s->admit, "L", (long long)i);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
+    if (s->qkind) {
+        queue_admit(s, i);
         if (e > 0 && e < *s->cand1_next_expiry) *s->cand1_next_expiry = e;
     }
     if (e > 0 && e < *s->cand_next_expiry) *s->cand_next_expiry = e;

@@ -52,7 +52,7 @@ from .layout import (
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_KEY_HINT, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ,
     H_USED_BLOCKS, H_USED_KCELLS, H_GONE_SEQ,
-    Geometry, blocks_for, key_cells,
+    Geometry, blocks_for, ghost_buckets, key_cells,
 )
 from .lock import METADATA_BYTE, PoolLock, default_timeout as default_lock_timeout
 from .stats import memory_stats
@@ -89,6 +89,7 @@ READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
 _POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5, "s3fifo": 0, "arc": 0, "auto": 0}
 # ... and what a hit does in a queue policy (its Q_* enum): count the read, or promote to queue 1.
 _QUEUE_KINDS = {"s3fifo": 1, "arc": 2, "auto": 1}
+_ADAPT_KINDS = {"": 0, "arc": 1, "share": 2}  # ... and how a ghost hit moves the target (its ADAPT_* enum)
 SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
 # What damaged metadata raises under the lock (an index out of range, a counter at its limit).
 METADATA_ERRORS = (IndexError, ValueError, OverflowError, ZeroDivisionError)
@@ -249,8 +250,14 @@ class Core:
             spec[name] = slot_offsets[name]
         if self.queues is not None:
             qo = g.qslot_columns()
-            spec.update(queues=_QUEUE_KINDS[pol.name], admit=self.queues.admit, queue_col=qo["queue"],
-                        freq_col=qo["freq"], h_q_count0=hoff["q_count0"], h_cand1_next_expiry=hoff["cand1_next_expiry"])
+            spec.update(queues=_QUEUE_KINDS[pol.name], adapt=_ADAPT_KINDS[pol.adapt], queue_col=qo["queue"],  # type: ignore[attr-defined]
+                        freq_col=qo["freq"], qseq_col=qo["qseq"])
+            for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live"):
+                spec["h_" + name] = hoff[name]
+            for ring in (0, 1):
+                offs, n, boff = g.ghost_columns(ring)
+                spec.update({f"g{ring}_n": n, f"g{ring}_hash": offs["hash"], f"g{ring}_next": offs["next"],
+                             f"g{ring}_buckets": boff, f"g{ring}_n_buckets": ghost_buckets(n)})
         return _fastpath.Fast(self.seg.mm, self.seg.fd, spec)
 
     def close(self) -> None:

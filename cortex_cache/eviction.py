@@ -352,6 +352,19 @@ class VictimCache:
             hu32[self._w_valid] = 0
         return -1, False
 
+    def may_expire(self) -> bool:
+        """Could `peek` give an expired entry?  (The list is stale, an entry expired since the scan, or
+        the scan listed expired entries, which come first: one header word and one row to look at.)"""
+        hu32 = self._hu32
+        if not hu32[self._w_valid] or self.clock() >= self._hf64[self._w_next_expiry]:
+            return True
+        pos = hu32[self._w_pos]
+        return pos < hu32[self._w_count] and self._vprim[pos] == -INF
+
+    def take(self) -> None:
+        """Take the entry `peek` just gave off the list."""
+        self._hu32[self._w_pos] += 1
+
     def next_victim(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, taken off the list, or (-1, False) if none can be."""
         i, expired = self.peek()

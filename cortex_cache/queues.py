@@ -156,6 +156,8 @@ class QueueVictims:
                  cols: dict[str, np.ndarray], views: dict[str, memoryview],
                  hdr_views: tuple[memoryview, memoryview, memoryview], clock: Callable[[], float]) -> None:
         self.policy = policy
+        self.second_chance = policy.second_chance
+        self.arc = policy.adapt == "arc"
         self.lists = lists
         self.ghosts = ghosts
         self.cols = cols
@@ -181,19 +183,25 @@ class QueueVictims:
 
     def next_victim(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, or (-1, False) if none can be."""
-        l0, l1 = self.lists
+        lists, hu64 = self.lists, self._hu64
         while True:
-            i0, e0 = l0.peek()
-            i1, e1 = l1.peek()
-            if e0 or e1:  # expired entries go before any policy victim: the soonest of both heads
-                exp = self.cols["expiry"]
-                first = l0 if e0 and not (e1 and exp[i1] < exp[i0]) else l1
-                return first.next_victim()
-            if i0 < 0 and i1 < 0:
-                return -1, False
-            q = 0 if i1 < 0 or (i0 >= 0 and self._from_queue0()) else 1
-            i = l0.next_victim()[0] if q == 0 else l1.next_victim()[0]
-            if not (self.policy.second_chance and self._freq[i]):
+            n0, n1 = hu64[H_Q_COUNT0], hu64[H_Q_COUNT1]
+            if (n0 and lists[0].may_expire()) or (n1 and lists[1].may_expire()):
+                i, q = self._expired_first(n0, n1)
+                if i < 0 or q < 0:
+                    return i, q < 0
+            else:
+                # The queue the rule picks, or the other when the rule's has nothing to give (all pinned,
+                # or empty: an empty queue is not scanned, which a list finding nothing would do each time).
+                q = 0 if n0 and (not n1 or self._from_queue0(n0, n1)) else 1
+                i = lists[q].peek()[0] if (n0, n1)[q] else -1
+                if i < 0:
+                    q = 1 - q
+                    i = lists[q].peek()[0] if (n0, n1)[q] else -1
+                    if i < 0:
+                        return -1, False
+            lists[q].take()
+            if not (self.second_chance and self._freq[i]):
                 return i, False
             # Read since it was queued: it moves on, and the next head is looked at.
             if q == 0:
@@ -202,6 +210,24 @@ class QueueVictims:
             else:
                 self._freq[i] -= 1
             self._qseq[i] = self._tick()
+
+    def _expired_first(self, n0: int, n1: int) -> tuple[int, int]:
+        """next_victim's choice when a list may hold an expired entry: (slot, queue) of the soonest expired
+        head, taken off its list, with queue -1; else of the rule's choice (not taken); (-1, 0) if none."""
+        l0, l1 = self.lists
+        none = (-1, False)
+        i0, e0 = l0.peek() if n0 else none
+        i1, e1 = l1.peek() if n1 else none
+        if e0 or e1:  # expired entries go before any policy victim: the soonest of both heads
+            exp = self._expiry
+            lst, i = (l0, i0) if e0 and not (e1 and exp[i1] < exp[i0]) else (l1, i1)
+            lst.take()
+            return i, -1
+        if i0 < 0 and i1 < 0:
+            return -1, 0
+        if i1 < 0 or (i0 >= 0 and self._from_queue0(n0, n1)):
+            return i0, 0
+        return i1, 1
 
     # ---- what the core tells the policy
     def admit(self, i: int) -> None:
@@ -226,7 +252,7 @@ class QueueVictims:
 
     def hit(self, i: int) -> None:
         """A read of sealed slot `i` (Core.touch; _fastpath.c's touch does the same)."""
-        if self.policy.second_chance:
+        if self.second_chance:
             if self._freq[i] < MAX_FREQ:
                 self._freq[i] += 1
         elif self._queue[i] == 0:
@@ -243,9 +269,9 @@ class QueueVictims:
         self.ghosts[self._queue[i] & 1].add(self._khash[i], self._hu64[H_N_ENTRIES])
 
     # ---- the rules
-    def _from_queue0(self) -> bool:
-        n0, n1 = self._hu64[H_Q_COUNT0], self._hu64[H_Q_COUNT1]
-        if self.policy.adapt == "arc":
+    def _from_queue0(self, n0: int, n1: int) -> bool:
+        """The rule: queue 0 while it holds more than its target."""
+        if self.arc:
             return n0 > self._hf64[H_Q_TARGET]
         return n0 >= self._hf64[H_Q_TARGET] * (n0 + n1)
 
