@@ -72,7 +72,8 @@ typedef struct {
     uint64_t *hash;
     int32_t *next, *bkt;
     uint64_t n, mask;
-    uint64_t *live;
+    uint64_t *live, *head, *tail;
+    uint64_t factor; /* the window: factor x the entries */
 } GhostRing;
 
 static PyObject *SLOW;  /* the module's sentinel */
@@ -341,14 +342,16 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     };
     uint64_t qkind = 0, qadapt = 0, c_queue = 0, c_qfreq = 0, c_qseq = 0, o_qcount = 0, o_cnext1 = 0;
     uint64_t o_qtarget = 0, o_qclock = 0, g_n[2] = {0, 0}, g_hash[2] = {0, 0}, g_next[2] = {0, 0};
-    uint64_t g_bkt[2] = {0, 0}, g_nb[2] = {0, 0}, g_live[2] = {0, 0};
+    uint64_t g_bkt[2] = {0, 0}, g_nb[2] = {0, 0}, g_live[2] = {0, 0}, g_head[2] = {0, 0}, g_tail[2] = {0, 0};
+    uint64_t g_factor[2] = {0, 0};
     struct { const char *name; uint64_t *out; } qfields[] = {
         {"queue_col", &c_queue}, {"freq_col", &c_qfreq}, {"qseq_col", &c_qseq}, {"h_q_count0", &o_qcount},
         {"h_cand1_next_expiry", &o_cnext1}, {"h_q_target", &o_qtarget}, {"h_q_seq", &o_qclock},
         {"adapt", &qadapt}, {"g0_n", &g_n[0]}, {"g0_hash", &g_hash[0]}, {"g0_next", &g_next[0]},
         {"g0_buckets", &g_bkt[0]}, {"g0_n_buckets", &g_nb[0]}, {"h_g0_live", &g_live[0]}, {"g1_n", &g_n[1]},
         {"g1_hash", &g_hash[1]}, {"g1_next", &g_next[1]}, {"g1_buckets", &g_bkt[1]}, {"g1_n_buckets", &g_nb[1]},
-        {"h_g1_live", &g_live[1]},
+        {"h_g1_live", &g_live[1]}, {"h_g0_head", &g_head[0]}, {"h_g0_tail", &g_tail[0]}, {"h_g1_head", &g_head[1]},
+        {"h_g1_tail", &g_tail[1]}, {"g0_factor", &g_factor[0]}, {"g1_factor", &g_factor[1]},
     };
     if (PyDict_GetItemString(spec, "queues") != NULL) {
         if (get_u64(spec, "queues", &qkind) < 0) return -1;
@@ -386,7 +389,8 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     if (qkind) {
         struct { uint64_t off, len; } qregions[] = {
             {c_queue, n}, {c_qfreq, n}, {c_qseq, n * 8}, {o_qcount, 16}, {o_cnext1, 8}, {o_qtarget, 8},
-            {o_qclock, 8}, {g_live[0], 8}, {g_live[1], 8},
+            {o_qclock, 8}, {g_live[0], 8}, {g_live[1], 8}, {g_head[0], 8}, {g_head[1], 8}, {g_tail[0], 8},
+            {g_tail[1], 8},
             {g_hash[0], g_n[0] * 8}, {g_next[0], g_n[0] * 4}, {g_bkt[0], g_nb[0] * 4},
             {g_hash[1], g_n[1] * 8}, {g_next[1], g_n[1] * 4}, {g_bkt[1], g_nb[1] * 4},
         };
@@ -473,6 +477,9 @@ static int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
             GhostRing *g = &self->ghost[r];
             g->n = g_n[r];
             g->live = (uint64_t *)(b + g_live[r]);
+            g->head = (uint64_t *)(b + g_head[r]);
+            g->tail = (uint64_t *)(b + g_tail[r]);
+            g->factor = g_factor[r];
             if (g->n) {
                 g->hash = (uint64_t *)(b + g_hash[r]);
                 g->next = (int32_t *)(b + g_next[r]);
@@ -1418,8 +1425,11 @@ GUARDED(put_many)
 GUARDED(reserve_many)
 GUARDED(seal_many)
 GUARDED(load_many)
+GUARDED(evicted)
 
 static PyMethodDef Fast_methods[] = {
+    {"evicted", (PyCFunction)(void (*)(void))Fast_evicted, METH_FASTCALL,
+     "evicted(slot) -> None: QueueVictims.evicted, lock held by the caller"},
     {"read", (PyCFunction)(void (*)(void))Fast_read, METH_FASTCALL,
      "read(kb, kh, out, mode) -> bytes | int | None | SLOW"},
     {"read_many", (PyCFunction)(void (*)(void))Fast_read_many, METH_FASTCALL,

@@ -268,6 +268,58 @@ static int ghost_take(GhostRing *g, uint64_t kh) {
     return 0;
 }
 
+/* Ghosts._forget: take place p out of its chain and empty it. */
+static void ghost_forget(GhostRing *g, int32_t p) {
+    int32_t *link = &g->bkt[g->hash[p] & g->mask];
+    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
+        if (*link == p) {
+            *link = g->next[p];
+            break;
+        }
+        link = &g->next[*link];
+    }
+    g->hash[p] = 0;
+    g->next[p] = -1;
+    if (*g->live) *g->live -= 1;
+}
+
+/* Ghosts.add (lock held): remember hash kh in ring g, forgetting what falls out of its window of
+ * factor x `entries` ghosts, and an older place of kh itself. */
+static void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
+    if (!g->n) return;
+    if (!kh) kh = 1;
+    ghost_take(g, kh);
+    uint64_t head = *g->head, tail = *g->tail;
+    uint64_t window = g->factor * (entries ? entries : 1);
+    if (window > g->n || window / (entries ? entries : 1) != g->factor) window = g->n;
+    if (tail > head || head - tail > g->n) tail = head; /* damaged: the next repair says so */
+    while (head + 1 - tail > window) {
+        uint64_t q = tail % g->n;
+        if (g->hash[q]) ghost_forget(g, (int32_t)q);
+        tail++;
+    }
+    *g->tail = tail;
+    uint64_t p = head % g->n, b = kh & g->mask;
+    g->hash[p] = kh;
+    g->next[p] = g->bkt[b];
+    g->bkt[b] = (int32_t)p;
+    *g->head = head + 1;
+    *g->live += 1;
+}
+
+/* Fast.evicted(slot): QueueVictims.evicted -- the victim's key goes into its queue's ghost ring.  The
+ * caller (Core.evict_one, in Python) holds the lock. */
+static PyObject *do_evicted(Fast *s, PyObject *const *args, Py_ssize_t nargs) {
+    long long i = nargs == 1 ? PyLong_AsLongLong(args[0]) : -1;
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (!s->qkind || i < 0 || (uint64_t)i >= s->n_slots) {
+        PyErr_SetString(PyExc_ValueError, "evicted(slot) of a queue policy's pool");
+        return NULL;
+    }
+    ghost_add(&s->ghost[s->queue[i] & 1], s->khash[i], *s->n_entries);
+    Py_RETURN_NONE;
+}
+
 /* QueueVictims._adapt: a ghost of queue 0 (sign 1) or 1 (sign -1) moves queue 0's target. */
 static void queue_adapt(Fast *s, int sign, uint64_t other, uint64_t this, uint64_t entries) {
     double t = *s->qtarget;

@@ -214,6 +214,8 @@ class Core:
         else:
             self.victims = VictimCache(pol, hdr, self.columns, victims, self.clock, hdr_views, views)
         self.fast = self._fast_path(offs) if clock is None else None  # it reads the real clock
+        if self.queues is not None and self.fast is not None:
+            self.queues.evicted = self.fast.evicted  # type: ignore[method-assign]  # the same, in C
 
     def _fast_path(self, slot_offsets: dict[str, int]) -> Any:
         """The C fast path over this mapping (`_fastpath.Fast`), or None: not built, or turned off."""
@@ -252,8 +254,10 @@ class Core:
             qo = g.qslot_columns()
             spec.update(queues=_QUEUE_KINDS[pol.name], adapt=_ADAPT_KINDS[pol.adapt], queue_col=qo["queue"],  # type: ignore[attr-defined]
                         freq_col=qo["freq"], qseq_col=qo["qseq"])
-            for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live"):
+            for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live", "g0_head",
+                         "g0_tail", "g1_head", "g1_tail"):
                 spec["h_" + name] = hoff[name]
+            spec["g0_factor"], spec["g1_factor"] = pol.ghosts  # type: ignore[attr-defined]
             for ring in (0, 1):
                 offs, n, boff = g.ghost_columns(ring)
                 spec.update({f"g{ring}_n": n, f"g{ring}_hash": offs["hash"], f"g{ring}_next": offs["next"],
@@ -268,6 +272,8 @@ class Core:
         if self.fast is not None:
             self.fast.close()  # lets the mapping go (after any call still copying in another thread)
             self.fast = None
+        if self.queues is not None:
+            self.queues.__dict__.pop("evicted", None)  # the fast path's: no cycle left through it
         self.victims = None  # type: ignore[assignment]
         self.queues = None
         self.columns = None  # type: ignore[assignment]
