@@ -16,6 +16,9 @@ benchmark's full output.
   capacity  entries that fit in a 64 MiB pool against size / value
   scaling   get_into throughput of two reader processes against one
   eviction  put latency and throughput in a full pool against an empty one
+  policies  every eviction policy's hit rate on the Mooncake traces through a pool
+            and through the KV layer, beside exact LRU of the same run; each
+            policy's full-pool put p50/p99 beside LRU's (issue 27)
   persist   snapshot persist/restore against plain file write/read
   tier      disk tier hit rates, spill/promote against plain file write/read
   remote    remote-tier promotes against raw redis-py GETs of the same values
@@ -61,7 +64,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "persist", "tier", "remote", "kv", "lookup", "lmcache",
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "policies", "persist", "tier", "remote", "kv", "lookup", "lmcache",
          "sglang", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
@@ -168,6 +171,22 @@ def rows_eviction(d: dict) -> list:
         rows.append((f"{r['policy']} put into a full pool", f"{r['full']['ops_per_s']:,.0f} ops/s, p99 "
                      f"{r['full']['p99_us']:.0f} us", f"empty pool {r['empty']['ops_per_s']:,.0f} ops/s",
                      r["throughput_ratio"], None))
+    return rows
+
+
+def rows_policies(d: dict) -> list:
+    rows = []
+    for r in d.get("hits", {}).get("rows", []):
+        per = r["policies"]
+        rates = ", ".join(f"{n} {p['hit_rate']:.3f}" for n, p in per.items())
+        rows.append((f"{r['trace']} {r['capacity']:,} blocks: hit rate through a pool", rates,
+                     f"exact LRU {r['exact_lru']:.3f}", per["auto"]["hit_rate"] / max(r["exact_lru"], 1e-9), None))
+        kv = ", ".join(f"{n} {p['kv']['hit_rate']:.3f}" for n, p in per.items() if "kv" in p)
+        if kv:
+            rows.append((f"{r['trace']} {r['capacity']:,} blocks: hit rate through kv.py", kv, "", None, None))
+    for c in d.get("costs", {}).get("rows", []):
+        rows.append((f"{c['policy']} put into a full pool, p50/p99 us", f"{c['p50']:.1f}/{c['p99']:.1f}",
+                     "lru's", max(c["p50_vs_lru"], c["p99_vs_lru"]), None))
     return rows
 
 
@@ -323,7 +342,7 @@ def regressions(name: str, d: dict) -> list[dict]:
 
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling,
-           "eviction": rows_eviction, "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv,
+           "eviction": rows_eviction, "policies": rows_policies, "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv,
            "lookup": rows_lookup, "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
            "startup": rows_startup}
 
