@@ -52,7 +52,7 @@ _cortex_files()
 _cortex_options()
 {
     case $1 in
-        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --if-missing --allow-other-owner --json -q --quiet --help' ;;
+        create) _cortex_words '-s --size --tier --block-size --policy --max-entries --mode --no-reserve --multi-threaded --disk-path --disk-size --disk-write --disk-o-direct --disk-max-entries --remote --remote-cluster --keep --tier-admit --if-missing --allow-other-owner --json -q --quiet --help' ;;
         list) _cortex_words '--json -q --quiet --help' ;;
         status) _cortex_words '--json --format --watch --count -q --quiet --help' ;;
         delete) _cortex_words '-f --force --disk-path -q --quiet --help' ;;
@@ -72,7 +72,7 @@ _cortex()
 {
     local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} opt=
     local group= cmd= w i npos=0 skip=0 dashdash=0
-    local values=' --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl --watch -i -o -s '
+    local values=' --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --tier-admit --ttl --watch -i -o -s '
     COMPREPLY=()
 
     # The command so far: group, command, and how many arguments it has.

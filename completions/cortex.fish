@@ -3,7 +3,7 @@
 #
 # Install: copy to ~/.config/fish/completions/cortex.fish
 
-set -g __cortex_value_options --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --ttl --watch -i -o -s
+set -g __cortex_value_options --block-size --bytes --count --disk-max-entries --disk-path --disk-size --disk-write --format --input --keep --key --limit --max-entries --mode --output --percent --policy --prefix --priority --remote --size --tier --tier-admit --ttl --watch -i -o -s
 
 # The words so far after `cortex`, without options and their values.
 function __cortex_args
@@ -119,6 +119,7 @@ complete -c cortex -n '__cortex_using create' -l disk-max-entries -x -d 'Disk in
 complete -c cortex -n '__cortex_using create' -l remote -x -d 'A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N'
 complete -c cortex -n '__cortex_using create' -l remote-cluster -d 'The --remote URL names a node of a Valkey/Redis cluster'
 complete -c cortex -n '__cortex_using create' -l keep -x -d 'Snapshots of this pool that persist keeps (stored with the pool; default 3)'
+complete -c cortex -n '__cortex_using create' -l tier-admit -x -d 'Admission to the disk and remote tiers: 1 (default) every entry memory evicts goes to a write-back disk tier and every put to the remote; 2: only entries seen at least twice (read since their put), when memory evicts them (stored with the pool)'
 complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs; 77 if it is neither yours nor root\'s)'
 complete -c cortex -n '__cortex_using create' -l allow-other-owner -d 'With --if-missing: accept an existing pool of another user (by default only your own or root\'s: another user may have taken the name first)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'

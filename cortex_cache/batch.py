@@ -82,11 +82,11 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
                 tiers.put(kb, kh, flags, vb, nblk, ttl, prio)
             except CortexCacheError as e:
                 results[n] = e
-    if tiers.remote is not None:
+    if tiers.remote_writes is not None:
         for (key, value), err in zip(pairs, results):
             if err is None:
                 kb, is_str = key_bytes(key)
-                tiers.remote.put(kb, value if value.__class__ is bytes else as_byte_view(value),
+                tiers.remote_writes.put(kb, value if value.__class__ is bytes else as_byte_view(value),
                                  SLOT_FLAG_STR_KEY if is_str else 0, ttl)
     return results
 
@@ -349,11 +349,11 @@ def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[
     for (n, _, _), ok in zip(taken, sealed):
         if not ok:  # a repair took the reservation back (its owner looked dead)
             results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
-    if tiers.remote is not None:
+    if tiers.remote_writes is not None:
         for n, w, _ in taken:
             if results[n] is None:
                 kb, _, flags, ttl, _ = w.args
-                tiers.remote.put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)
+                tiers.remote_writes.put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)
     return results
 
 

@@ -187,6 +187,9 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         t.add_row("entries", f"{r['entries']} of {r['max_entries']}")
         t.add_row("blocks", f"{r['blocks_used']} / {r['blocks_total']} of {fmt_size(r['block_size'])}")
         t.add_row("policy", r["policy"] + (", multi-threaded" if r["multi_threaded"] else ""))
+        if r.get("tier_admit", 1) > 1:
+            t.add_row("tier admission", f"entries seen at least {r['tier_admit']} times; {r['tier_refused']} "
+                      "evicted entries not admitted below")
         t.add_row("hits / misses", f"{r['hits']} / {r['misses']} (hit ratio {r['hit_ratio']:.3f})")
         t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
         t.add_row("evictions", f"{r['evictions']} ({fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
@@ -292,6 +295,7 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         ("expirations", "counter", "Expired entries reclaimed."),
         ("bytes_evicted", "counter", "Value bytes evicted."),
         ("repairs", "counter", "Repairs after a process died inside the pool lock."),
+        ("tier_refused", "counter", "Evicted entries the disk and remote tiers were not offered (tier admission)."),
     ]
     out = []
     ok = [r for r in rows if r["status"] == "ok"]

@@ -55,6 +55,7 @@ def read(core: "Core") -> dict[str, Any]:
         "reserve": bool(flags & FLAG_RESERVED),
         "lfu_period": int(h["lfu_period"]),
         "keep": int(core.fields.snapshot_keep[0]) or None,
+        "tier_admit": max(1, int(h["tier_admit"])),
         "disk": disk,
         "remote": remote,
     }
@@ -73,6 +74,8 @@ def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
 def encode(cfg: dict[str, Any]) -> bytes:
     """The tier and operating part of a configuration, as a snapshot stores it."""
     part = {k: cfg[k] for k in ("reserve", "keep", "disk", "remote")}
+    if cfg.get("tier_admit", 1) != 1:  # written only when set: older readers see what they know
+        part["tier_admit"] = cfg["tier_admit"]
     return json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -88,7 +91,12 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
         raise bad("is not JSON") from None
     if not isinstance(cfg, dict):
         raise bad("is not an object")
-    out: dict[str, Any] = {"reserve": bool(cfg.get("reserve", True)), "keep": None, "disk": None, "remote": None}
+    out: dict[str, Any] = {"reserve": bool(cfg.get("reserve", True)), "keep": None, "disk": None, "remote": None,
+                           "tier_admit": 1}
+    admit = cfg.get("tier_admit", 1)
+    if admit not in (1, 2) or isinstance(admit, bool):
+        raise bad(f"has an impossible tier admission {admit!r}")
+    out["tier_admit"] = admit
     keep = cfg.get("keep")
     if keep is not None:
         if not isinstance(keep, int) or not 1 <= keep < 2**32:

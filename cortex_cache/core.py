@@ -854,6 +854,16 @@ class Core:
         else:
             self._free_entry(i)
 
+    def reused(self, i: int) -> bool:
+        """Was entry `i` read since its put (seen at least twice)?  A hit moves access_seq past insert_seq."""
+        return self._c_aseq[i] != self._c_iseq[i]
+
+    def mark_read(self, i: int) -> None:
+        """Count entry `i` as read since its put (a promotion from disk), without counting a hit (lock held)."""
+        seq = self._hu64[H_SEQ] + 1
+        self._hu64[H_SEQ] = seq
+        self._c_aseq[i] = seq
+
     def expired(self, i: int) -> bool:
         e = self._c_expiry[i]
         return e > 0 and e <= self.clock()

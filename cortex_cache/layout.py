@@ -90,6 +90,11 @@ DISK_O_DIRECT = 1 << 2  # the tier's files are written and read with O_DIRECT
 REMOTE_ON = 1 << 0  # the pool has a remote tier
 REMOTE_CLUSTER = 1 << 1  # the URL names a node of a Redis/Valkey cluster
 
+# Admission to the lower tiers (header field tier_admit; tiers.py): every evicted entry (0 or 1), or only
+# those read since their put, i.e. seen at least twice (2).
+ADMIT_ALL = 1
+ADMIT_REUSED = 2
+
 # Disk slot states.
 DFREE = 0  # unused; `next` links the free list
 DLIVE = 1  # a record on disk, indexed by its key's hashes
@@ -219,7 +224,11 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("cand1_max_primary", "<f8", 824),
     ("cand1_max_secondary", "<u8", 832),
     ("cand1_epoch", "<u8", 840),
-    # 848..1023 reserved (zero).
+    # Admission to the lower tiers (tiers.py), also carved from format 3's reserved zeros.
+    ("tier_admit", "<u4", 848),  # 0 or 1: every evicted entry goes below; 2: only entries read since their put
+    ("tier_pad", "<u4", 852),
+    ("tier_refused", "<u8", 856),  # evicted entries the lower tiers were not offered (not admitted)
+    # 864..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -597,6 +606,8 @@ H_DISK_FLAGS = _word(HEADER_FIELDS, "disk_flags", 4)
 )
 H_REMOTE_FLAGS = _word(HEADER_FIELDS, "remote_flags", 4)
 H_SNAPSHOT_KEEP = _word(HEADER_FIELDS, "snapshot_keep", 4)
+H_TIER_ADMIT = _word(HEADER_FIELDS, "tier_admit", 4)
+H_TIER_REFUSED = _word(HEADER_FIELDS, "tier_refused", 8)
 (H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_ERRORS, H_REMOTE_CORRUPT, H_REMOTE_SENT,
  H_REMOTE_WRITTEN, H_REMOTE_DROPPED, H_REMOTE_BYTES_WRITTEN, H_REMOTE_BYTES_READ) = (
     _word(HEADER_FIELDS, n, 8)

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
 from .layout import (
-    DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, REMOTE_CLUSTER, REMOTE_ON,
+    ADMIT_ALL, ADMIT_REUSED, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, REMOTE_CLUSTER, REMOTE_ON,
     Geometry,
 )
 from .lock import RecordLock
@@ -152,6 +152,7 @@ class Pool:
         remote: str | None = None,
         remote_cluster: bool = False,
         keep: int | None = None,
+        tier_admit: int = 1,
         exist_ok: bool = False,
         allow_other_owner: bool = False,
     ) -> "Pool":
@@ -176,6 +177,10 @@ class Pool:
         cluster); see remote.py.  redis-py must be installed (the `remote`
         extra): ServiceUnavailable (69) if it is not.
 
+        `tier_admit`: 1 (default) sends every entry memory evicts to the disk tier (write-back) and every
+        put to the remote; 2 only entries read since their put (seen at least twice), to both, when memory
+        evicts them -- fewer bytes written below, for the entries likely to be read again.
+
         `keep`: how many snapshots `persist` keeps of this pool (stored with
         it; default 3).  `exist_ok`: a pool of this name that exists is opened
         and returned if it is configured as asked (what the call gives
@@ -191,6 +196,10 @@ class Pool:
         bsize = parse_size(block_size)
         if keep is not None and not 1 <= keep < 2**32:
             raise UsageError(f"keep must be at least 1, not {keep}")
+        if tier_admit not in (ADMIT_ALL, ADMIT_REUSED):
+            raise UsageError(f"tier admission must be 1 (every entry) or 2 (entries seen twice), not {tier_admit!r}")
+        if tier_admit == ADMIT_REUSED and disk_write == "through" and (tier == "disk" or disk_path is not None):
+            raise UsageError("tier admission 2 needs a write-back disk tier: write-through puts every value on disk")
         if exist_ok and segment.exists(name):
             return cls._open_as_asked(
                 name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
@@ -259,6 +268,8 @@ class Pool:
             header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=log is None)
             if keep is not None:
                 np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]["snapshot_keep"] = keep
+            if tier_admit != ADMIT_ALL:
+                np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]["tier_admit"] = tier_admit
             if remote is not None:
                 h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
                 h["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if remote_cluster else 0)
@@ -451,6 +462,7 @@ class Pool:
             self.tiers.remote = None  # its thread is the parent's; nothing to drain here
         tiers = self.tiers
         remote, tiers.remote = tiers.remote, None
+        tiers.remote_writes = None
         if remote is not None:
             remote.close()  # lets queued writes finish (a few seconds at most)
         for v in list(self._views):
@@ -514,8 +526,8 @@ class Pool:
             core.locked(core.put_small, kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, int(priority))
         else:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
-        if tiers.remote is not None:  # queued; the caller never waits on the network
-            tiers.remote.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
+        if tiers.remote_writes is not None:  # queued; the caller never waits on the network
+            tiers.remote_writes.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
 
     def reserve_write(
         self, key: str | bytes, nbytes: int, *, ttl: float | None = None, priority: int = 0

@@ -216,7 +216,8 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     pool = _create_staging(
         Pool, target, staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
         mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
-        prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], **tier_kw,
+        prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], tier_admit=cfg.get("tier_admit", 1),
+        **tier_kw,
     )
     try:
         if new_mode & 0o060 and snap.untrusted is None and snap.file_gid != os.getegid():
@@ -371,7 +372,8 @@ def _tier_header(core: Core) -> dict[str, Any]:
     """The header fields that name a pool's disk and remote tiers, and its retention (copied onto its replacement)."""
     h = core.header[0]
     return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
-            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url", "snapshot_keep")}
+            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url", "snapshot_keep",
+                      "tier_admit")}
 
 
 STAGING_PREFIX = "restoring-"

@@ -59,6 +59,10 @@ def memory_stats(core: "Core") -> dict[str, Any]:
         "expirations": int(h["expirations"]),
         "bytes_evicted": int(h["bytes_evicted"]),
         "repairs": int(h["repairs"]),
+        # Admission to the tiers below (tiers.py): 1 every evicted entry, 2 only those seen twice; and how
+        # many evicted entries were not admitted.
+        "tier_admit": max(1, int(h["tier_admit"])),
+        "tier_refused": int(h["tier_refused"]),
         "pinned_entries": int(np.count_nonzero(c["pins"])),
         "writing_entries": int(np.count_nonzero(c["state"] == WRITING)),
         "created": float(h["created"]),

@@ -25,7 +25,9 @@ from .errors import (
     BufferTooSmall, CortexCacheError, PermissionDenied, PoolFull, SpillLost, StorageIOError, TooManyOpenFiles,
     UsageError, ValueTooLarge,
 )
-from .layout import H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY
+from .layout import (
+    ADMIT_REUSED, H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, H_TIER_REFUSED, SLOT_FLAG_STR_KEY,
+)
 
 # How long a reader waits for a key whose spill to disk another process is writing (normally
 # microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
@@ -65,9 +67,15 @@ class Tiers:
         # so the next failure refuses its eviction instead of losing the entry; cleared by a success.
         self.spill_failing = False
         self._no_evict = False  # set while a failed spill's entry is put back: no eviction may make room
+        # Admission (`tier_admit` 2): the tiers below take only evicted entries read since their put (seen
+        # twice); the remote then gets them when memory lets them go, not at every put.
+        self.admit = int(core.header[0]["tier_admit"]) >= ADMIT_REUSED
+        self.remote_writes = remote if not self.admit else None  # the remote tier that puts write to
         if disk is not None:
-            core.on_evict = self._spill
+            core.on_evict = self._spill if not self.admit else self._admit
             core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
+        elif remote is not None and self.admit:
+            core.on_evict = self._admit
 
     def close(self) -> None:
         """Close the tiers (the remote's queue drains first, a few seconds at most); safe twice."""
@@ -168,8 +176,24 @@ class Tiers:
         except BaseException:
             core.locked(core.abort, i)
             raise
+        if self.remote_writes is not None:
+            self.remote_writes.put(kb, mv.tobytes(), flags, ttl)
+
+    def _admit(self, i: int) -> None:
+        """`on_evict` with admission: only an entry read since its put goes to the tiers below (lock held)."""
+        core = self.core
+        if not core.reused(i):
+            core.counters[H_TIER_REFUSED] += 1
+            return
+        if self.disk is not None:
+            self._spill(i)
         if self.remote is not None:
-            self.remote.put(kb, mv.tobytes(), flags, ttl)
+            off, vlen = core.value_at(i)
+            e = float(core.columns["expiry"][i])
+            ttl = e - core.clock() if e else None
+            if ttl is None or ttl > 0:  # queued: the server is written after the lock is let go
+                self.remote.put(core.key_bytes(i), core.mv[off : off + vlen].tobytes(),
+                                int(core.columns["flags"][i]) & SLOT_FLAG_STR_KEY, ttl)
 
     def _spill(self, i: int) -> None:
         """`on_evict`: begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are
@@ -404,6 +428,8 @@ class Tiers:
         d.count(H_DISK_PROMOTIONS)
         if not d.write_through and d.still(hit):
             d.kill_slot(hit.slot)  # exclusive tiers: the entry lives in memory now
+        if self.admit:
+            self.core.mark_read(i)  # read from disk: it earned its place there, and goes back when evicted
 
     # ------------------------------------------------------------------ delete, membership, metadata
 

@@ -48,6 +48,8 @@ FROZEN_HEADER = [
     ("cand1_count", "<u4", 804), ("cand1_pos", "<u4", 808), ("cand1_pad", "<u4", 812),
     ("cand1_next_expiry", "<f8", 816), ("cand1_max_primary", "<f8", 824), ("cand1_max_secondary", "<u8", 832),
     ("cand1_epoch", "<u8", 840),
+    # ... and admission to the lower tiers.
+    ("tier_admit", "<u4", 848), ("tier_pad", "<u4", 852), ("tier_refused", "<u8", 856),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [

@@ -643,3 +643,54 @@ def test_a_tier_left_by_unlink_is_named_and_removed_by_delete_force_disk_path(ma
     assert r.returncode == 0 and not DiskLog.exists(tier), r.stderr
     assert Pool.unlink(live.name) == str(tmp_path / "live")
     DiskLog.destroy(tmp_path / "live")
+
+
+# ---------------------------------------------------------------- admission (issue 27 item 3)
+
+
+@pytest.mark.parametrize("policy", ["lru", "auto"])
+def test_admission_sends_below_only_entries_seen_twice(make_pool, tier_dir, policy):
+    """tier_admit=2: an evicted entry goes to disk only if it was read since its put; one that came back
+    from disk earned its place there and goes back when evicted again."""
+    p = make_pool(MEM, disk_path=tier_dir, disk_size="16M", tier_admit=2, policy=policy)
+    _fill(p, 16)
+    for i in range(0, 16, 2):
+        assert check_value(p.get(f"k{i}")) == (i, 0)  # the even keys are seen twice
+    assert p.evict(all=True) == (16, 16 * VAL)
+    st = p.stats()
+    assert st["tier_admit"] == 2 and st["tier_refused"] == 8
+    assert st["disk"]["spills"] == 8 and st["disk"]["entries"] == 8
+    assert sorted(p.keys(tier="all")) == sorted(f"k{i}" for i in range(0, 16, 2))
+    assert check_value(p.get("k0")) == (0, 0)  # promoted from disk
+    assert p.evict(keys=["k0"]) == (1, VAL)
+    assert "k0" in p.keys(tier="all") and p.stats()["tier_refused"] == 8
+    assert p.configuration()["tier_admit"] == 2
+    assert p.verify()["ok"]
+
+
+def test_admission_is_stored_shown_and_checked_by_the_cli(pool_name, tier_dir):
+    try:
+        r = cli("cache", "create", pool_name, "--size", "1M", "--disk-path", str(tier_dir), "--disk-size", "4M",
+                "--tier-admit", "2", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["tier_admit"] == 2
+        r = cli("cache", "status", pool_name)
+        assert r.returncode == 0 and b"tier admission" in r.stdout
+    finally:
+        cli("cache", "delete", pool_name, "--force")
+    for bad in (["--tier-admit", "3"], ["--tier-admit", "2", "--disk-write", "through", "--tier", "disk",
+                                         "--disk-path", str(tier_dir)]):
+        r = cli("cache", "create", pool_name, "--size", "1M", *bad)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_admission_survives_persist_and_restore(make_pool, snapshot_dir, restored, tier_dir):
+    p = make_pool(MEM, disk_path=tier_dir, disk_size="4M", tier_admit=2)
+    p.put("a", b"x")
+    path = p.persist()
+    name = p.name
+    p.close()
+    Pool.unlink(name)  # its disk tier stays, and the restored pool takes it over
+    q = Pool.restore(path)
+    restored.append(q)
+    assert q.configuration()["tier_admit"] == 2 and q.get("a") == b"x"
