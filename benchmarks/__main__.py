@@ -184,6 +184,10 @@ def rows_policies(d: dict) -> list:
         kv = ", ".join(f"{n} {p['kv']['hit_rate']:.3f}" for n, p in per.items() if "kv" in p)
         if kv:
             rows.append((f"{r['trace']} {r['capacity']:,} blocks: hit rate through kv.py", kv, "", None, None))
+    for a in d.get("admission", {}).get("rows", []):
+        rows.append((f"{a['trace']} {a['policy']} over a disk tier, tier_admit {a['tier_admit']}",
+                     f"hit rate {a['hit_rate']:.3f}, disk share {a['disk_hit_share']:.3f}",
+                     f"{a['disk_bytes_written'] / 2**20:.0f} MiB written to disk", None, None))
     for c in d.get("costs", {}).get("rows", []):
         rows.append((f"{c['policy']} put into a full pool, p50/p99 us", f"{c['p50']:.1f}/{c['p99']:.1f}",
                      "lru's", max(c["p50_vs_lru"], c["p99_vs_lru"]), None))

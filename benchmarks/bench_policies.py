@@ -18,6 +18,11 @@
 3. per op     Put into a full pool (every put evicts; 4 KB values, 20,000 entries), p50 and p99, each
               policy beside LRU's of the same round, interleaved; target: s3fifo, arc, auto <= 1.5x LRU.
 
+4. admission  Both traces through a pool of 2,000 entries of 4 KiB over a write-back disk tier of 4x
+              its size (in the system's temporary directory), lru and auto, with tier_admit 1 (every
+              evicted entry goes to disk) and 2 (only entries seen twice): the hit rate of memory and disk
+              together, the disk's share of the hits, and the bytes written to disk.
+
 --quick: the synthetic trace only, capacities 2,000 and 6,000, the KV layer at 6,000, fewer puts.
 """
 
@@ -204,6 +209,65 @@ def bench_costs(n_entries: int, n_measure: int, rounds: int) -> dict:
     return {"entries": n_entries, "measured_puts": n_measure, "rounds": rounds, "rows": rows, "goals": goals}
 
 
+def replay_tiers(reqs: list[list[int]], cap: int, policy: str, admit: int, workdir: Path) -> dict:
+    """The requests through memory over a disk tier: get every block (a disk hit promotes), put a miss."""
+    import shutil
+
+    tier = workdir / f"tier-{policy}-{admit}"
+    p = _pool(f"adm-{policy}-{admit}", cap * 4096, block_size=4096, max_entries=cap, policy=policy,
+              disk_path=tier, disk_size=4 * cap * 4096, tier_admit=admit)
+    value = bytes(4000)
+    try:
+        t = time.perf_counter()
+        get, put = p.get, p.put
+        hits = total = 0
+        for ids in reqs:
+            matching = True
+            for b in ids:
+                total += 1
+                kb = b"%d" % b
+                if get(kb) is not None:
+                    hits += matching
+                else:
+                    matching = False
+                    put(kb, value)
+        secs = time.perf_counter() - t
+        st = p.stats()
+    finally:
+        _close(p)
+        shutil.rmtree(tier, ignore_errors=True)
+    d = st["disk"]
+    return {"hit_rate": hits / total, "disk_hits": d["hits"], "memory_hits": st["hits"],
+            "disk_hit_share": d["hits"] / max(1, st["hits"] + d["hits"]), "disk_bytes_written": d["bytes_written"],
+            "disk_records": d["spills"], "not_admitted": st["tier_refused"], "seconds": secs}
+
+
+def bench_admission(data: Path, traces: list[str], cap: int) -> dict:
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ccbench-admit-") as tmp:
+        for trace in traces:
+            reqs = sim_eviction.load(data / f"mooncake_{trace}_trace.jsonl")
+            for policy in ("lru", "auto"):
+                for admit in (1, 2):
+                    r = replay_tiers(reqs, cap, policy, admit, Path(tmp))
+                    rows.append({"trace": trace, "capacity": cap, "policy": policy, "tier_admit": admit, **r})
+                    print(f"  {trace} {policy} admit {admit}: hit {r['hit_rate']:.4f}, disk written "
+                          f"{r['disk_bytes_written'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
+def print_admission(a: dict) -> None:
+    print("\n== 4. admission to the disk tier (memory 2,000 x 4 KiB entries, disk 4x, write-back) ==")
+    print(f"  {'trace':<13}{'policy':<7}{'admit':>6}{'hit rate':>10}{'disk hits':>11}{'disk share':>11}"
+          f"{'MiB written':>12}{'records':>9}{'refused':>9}")
+    for r in a["rows"]:
+        print(f"  {r['trace']:<13}{r['policy']:<7}{r['tier_admit']:>6}{r['hit_rate']:>10.4f}{r['disk_hits']:>11,}"
+              f"{r['disk_hit_share']:>11.3f}{r['disk_bytes_written'] / 2**20:>12.1f}{r['disk_records']:>9,}"
+              f"{r['not_admitted']:>9,}")
+
+
 def print_hit_rates(h: dict) -> None:
     print("\n== 1-2. block hit rate, through a pool (and through kv.py), beside exact LRU of the same run ==")
     print("   sim: the policy's simulation (sim_eviction.py; the pool must equal it); unreach: share of the pool "
@@ -233,7 +297,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--data", type=Path, default=bench_eviction.DEFAULT_DATA)
-    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs"])
+    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs", "admission"])
     args = ap.parse_args()
     q = args.quick
     out: dict = {"quick": q, "goals": []}
@@ -247,6 +311,9 @@ def main() -> int:
                 out["hits"] = bench_hit_rates(args.data, traces, caps, [6000] if q else caps)
                 print_hit_rates(out["hits"])
                 out["goals"] += out["hits"]["goals"]
+        if "admission" not in args.skip and (args.data / "mooncake_synthetic_trace.jsonl").exists():
+            out["admission"] = bench_admission(args.data, ["synthetic"] if q else ["conversation", "synthetic"], 2000)
+            print_admission(out["admission"])
         if "costs" not in args.skip:
             out["costs"] = bench_costs(20_000, 5_000 if q else 20_000, 3)
             print_costs(out["costs"])

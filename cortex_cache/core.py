@@ -855,8 +855,9 @@ class Core:
             self._free_entry(i)
 
     def reused(self, i: int) -> bool:
-        """Was entry `i` read since its put (seen at least twice)?  A hit moves access_seq past insert_seq."""
-        return self._c_aseq[i] != self._c_iseq[i]
+        """Was entry `i` seen at least twice: read since its put (a hit moves access_seq past insert_seq), or,
+        under a queue policy, in queue 1 (read, or put again while its key was a ghost: seen before)?"""
+        return self._c_aseq[i] != self._c_iseq[i] or (self.queues is not None and self.queues.in_queue1(i))
 
     def mark_read(self, i: int) -> None:
         """Count entry `i` as read since its put (a promotion from disk), without counting a hit (lock held)."""

@@ -258,6 +258,9 @@ class QueueVictims:
         elif self._queue[i] == 0:
             self._move(i, 0, 1)
 
+    def in_queue1(self, i: int) -> bool:
+        return self._queue[i] == 1
+
     def removed(self, i: int) -> None:
         """Sealed slot `i` leaves the index (Core.remove)."""
         w = H_Q_COUNT0 + (self._queue[i] & 1)
