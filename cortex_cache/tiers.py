@@ -504,8 +504,9 @@ class Tiers:
         """Evict from memory now (Pool.evict's one selector); with `spill` and a disk tier, what has not
         expired moves to disk as any eviction's does.  (entries, value bytes) freed."""
         core = self.core
-        spill = spill and self.disk is not None
-        if spill and not (expired and not all and keys is None and prefix is None):
+        # With admission, what memory evicts goes to the remote too (Tiers._admit), disk tier or not.
+        spill = spill and (self.disk is not None or (self.admit and self.remote is not None))
+        if spill and self.disk is not None and not (expired and not all and keys is None and prefix is None):
             # Refused before anything leaves memory when this process cannot write the tier; expired
             # entries are dropped, not spilled, so `--expired` needs no tier.
             self.disk.writable(f"pool {core.name!r}: evicting to the disk tier")  # type: ignore[union-attr]

@@ -356,3 +356,19 @@ def test_keys_tier_remote_lists_the_pools_entries_on_the_server(make_pool, serve
     plain = make_pool("1M", name=pool_name + "plain")
     r = cli("cache", "keys", plain.name, "--tier", "remote")
     assert r.returncode == 2 and b"has no remote tier" in r.stderr
+
+
+def test_admission_writes_to_the_server_only_entries_seen_twice_when_evicted(make_pool, server, pool_name):
+    """tier_admit=2: puts no longer go to the server; an evicted entry that was read goes, one that was not
+    stays off it (counted in tier_refused)."""
+    p = make_pool("64K", name=pool_name, block_size="4K", remote=server.url, tier_admit=2)
+    for i in range(16):
+        p.put(f"k{i}", make_value(i, 0, 3000))
+    p.get("k0")
+    assert p.flush_remote(30) and p.stats()["remote"]["writes_sent"] == 0
+    assert p.evict(all=True) == (16, 16 * 3000)
+    assert p.flush_remote(30)
+    st = p.stats()
+    assert st["remote"]["writes_done"] == 1 and st["tier_refused"] == 15
+    assert sorted(server.client().keys("*")) == [f"cortex:1:{pool_name}:k0".encode()]
+    assert check_value(p.get("k0")) == (0, 0)  # found on the server again
