@@ -23,8 +23,9 @@ All of it is shared state in the segment: the queue columns (queue, freq,
 qseq), the two rings, and header fields (layout.py, from q_count0), changed
 under the pool lock with the dirty mark set like every other field, so a
 process killed half-way is repaired by the next lock holder (`repair`).
-The C fast path does `hit` and the queue counts of a removal itself, and
-calls `admit` (_fastpath.c, touch; _fastpath_put.h, stamp and remove_entry).
+The C fast path does `hit`, `admit`, `evicted` and the queue counts of a
+removal itself (_fastpath.c, touch; _fastpath_put.h, queue_admit, ghost_add,
+remove_entry); the choice of victims stays here, as for every policy.
 """
 
 from __future__ import annotations
