@@ -78,6 +78,15 @@ ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
 FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
 FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
 
+# Fill states (header field fill_state; fill.py).
+FILL_NONE = 0  # never filled from a snapshot (a created pool, a restore --replace)
+FILL_RUNNING = 1  # published, values still coming: a filler holds FILL_BYTE, or it was killed (resumable)
+FILL_DONE = 2  # every entry of the snapshot was processed
+FILL_STOPPED = 3  # ended early: the pool filled up with newer entries, or it was emptied (evict --all)
+FILL_FAILED = 4  # ended early: the snapshot became unreadable or damaged
+FILL_PRIVATE = 1 << 0  # fill_flags: the snapshot is the pool's own, in the snapshot directory
+FILL_PATH_BYTES = 200
+
 # Slot flags (column `flags`; the disk index and snapshot records use the same bit).
 SLOT_FLAG_STR_KEY = 1 << 0  # the key was given as str: keys() returns it as str
 
@@ -192,7 +201,22 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     # Lookups (batch.py, LookupMemo): counts every sealed entry that left memory or had its value
     # replaced in place; a memoized "first n chunks are present" holds while it stays the same.
     ("gone_seq", "<u8", 672),
-    # 680..1023 reserved (zero).
+    # The background fill of a restored pool (fill.py): where it reads, how far it got.  A pool
+    # published by restore before its values are in reads fill_state FILL_RUNNING until the fill ends.
+    ("fill_state", "<u4", 680),  # FILL_* (0: never filled from a snapshot)
+    ("fill_gen", "<u4", 684),  # +1 whenever a fill starts or is stopped: a filler that sees it change stops
+    ("fill_done", "<u8", 688),  # snapshot entries processed, in the fill's order (loaded, skipped or damaged)
+    ("fill_total", "<u8", 696),  # entries of the snapshot
+    ("fill_bytes", "<u8", 704),  # value bytes loaded
+    ("fill_bytes_total", "<u8", 712),  # value bytes of the snapshot
+    ("fill_check", "<u8", 720),  # the snapshot's file checksum (its trailer's): which snapshot the fill reads
+    ("fill_started", "<f8", 728),  # wall clock
+    ("fill_corrupt", "<u8", 736),  # values that failed their checksums: not loaded
+    ("fill_skipped", "<u8", 744),  # entries the pool already held (put meanwhile) or that had expired
+    ("fill_path", "S200", 752),  # the snapshot's absolute path, NUL padded
+    ("fill_ended", "<f8", 952),  # wall clock, 0 while it runs
+    ("fill_flags", "<u4", 960),  # FILL_PRIVATE: the snapshot is the pool's own in the snapshot directory
+    # 964..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]

@@ -27,6 +27,7 @@ from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_m
 from .errors import (
     CortexCacheError,
     KeyNotFound,
+    NoSpace,
     PoolClosed,
     PoolExists,
     PoolFull,
@@ -154,6 +155,7 @@ class Pool:
         keep: int | None = None,
         exist_ok: bool = False,
         allow_other_owner: bool = False,
+        _reserve_later: bool = False,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -235,7 +237,15 @@ class Pool:
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d)
         try:
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
+            if reserve and _reserve_later:
+                # restore's background fill reserves the memory as it goes (fill.py): the room is
+                # checked now, so a pool that cannot have it is refused before anyone sees it.
+                free = segment.shm_free_bytes()
+                if geo.segment_size > free:
+                    raise NoSpace(f"not enough shared memory for pool {name!r}: needs "
+                                  f"{format_size(geo.segment_size)}, {segment.SHM_DIR} has {format_size(free)} free")
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve and not _reserve_later,
+                                         reserve_head=geo.data_off)
         except BaseException as e:
             if log is not None:
                 log.close()
@@ -253,7 +263,7 @@ class Pool:
         try:
             # Openers that find no magic yet wait on this lock until we are done.
             init_lock.acquire()
-            if reserve and prefault:
+            if reserve and prefault and not _reserve_later:
                 seg.prefault()
             header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=log is None)
             if keep is not None:

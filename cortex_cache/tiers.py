@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from . import fill
 from .copyhash import copy_hash
 from .core import COPY_IN_LOCK, Core, Pinned
 from .disklog import CORRUPT, DiskLog, Found
@@ -497,6 +498,8 @@ class Tiers:
 
         if keys is not None:
             return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in keys], spill)
+        if all:  # an empty pool means empty: a fill still bringing the snapshot back stops (fill.py)
+            core.locked(fill.stop, core)
         if expired or all or prefix is not None:
             return core.locked(in_place, core.evict_matching, expired, prefix, spill)
         return core.locked(in_place, core.evict_amount, percent, target, spill)

@@ -38,8 +38,22 @@ FROZEN_HEADER = [
     ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
     ("remote_bytes_read", "<u8", 616), ("keymap_off", "<u8", 624), ("keys_off", "<u8", 632),
     ("n_kcells", "<u8", 640), ("used_kcells", "<u8", 648), ("key_hint", "<u8", 656), ("snapshot_keep", "<u4", 664),
-    # Carved from the reserved zeros in version 3 (older code reads past it): the lookups' memo counter.
+    # Carved from the reserved zeros in version 3 (older code reads past them): the lookups' memo counter
+    # and the background fill's fields.
     ("gone_seq", "<u8", 672),
+    ("fill_state", "<u4", 680),
+    ("fill_gen", "<u4", 684),
+    ("fill_done", "<u8", 688),
+    ("fill_total", "<u8", 696),
+    ("fill_bytes", "<u8", 704),
+    ("fill_bytes_total", "<u8", 712),
+    ("fill_check", "<u8", 720),
+    ("fill_started", "<f8", 728),
+    ("fill_corrupt", "<u8", 736),
+    ("fill_skipped", "<u8", 744),
+    ("fill_path", "S200", 752),
+    ("fill_ended", "<f8", 952),
+    ("fill_flags", "<u4", 960),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [

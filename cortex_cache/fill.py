@@ -1,0 +1,517 @@
+"""The background fill: a restored pool serves at once, and its values come in afterwards.
+
+restore.py publishes a pool that is gone, restored from an incremental
+snapshot (the snapshot directory's, version 3: what the boot line restores),
+as soon as its configuration is in place (an empty pool with the snapshot's
+size, policy, tiers and counters) and a fill mark in its header (the fill_*
+fields, layout.py); this module then loads the snapshot's values into it
+while every process may use it.  A self-contained file (persist --output)
+is still verified whole before its pool appears (restore.py).
+
+- **Order**: most recently used first (the snapshot's access sequence
+  numbers, newest first), in bands of BAND_BYTES inside which values are read
+  in file order: the entries engines want come back first, and the disk
+  still reads long runs.
+- **Batches**: one lock hold reserves room for a batch (never by evicting: an
+  entry that finds no free room ends the fill, since what is left is older
+  than everything the pool holds), the values are read and checked against
+  their checksums without the lock, and one lock hold seals them and advances
+  the mark.  An entry the pool already holds (put meanwhile) is skipped, and
+  so is one put while its value was being read: the newer value stays.  A
+  value that fails its checksum is not loaded; it is counted (fill_corrupt)
+  and the fill goes on.  The first batch is one entry, so the most recent
+  entry is there within milliseconds of the publish.
+- **Reads**: each record is read with pread into a buffer and written into the
+  segment with pwrite (no page faults on either side), while posix_fadvise
+  WILLNEED keeps READAHEAD bytes of the coming records in flight, so the disk
+  never waits for the checksum and the copy.
+- **Memory**: a pool that reserves its memory gets it in RESERVE_STEP pieces,
+  one per batch, from the end of the data region down (the fill writes from
+  the start, and pages it writes need no zeroing), so the publish does not
+  wait for seconds of posix_fallocate.
+- **Crashes**: the mark is advanced in the lock hold that seals, so a filler
+  killed at any point leaves its loaded entries and a mark from which the
+  next `restore --if-missing` (or `restore NAME`) goes on; the killed one's
+  reservations are taken back as any dead writer's are.
+
+A get of an entry not loaded yet is a miss: loading it on demand would make
+every reader parse the snapshot's manifest and compete with the fill for the
+disk, and the order already brings the wanted entries first.  Persist refuses
+while the fill runs or was interrupted (a snapshot of half the pool would
+retire the whole one); `evict --all` and `restore --replace` stop it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import xxhash
+
+from . import packs
+from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError
+from .layout import (
+    FILL_DONE,
+    FILL_FAILED,
+    FILL_NONE,
+    FILL_PATH_BYTES,
+    FILL_PRIVATE,
+    FILL_RUNNING,
+    FILL_STOPPED,
+    FLAG_RESERVED,
+    SLOT_FLAG_STR_KEY,
+)
+from .lock import RecordLock
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .snapshot import Snapshot
+
+FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (lock.py's bytes)
+BAND_BYTES = 64 << 20
+READAHEAD = 64 << 20
+BATCH_ENTRIES = 64
+BATCH_BYTES = 16 << 20
+RESERVE_STEP = 64 << 20
+FILL_STATES = {FILL_NONE: None, FILL_RUNNING: "filling", FILL_DONE: "done", FILL_STOPPED: "stopped",
+               FILL_FAILED: "failed"}
+
+
+class Item(NamedTuple):
+    """One snapshot entry to load: its key and metadata, and where its value is."""
+
+    key: bytes
+    flags: int
+    length: int
+    checksum: int
+    priority: int
+    meta: tuple  # created, last_access, expiry, insert_seq, access_seq, access_count
+    where: Any  # (pack index, record offset) in a manifest's packs, or the value's view in a file
+
+
+# ---------------------------------------------------------------- the mark
+
+
+def mark(core: "Core", snap: "Snapshot", private: bool) -> None:
+    """Put a new fill's mark into a pool not published yet (restore.py; no lock needed: nobody else sees it)."""
+    path = str(Path(snap.path).resolve()).encode()
+    h = core.header[0]
+    h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
+    h["fill_done"] = h["fill_bytes"] = h["fill_corrupt"] = h["fill_skipped"] = 0
+    h["fill_total"] = snap.entries
+    h["fill_bytes_total"] = snap.value_bytes
+    h["fill_check"] = snap.file_check
+    h["fill_started"] = time.time()
+    h["fill_ended"] = 0.0
+    h["fill_path"] = path
+    h["fill_flags"] = FILL_PRIVATE if private else 0
+    h["fill_state"] = FILL_RUNNING
+
+
+def fits_mark(snap_path: str | os.PathLike) -> bool:
+    """Can the mark name this snapshot (its absolute path fits the header field)?"""
+    return len(str(Path(snap_path).resolve()).encode()) < FILL_PATH_BYTES
+
+
+def state(core: "Core") -> dict[str, Any] | None:
+    """The fill as `status` shows it (lock held or not: a few words read once), None for a pool never
+    filled from a snapshot.  "running" says whether a filler holds it now (else it was interrupted)."""
+    h = core.header[0]
+    st = int(h["fill_state"])
+    if st == FILL_NONE or st not in FILL_STATES:
+        return None
+    out = {
+        "state": FILL_STATES[st],
+        "snapshot": bytes(h["fill_path"]).rstrip(b"\0").decode(errors="replace"),
+        "entries_done": int(h["fill_done"]),
+        "entries_total": int(h["fill_total"]),
+        "bytes_loaded": int(h["fill_bytes"]),
+        "bytes_total": int(h["fill_bytes_total"]),
+        "corrupt": int(h["fill_corrupt"]),
+        "skipped": int(h["fill_skipped"]),
+        "started": float(h["fill_started"]),
+        "ended": float(h["fill_ended"]) or None,
+        "running": False,
+    }
+    if st == FILL_RUNNING:
+        out["running"] = filler_alive(core)
+        if not out["running"]:
+            out["state"] = "interrupted"
+    return out
+
+
+def filler_alive(core: "Core") -> bool:
+    """Does a process hold the pool's fill lock (is a fill running right now)?"""
+    probe = RecordLock(core.seg.fd, FILL_BYTE)
+    if probe.try_acquire():
+        probe.release()
+        return False
+    return True
+
+
+def running(core: "Core") -> bool:
+    """Is a fill running or interrupted (the mark says FILL_RUNNING)?"""
+    return int(core.header[0]["fill_state"]) == FILL_RUNNING
+
+
+def stop(core: "Core") -> None:
+    """End a running or interrupted fill here (lock held): its filler stops at its next batch, and the
+    entries loaded so far stay.  For `evict --all` and restore --replace."""
+    h = core.header[0]
+    if int(h["fill_state"]) == FILL_RUNNING:
+        h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
+        h["fill_state"] = FILL_STOPPED
+        h["fill_ended"] = time.time()
+
+
+def busy_reason(core: "Core") -> str | None:
+    """Why a persist of this pool must wait for its fill (None: no fill in the way)."""
+    if not running(core):
+        return None
+    st = state(core)
+    assert st is not None
+    pct = 100.0 * st["bytes_loaded"] / st["bytes_total"] if st["bytes_total"] else 100.0
+    if st["running"]:
+        return (f"pool {core.name!r} is still being filled from snapshot {st['snapshot']!r} ({pct:.0f}% loaded); "
+                "persist it when the fill is done (status shows it)")
+    return (f"pool {core.name!r} was being filled from snapshot {st['snapshot']!r} and its restore was stopped "
+            f"at {pct:.0f}%; finish it with `cortex cache restore {core.name} --if-missing` first (or empty the "
+            "pool with `evict --all` to give the fill up)")
+
+
+# ---------------------------------------------------------------- the order
+
+
+def manifest_items(snap: "Snapshot") -> list[Item]:
+    """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
+    in pack and offset order.  Every record is checked against its own checksum here."""
+    refs = [(ref, off) for ref, _pack, off in snap.references(verify=True)]
+    if not refs:
+        return []
+    aseq = np.fromiter((r.access_seq for r, _ in refs), np.uint64, len(refs))
+    lengths = np.fromiter((r.length for r, _ in refs), np.int64, len(refs))
+    pack = np.fromiter((r.pack for r, _ in refs), np.int64, len(refs))
+    offs = np.fromiter((o for _, o in refs), np.int64, len(refs))
+    mru = np.argsort(-aseq.astype(np.float64), kind="stable")  # newest first
+    band = np.empty(len(refs), np.int64)
+    band[mru] = np.cumsum(lengths[mru]) // BAND_BYTES
+    band[mru[0]] = -1  # the most recent entry alone first: the first hit should not wait for a band
+    order = np.lexsort((offs, pack, band))
+    out = []
+    for n in order.tolist():
+        r, off = refs[n]
+        out.append(Item(r.key, r.flags, r.length, r.checksum, r.priority,
+                        (r.created, r.last_access, r.expiry, r.insert_seq, r.access_seq, r.access_count),
+                        (r.pack, off)))
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Reads values for the fill from the snapshot's packs: pread, with readahead ahead of it."""
+
+    def __init__(self, snap: "Snapshot", items: list[Item]) -> None:
+        self.snap = snap
+        self.items = items
+        self.fds: dict[int, int] = {}
+        self.ahead = 0  # items[:ahead] have had their readahead asked for
+        self.ahead_bytes = 0
+        self.buf = bytearray(1 << 20)
+
+    def fd(self, pack: int) -> int:
+        fd = self.fds.get(pack)
+        if fd is None:
+            fd = self.fds[pack] = self.snap.pack_fd(pack)
+        return fd
+
+    def readahead(self, pos: int, consumed: int) -> None:
+        """Ask for the records after items[pos] up to READAHEAD bytes ahead of what was read."""
+        items = self.items
+        self.ahead_bytes -= consumed
+        self.ahead = max(self.ahead, pos)
+        while self.ahead < len(items) and self.ahead_bytes < READAHEAD:
+            it = items[self.ahead]
+            pack, off = it.where
+            n = packs.REC_SIZE + len(it.key) + it.length
+            try:
+                os.posix_fadvise(self.fd(pack), off, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            self.ahead += 1
+            self.ahead_bytes += n
+
+    def value(self, it: Item) -> memoryview:
+        """The value of `it`, its record checked against the manifest (SnapshotCorrupt if it is not);
+        its own checksum is the caller's to check."""
+        pack, off = it.where
+        klen = len(it.key)
+        n = packs.REC_SIZE + klen + it.length
+        if len(self.buf) < n:
+            self.buf = bytearray(max(n, 2 * len(self.buf)))
+        view = memoryview(self.buf)[:n]
+        got = os.preadv(self.fd(pack), [view], off)
+        reader = self.snap.pack_reader(pack)
+        if got != n:
+            raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
+        reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
+        return view[packs.REC_SIZE + klen :]
+
+    def value_corrupt(self, it: Item) -> SnapshotCorrupt:
+        pack, off = it.where
+        return self.snap.pack_reader(pack).corrupt(self.snap.path, f"the value of the record at byte {off} fails "
+                                                                   "its checksum")
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+# ---------------------------------------------------------------- the fill
+
+
+class _Ended(Exception):
+    """The fill was stopped by someone else (its generation changed)."""
+
+
+def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Fill `core`'s pool from `snap` as its mark says, from where the mark says the fill got to.
+
+    The caller holds FILL_BYTE and checked that the mark names `snap`.
+    Returns the report restore gives: entries loaded, bytes, skipped,
+    corrupt (and the first damaged file's message), and how it ended
+    ("done", "stopped": the pool filled up with newer entries or was emptied).
+    Raises StorageIOError if the snapshot cannot be read (the mark stays:
+    the fill can be resumed), after taking back its own reservations.
+    """
+    h = core.header[0]
+    core.locked(core.reap_dead)  # a killed filler's reservations: their room is this fill's
+    gen = int(h["fill_gen"])
+    start = int(h["fill_done"])
+    items = manifest_items(snap)
+    reader = _Reader(snap, items)
+    todo = iter(items[start:])
+    reserve = _ReserveLater(core) if int(h["flags"]) & FLAG_RESERVED else None
+    report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
+              "corrupt_why": None, "ended": "done", "expiring": []}
+    pos = start
+    limit = 1  # bytes in the first batch: one entry
+    try:
+        while True:
+            batch = _take(todo, limit)
+            if not batch:
+                break
+            limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
+            reader.readahead(pos, 0)
+            full = _fill_batch(core, reader, batch, gen, report, pos)
+            pos += len(batch)
+            reader.readahead(pos, sum(packs.REC_SIZE + len(it.key) + it.length for it in batch))
+            if reserve is not None:
+                reserve.step()
+            if progress is not None:
+                progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
+            if full or os.fstat(core.seg.fd).st_nlink == 0:  # no room left, or the pool was deleted
+                report["ended"] = "stopped"
+                break
+        if reserve is not None:
+            reserve.rest()
+        core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED)
+    except _Ended:
+        report["ended"] = "stopped"
+    finally:
+        reader.close()
+    report["reserve_failed"] = reserve.failed if reserve is not None else None
+    # An entry whose TTL ran out while the fill ran is gone anyway: counted as expired, not as restored.
+    end = core.clock()
+    ran_out = [n for expiry, n in report.pop("expiring") if expiry <= end]
+    report["entries"] -= len(ran_out)
+    report["bytes"] -= sum(ran_out)
+    report["expired_skipped"] += len(ran_out)
+    return report
+
+
+def _take(todo: Iterator[Item], limit: int) -> list[Item]:
+    batch: list[Item] = []
+    nbytes = 0
+    for it in todo:
+        batch.append(it)
+        nbytes += it.length
+        if len(batch) >= BATCH_ENTRIES or nbytes >= limit:
+            break
+    return batch
+
+
+def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], gen: int, report: dict, pos: int) -> bool:
+    """Load one batch; True if the pool had no free room left for one of its entries (the fill ends)."""
+    now = core.clock()
+    slots, full = core.locked(_reserve_batch, core, batch, gen, now)
+    checks: list[int | None] = [None] * len(batch)
+    bad = 0
+    try:
+        for n, (it, where) in enumerate(zip(batch, slots)):
+            if where is None or where is _EXPIRED or where is _PRESENT:
+                continue
+            _i, off = where
+            try:
+                value = reader.value(it)
+                if xxhash.xxh3_64_intdigest(value) != it.checksum:
+                    raise reader.value_corrupt(it)
+            except SnapshotCorrupt as e:
+                report["corrupt"] += 1
+                bad += 1
+                report["corrupt_why"] = report["corrupt_why"] or str(e)
+                continue
+            except OSError as e:
+                raise StorageIOError(f"reading snapshot {str(reader.snap.path)!r}: {e.strerror or e}") from None
+            done = 0
+            total = len(value)
+            while done < total:
+                done += os.pwrite(core.seg.fd, value[done:], off + done)
+            checks[n] = it.checksum
+    except BaseException:
+        core.locked(_abort_batch, core, slots)
+        raise
+    core.locked(_seal_batch, core, batch, slots, checks, gen, report, bad)
+    return full
+
+
+_EXPIRED = object()
+_PRESENT = object()
+
+
+def _no_victim() -> None:
+    return None
+
+
+def _reserve_batch(core: "Core", batch: list[Item], gen: int, now: float) -> tuple[list[Any], bool]:
+    """Reserve room for the batch's entries (lock held), never evicting.  Per entry (slot, offset),
+    _EXPIRED, _PRESENT, or None past the first that found no room; and whether one did not."""
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        raise _Ended
+    out: list[Any] = []
+    full = False
+    core.evict_one = _no_victim  # this instance's allocations find no victim: PoolFull instead
+    try:
+        for it in batch:
+            if full:
+                out.append(None)
+                continue
+            expiry = it.meta[2]
+            if 0 < expiry <= now:
+                out.append(_EXPIRED)
+                continue
+            kh = xxhash.xxh3_64_intdigest(it.key)
+            if core.find(it.key, kh) >= 0:
+                out.append(_PRESENT)
+                continue
+            try:
+                nblk = core.blocks_or_raise(it.length, "snapshot entry")
+                out.append(core.reserve(it.key, kh, it.flags & SLOT_FLAG_STR_KEY, it.length, nblk))
+            except (PoolFull, CortexCacheError):
+                full = True
+                out.append(None)
+    finally:
+        del core.evict_one
+    return out, full
+
+
+def _abort_batch(core: "Core", slots: list[Any]) -> None:
+    for where in slots:
+        if isinstance(where, tuple):
+            core.abort(where[0])
+
+
+def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[int | None], gen: int,
+                report: dict, bad: int) -> None:
+    """Seal what was read and checked, give the rest back, advance the mark (lock held)."""
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        _abort_batch(core, slots)
+        raise _Ended
+    loaded = nbytes = skipped = 0
+    processed = 0
+    for it, where, checksum in zip(batch, slots, checks):
+        if where is None:
+            break  # no room from here on: these entries are not processed
+        processed += 1
+        if where is _EXPIRED or where is _PRESENT:
+            skipped += 1
+            report["expired_skipped" if where is _EXPIRED else "present_skipped"] += 1
+            continue
+        i = where[0]
+        if checksum is None or not core.is_writing(i):
+            core.abort(i)
+            continue
+        kh = xxhash.xxh3_64_intdigest(it.key)
+        if core.find(it.key, kh) >= 0:
+            core.abort(i)  # put while we read: the newer value stays
+            skipped += 1
+            report["present_skipped"] += 1
+            continue
+        core.seal(i, it.key, kh, checksum, None, it.priority, False)
+        core.restore_meta(i, *it.meta)
+        if it.meta[2]:
+            report["expiring"].append((it.meta[2], it.length))
+        loaded += 1
+        nbytes += it.length
+    h["fill_done"] = int(h["fill_done"]) + processed
+    h["fill_bytes"] = int(h["fill_bytes"]) + nbytes
+    h["fill_skipped"] = int(h["fill_skipped"]) + skipped
+    h["fill_corrupt"] = int(h["fill_corrupt"]) + bad
+    report["entries"] += loaded
+    report["bytes"] += nbytes
+
+
+def _finish(core: "Core", gen: int, end: int) -> None:
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        raise _Ended
+    h["fill_state"] = end
+    h["fill_ended"] = time.time()
+
+
+class _ReserveLater:
+    """posix_fallocate of a pool's data region in RESERVE_STEP pieces, from the end down (see the module)."""
+
+    def __init__(self, core: "Core") -> None:
+        self.core = core
+        self.fd = core.seg.fd
+        self.low = core.geometry.data_off
+        self.cursor = self.low + core.geometry.data_size
+        self.failed: str | None = None
+
+    def step(self) -> None:
+        if self.cursor <= self.low or self.failed:
+            return
+        start = max(self.low, self.cursor - RESERVE_STEP)
+        try:
+            os.posix_fallocate(self.fd, start, self.cursor - start)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self.cursor = self.low
+                return
+            self.failed = e.strerror or str(e)
+            return
+        self.cursor = start
+
+    def rest(self) -> None:
+        while self.cursor > self.low and not self.failed:
+            self.step()
+        if self.failed:  # say the truth in status: this pool's memory is not all its own
+            self.core.locked(_unreserved, self.core)
+
+
+def _unreserved(core: "Core") -> None:
+    h = core.header[0]
+    h["flags"] = int(h["flags"]) & ~FLAG_RESERVED
+
+
+__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "busy_reason",
+           "manifest_items", "run"]
