@@ -571,7 +571,6 @@ def restore(
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing or --replace: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     trust_tiers: bool = typer.Option(False, "--trust-tiers", help="Attach the snapshot's disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)."),
     background: bool = typer.Option(False, "--background", help="Return as soon as the pool is published; a process of its own fills it (status shows how far it got). What the boot line and the systemd unit use."),
-    publish_marker: bool = typer.Option(False, "--publish-marker", hidden=True),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -610,34 +609,14 @@ def restore(
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
     if background and replace:
         raise UsageError("--background is for a pool that is missing: --replace swaps in a complete pool")
-    parsed_mode = _parse_mode(mode) if mode is not None else None
-    if background:
-        args = ["cache", "restore", name, "--publish-marker"]
-        args += ["--input", input_] if input_ is not None else []
-        args += ["--mode", mode] if mode is not None else []
-        args += [flag for flag, on in (("--if-missing", if_missing), ("--allow-other-owner", allow_other_owner),
-                                       ("--trust-tiers", trust_tiers)) if on]
-        report = cli_io.start_filler(args)
-        if as_json:
-            print_json(report)
-        elif report["skipped"]:
-            say(f"pool {name} exists; nothing restored" + (" (another restore is filling it)"
-                                                            if report.get("filling") else ""))
-        elif report.get("filling"):
-            say_published(report)
-        else:
-            say_restored(report)  # a self-contained file: published complete
-        return
-    on_published = cli_io.publish_marker if publish_marker else None
-    pool, report = run_with_progress(
-        f"restore {name}",
-        lambda cb: snap.restore(input_, name=name, replace=replace, progress=None if publish_marker else cb,
-                                if_missing=if_missing, mode=parsed_mode, trust_tiers=trust_tiers,
-                                allow_other_owner=allow_other_owner, on_published=on_published),
-    )
+    def run(cb):
+        return snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
+                            mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers,
+                            allow_other_owner=allow_other_owner, detach=background)
+
+    # --background forks the filler: no progress bar (its refresh thread) may be running then.
+    pool, report = run(None) if background else run_with_progress(f"restore {name}", run)
     if pool is None:  # --if-missing, and the pool is there
-        if publish_marker:
-            cli_io.publish_marker(report)
         if as_json:
             print_json(report)
         else:
@@ -645,8 +624,12 @@ def restore(
                                                             if report.get("filling") else ""))
         return
     pool.close()
-    if publish_marker and report.get("published_seconds") is None:  # built whole aside: published only now
-        cli_io.publish_marker(report)
+    if report.get("filler_pid"):
+        if as_json:
+            print_json(report)
+        else:
+            say_published(report)
+        return
     secs = report["seconds"]
     report["gbps"] = round(report["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0
     if as_json:

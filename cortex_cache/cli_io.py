@@ -214,49 +214,7 @@ def run_guarded(command: Callable[[], Any], debug: bool, as_json: bool) -> int:
     return code
 
 
-# The line a background restore's filler writes once the pool is published (restore --background).
-PUBLISHED = b"cortex-published "
-
-
-def publish_marker(report: dict[str, Any]) -> None:
-    """In a filler started by `start_filler`: hand the report to the command that started it, and stop
-    writing to its pipes (it returns now; this process goes on filling the pool alone)."""
-    sys.stderr.flush()
-    os.write(2, PUBLISHED + json.dumps(report, default=str).encode() + b"\n")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-
-
-def start_filler(args: list[str]) -> dict[str, Any]:
-    """Run `cortex ARGS` (a restore with --publish-marker) in a session of its own, and return its report
-    once it has published the pool (or found it there), leaving it to fill the pool.  If it fails before
-    that, its error line and exit status are this command's."""
-    import subprocess
-
-    proc = subprocess.Popen([sys.executable, "-m", "cortex_cache", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    said = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith(PUBLISHED):
-            proc.stderr.close()
-            report = json.loads(line[len(PUBLISHED):])
-            report["filler_pid"] = proc.pid
-            proc.returncode = 0  # not ours to wait for: it outlives this command
-            return report
-        said.append(line)
-    rc = proc.wait()
-    sys.stderr.flush()
-    for line in said:
-        sys.stderr.buffer.write(line)
-    sys.stderr.flush()
-    raise typer.Exit(rc or EX_SOFTWARE)
-
-
 __all__ = [
-    "PUBLISHED", "publish_marker", "start_filler",
     "read_value", "create_output", "discard_output", "write_value", "one_line", "error", "usage_words",
     "is_usage_error", "IO_ERRNOS", "drop_stdout", "run_guarded",
 ]

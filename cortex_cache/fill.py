@@ -21,14 +21,14 @@ is still verified whole before its pool appears (restore.py).
   value that fails its checksum is not loaded; it is counted (fill_corrupt)
   and the fill goes on.  The first batch is one entry, so the most recent
   entry is there within milliseconds of the publish.
-- **Reads**: each record is read with pread into a buffer and written into the
-  segment with pwrite (no page faults on either side), while posix_fadvise
-  WILLNEED keeps READAHEAD bytes of the coming records in flight, so the disk
-  never waits for the checksum and the copy.
-- **Memory**: a pool that reserves its memory gets it in RESERVE_STEP pieces,
-  one per batch, from the end of the data region down (the fill writes from
-  the start, and pages it writes need no zeroing), so the publish does not
-  wait for seconds of posix_fallocate.
+- **A pipeline on three threads**: one reads the coming batches' records with
+  pread into reused buffers (posix_fadvise WILLNEED keeping READAHEAD bytes
+  of them in flight, so the disk never waits), the filling thread copies each
+  value into its reservation through the mapping and hashes it in the same
+  pass (copy_hash, without the GIL), and for a pool that reserves its memory
+  a third one posix_fallocates the data region ahead of the copies (the
+  zeroing of fresh shared memory is most of a fill's CPU time), so the
+  publish does not wait for seconds of posix_fallocate either.
 - **Crashes**: the mark is advanced in the lock hold that seals, so a filler
   killed at any point leaves its loaded entries and a mark from which the
   next `restore --if-missing` (or `restore NAME`) goes on; the killed one's
@@ -44,7 +44,10 @@ retire the whole one); `evict --all` and `restore --replace` stop it.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
@@ -75,8 +78,8 @@ FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (
 BAND_BYTES = 64 << 20
 READAHEAD = 64 << 20
 BATCH_ENTRIES = 64
-BATCH_BYTES = 16 << 20
-RESERVE_STEP = 64 << 20
+BATCH_BYTES = 8 << 20
+PREPARE_STEP = 32 << 20
 FILL_STATES = {FILL_NONE: None, FILL_RUNNING: "filling", FILL_DONE: "done", FILL_STOPPED: "stopped",
                FILL_FAILED: "failed"}
 
@@ -214,15 +217,31 @@ def manifest_items(snap: "Snapshot") -> list[Item]:
 
 
 class _Reader:
-    """Reads values for the fill from the snapshot's packs: pread, with readahead ahead of it."""
+    """Reads the fill's batches on a thread of its own, ahead of the one that copies them into the pool.
+
+    Batches come out in the fill's order through a queue of DEPTH, each as
+    (items, values): every value a view of a reused buffer holding its
+    record, whose head was checked against the manifest, or the
+    SnapshotCorrupt that says why it could not be used.  The first batch is
+    one entry; each next one twice the bytes of the last, up to BATCH_BYTES.
+    posix_fadvise WILLNEED keeps READAHEAD bytes of the coming records in
+    flight, so the disk never waits for the copy; the preads let the GIL go.
+    """
+
+    DEPTH = 2
 
     def __init__(self, snap: "Snapshot", items: list[Item]) -> None:
         self.snap = snap
         self.items = items
         self.fds: dict[int, int] = {}
         self.ahead = 0  # items[:ahead] have had their readahead asked for
-        self.ahead_bytes = 0
-        self.buf = bytearray(1 << 20)
+        self.asked = 0  # bytes asked for ahead of the read cursor
+        self.queue: queue.Queue = queue.Queue(self.DEPTH)
+        self.free: queue.Queue = queue.Queue()  # buffers copied from, to read into again
+        self.made = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cortex-fill-reader", daemon=True)
+        self.thread.start()
 
     def fd(self, pack: int) -> int:
         fd = self.fds.get(pack)
@@ -230,12 +249,66 @@ class _Reader:
             fd = self.fds[pack] = self.snap.pack_fd(pack)
         return fd
 
-    def readahead(self, pos: int, consumed: int) -> None:
-        """Ask for the records after items[pos] up to READAHEAD bytes ahead of what was read."""
+    def batches(self) -> Iterator[tuple[list[Item], list[Any], Any]]:
+        """(items, values, buffer) per batch; give each buffer back with `done` once copied."""
+        while True:
+            got = self.queue.get()
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def done(self, buf: Any) -> None:
+        self.free.put(buf)
+
+    def _buffer(self, nbytes: int) -> Any:
+        """A buffer of at least `nbytes`: one given back, or a new one while fewer than DEPTH + 2 exist (DEPTH
+        queued, one being copied from, one being read into).  Anonymous mappings: no zeroing pass, their
+        pages come with the first pread into them."""
+        if self.made < self.DEPTH + 2 and self.free.empty():
+            self.made += 1
+            return mmap.mmap(-1, max(nbytes, 1 << 20))
+        buf = self.free.get()
+        if len(buf) < nbytes:  # the old one goes with the last view of it
+            buf = mmap.mmap(-1, nbytes)
+        return buf
+
+    def _run(self) -> None:
+        try:
+            pos, limit, items = 0, 1, self.items
+            while pos < len(items) and not self.stopping.is_set():
+                batch: list[Item] = []
+                nbytes = 0
+                while pos < len(items) and len(batch) < BATCH_ENTRIES and nbytes < limit:
+                    batch.append(items[pos])
+                    nbytes += packs.REC_SIZE + len(items[pos].key) + items[pos].length
+                    pos += 1
+                limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
+                buf = self._buffer(nbytes)
+                self._readahead(pos, nbytes)
+                values = self._read(batch, buf)
+                self._put((batch, values, buf))
+        except BaseException as e:  # an I/O error: the fill stops, resumable
+            self._put(StorageIOError(f"reading snapshot {str(self.snap.path)!r}: "
+                                     f"{getattr(e, 'strerror', None) or e}"))
+            return
+        self._put(None)
+
+    def _put(self, what: Any) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(what, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def _readahead(self, pos: int, consumed: int) -> None:
+        """Ask for the records from items[pos] on, up to READAHEAD bytes ahead of what was read."""
         items = self.items
-        self.ahead_bytes -= consumed
+        self.asked -= consumed
         self.ahead = max(self.ahead, pos)
-        while self.ahead < len(items) and self.ahead_bytes < READAHEAD:
+        while self.ahead < len(items) and self.asked < READAHEAD:
             it = items[self.ahead]
             pack, off = it.where
             n = packs.REC_SIZE + len(it.key) + it.length
@@ -244,23 +317,29 @@ class _Reader:
             except OSError:
                 pass
             self.ahead += 1
-            self.ahead_bytes += n
+            self.asked += n
 
-    def value(self, it: Item) -> memoryview:
-        """The value of `it`, its record checked against the manifest (SnapshotCorrupt if it is not);
-        its own checksum is the caller's to check."""
-        pack, off = it.where
-        klen = len(it.key)
-        n = packs.REC_SIZE + klen + it.length
-        if len(self.buf) < n:
-            self.buf = bytearray(max(n, 2 * len(self.buf)))
-        view = memoryview(self.buf)[:n]
-        got = os.preadv(self.fd(pack), [view], off)
-        reader = self.snap.pack_reader(pack)
-        if got != n:
-            raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
-        reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
-        return view[packs.REC_SIZE + klen :]
+    def _read(self, batch: list[Item], buf: Any) -> list[Any]:
+        out: list[Any] = []
+        mv = memoryview(buf)
+        at = 0
+        for it in batch:
+            pack, off = it.where
+            klen = len(it.key)
+            n = packs.REC_SIZE + klen + it.length
+            view = mv[at : at + n]
+            at += n
+            reader = self.snap.pack_reader(pack)
+            got = os.preadv(self.fd(pack), [view], off)
+            try:
+                if got != n:
+                    raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
+                reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
+            except SnapshotCorrupt as e:
+                out.append(e)
+                continue
+            out.append(view[packs.REC_SIZE + klen :])
+        return out
 
     def value_corrupt(self, it: Item) -> SnapshotCorrupt:
         pack, off = it.where
@@ -268,6 +347,13 @@ class _Reader:
                                                                    "its checksum")
 
     def close(self) -> None:
+        self.stopping.set()
+        while self.thread.is_alive():  # unblock a put waiting for room, then let it see `stopping`
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.thread.join()
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
@@ -295,38 +381,30 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     gen = int(h["fill_gen"])
     start = int(h["fill_done"])
     items = manifest_items(snap)
-    reader = _Reader(snap, items)
-    todo = iter(items[start:])
-    reserve = _ReserveLater(core) if int(h["flags"]) & FLAG_RESERVED else None
+    block = core.geometry.block_size
+    extent = sum(-(-it.length // block) for it in items[start:]) * block
+    prepare = _Prepare(core, extent)
     report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
               "corrupt_why": None, "ended": "done", "expiring": []}
-    pos = start
-    limit = 1  # bytes in the first batch: one entry
+    reader = _Reader(snap, items[start:])
     try:
-        while True:
-            batch = _take(todo, limit)
-            if not batch:
-                break
-            limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
-            reader.readahead(pos, 0)
-            full = _fill_batch(core, reader, batch, gen, report, pos)
-            pos += len(batch)
-            reader.readahead(pos, sum(packs.REC_SIZE + len(it.key) + it.length for it in batch))
-            if reserve is not None:
-                reserve.step()
+        for batch, values, buf in reader.batches():
+            full = _fill_batch(core, reader, batch, values, gen, report)
+            reader.done(buf)
             if progress is not None:
                 progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
             if full or os.fstat(core.seg.fd).st_nlink == 0:  # no room left, or the pool was deleted
                 report["ended"] = "stopped"
                 break
-        if reserve is not None:
-            reserve.rest()
+        prepare.finish()
         core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED)
     except _Ended:
         report["ended"] = "stopped"
+        prepare.finish()
     finally:
         reader.close()
-    report["reserve_failed"] = reserve.failed if reserve is not None else None
+        prepare.stop()  # interrupted: the next fill of the pool reserves the rest
+    report["reserve_failed"] = prepare.failed
     # An entry whose TTL ran out while the fill ran is gone anyway: counted as expired, not as restored.
     end = core.clock()
     ran_out = [n for expiry, n in report.pop("expiring") if expiry <= end]
@@ -336,43 +414,32 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     return report
 
 
-def _take(todo: Iterator[Item], limit: int) -> list[Item]:
-    batch: list[Item] = []
-    nbytes = 0
-    for it in todo:
-        batch.append(it)
-        nbytes += it.length
-        if len(batch) >= BATCH_ENTRIES or nbytes >= limit:
-            break
-    return batch
+def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[Any], gen: int, report: dict) -> bool:
+    """Load one batch read by `reader`; True if the pool had no free room left for one of its entries (the
+    fill ends).  Each value is copied into its reservation and hashed in the same pass (copy_hash, the
+    GIL let go): the checksum is of the bytes the pool now holds."""
+    from .copyhash import copy_hash  # here: copyhash imports core, which imports stats, which imports this
 
-
-def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], gen: int, report: dict, pos: int) -> bool:
-    """Load one batch; True if the pool had no free room left for one of its entries (the fill ends)."""
     now = core.clock()
     slots, full = core.locked(_reserve_batch, core, batch, gen, now)
     checks: list[int | None] = [None] * len(batch)
     bad = 0
+    mv = core.mv
     try:
-        for n, (it, where) in enumerate(zip(batch, slots)):
+        for n, (it, where, value) in enumerate(zip(batch, slots, values)):
             if where is None or where is _EXPIRED or where is _PRESENT:
                 continue
             _i, off = where
             try:
-                value = reader.value(it)
-                if xxhash.xxh3_64_intdigest(value) != it.checksum:
+                if isinstance(value, SnapshotCorrupt):
+                    raise value
+                if copy_hash(mv[off : off + it.length], value) != it.checksum:
                     raise reader.value_corrupt(it)
             except SnapshotCorrupt as e:
                 report["corrupt"] += 1
                 bad += 1
                 report["corrupt_why"] = report["corrupt_why"] or str(e)
                 continue
-            except OSError as e:
-                raise StorageIOError(f"reading snapshot {str(reader.snap.path)!r}: {e.strerror or e}") from None
-            done = 0
-            total = len(value)
-            while done < total:
-                done += os.pwrite(core.seg.fd, value[done:], off + done)
             checks[n] = it.checksum
     except BaseException:
         core.locked(_abort_batch, core, slots)
@@ -477,35 +544,58 @@ def _finish(core: "Core", gen: int, end: int) -> None:
     h["fill_ended"] = time.time()
 
 
-class _ReserveLater:
-    """posix_fallocate of a pool's data region in RESERVE_STEP pieces, from the end down (see the module)."""
+class _Prepare:
+    """Gets the memory the fill will copy into ready on a thread of its own, PREPARE_STEP at a time from the
+    start of the data region (where an empty pool's allocations go), ahead of the copies: posix_fallocate
+    for a pool that reserves its memory (the whole region; the zeroing of fresh shared memory is most of
+    a fill's CPU time) and MADV_POPULATE_WRITE of the first `extent` bytes, so that the copies meet mapped
+    pages instead of a page fault per 4 KiB.  Copies that overtake it fault as any write does."""
 
-    def __init__(self, core: "Core") -> None:
+    def __init__(self, core: "Core", extent: int) -> None:
         self.core = core
         self.fd = core.seg.fd
-        self.low = core.geometry.data_off
-        self.cursor = self.low + core.geometry.data_size
+        self.reserve = bool(int(core.header[0]["flags"]) & FLAG_RESERVED)
+        self.start = core.geometry.data_off
+        self.end = self.start + core.geometry.data_size
+        self.extent = self.start + min(extent, core.geometry.data_size)
         self.failed: str | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cortex-fill-prepare", daemon=True)
+        self.thread.start()
 
-    def step(self) -> None:
-        if self.cursor <= self.low or self.failed:
-            return
-        start = max(self.low, self.cursor - RESERVE_STEP)
-        try:
-            os.posix_fallocate(self.fd, start, self.cursor - start)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                self.cursor = self.low
-                return
-            self.failed = e.strerror or str(e)
-            return
-        self.cursor = start
+    def _run(self) -> None:
+        fast = self.core.fast
+        seg = self.core.seg
+        cursor = self.start
+        stop = self.end if self.reserve else self.extent
+        while cursor < stop and not self.stopping.is_set():
+            n = min(PREPARE_STEP, stop - cursor)
+            if self.reserve and not self.failed:
+                try:
+                    os.posix_fallocate(self.fd, cursor, n)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        self.failed = e.strerror or str(e)  # no populate past memory we could not have
+                        return
+            if cursor < self.extent:
+                m = min(n, self.extent - cursor)
+                try:
+                    if not (fast.populate(cursor, m) if fast is not None else seg.populate(cursor, m)):
+                        stop = min(stop, self.extent)  # the kernel cannot: reserve only
+                        self.extent = cursor
+                except (OSError, ValueError):
+                    self.extent = cursor
+            cursor += n
 
-    def rest(self) -> None:
-        while self.cursor > self.low and not self.failed:
-            self.step()
-        if self.failed:  # say the truth in status: this pool's memory is not all its own
+    def finish(self) -> None:
+        """Wait for it (the fill is done); say the truth in the header if the memory could not all be had."""
+        self.thread.join()
+        if self.failed:
             self.core.locked(_unreserved, self.core)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
 
 
 def _unreserved(core: "Core") -> None:

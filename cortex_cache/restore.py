@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import secrets
 import stat
 import tempfile
@@ -67,8 +68,7 @@ def restore(
     if_missing: bool = False,
     trust_tiers: bool = False,
     allow_other_owner: bool = False,
-    wait: bool = True,
-    on_published: Callable[[dict[str, Any]], None] | None = None,
+    detach: bool = False,
 ) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
@@ -77,12 +77,11 @@ def restore(
     (fill.py): it is built under a temporary name with the snapshot's
     configuration and counters, appears under its real name before any
     value is in, and the values come in most recently used first while
-    every process may use it (an entry not loaded yet is a miss).  With
-    `wait` (default) this call fills it and returns when the fill ended;
-    without, it returns once the pool is published and the fill is left to
-    a later call (the CLI's --background starts one in a process of its
-    own; `on_published` is called with the report so far the moment other
-    processes can use the pool).  A fill that was interrupted (its process killed) is finished by
+    every process may use it (an entry not loaded yet is a miss).  This
+    call fills it and returns when the fill ended; with `detach` (the CLI's
+    --background) it forks a process that fills it and returns once the pool
+    is published (the report's "filler_pid"; call it from a program with no
+    other threads, as fork requires).  A fill that was interrupted (its process killed) is finished by
     the next restore of the pool without `replace`, from where it stopped;
     the report's "resumed" says so.  A self-contained file (persist
     --output), and a snapshot whose path does not fit the pool's header
@@ -133,8 +132,8 @@ def restore(
     if name is not None:
         segment.validate_name(name)
         if not replace and segment.exists(name):
-            done = _resume(Pool, name, None if private else path, progress, clock, allow_other_owner, wait,
-                           if_missing, on_published)
+            done = _resume(Pool, name, None if private else path, progress, clock, allow_other_owner, detach,
+                           if_missing)
             if done is not None:
                 return done
             if if_missing:
@@ -158,8 +157,8 @@ def restore(
             report["not_attached"] = None  # the pool's own configuration is kept, not the snapshot's
         else:
             try:
-                pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers, private, wait, t0,
-                                              on_published)
+                pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers, private, detach,
+                                              t0)
             except PoolExists:
                 if not if_missing or not segment.exists(target):
                     raise
@@ -178,8 +177,8 @@ def _skipped(name: str, path, filling: bool = False) -> dict[str, Any]:
             "filling": filling}
 
 
-def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_owner: bool, wait: bool,
-            if_missing: bool, on_published=None) -> tuple["Pool | None", dict[str, Any]] | None:
+def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_owner: bool, detach: bool,
+            if_missing: bool) -> tuple["Pool | None", dict[str, Any]] | None:
     """Finish the fill of existing pool `name` if it was interrupted (fill.py); None if it has none to
     finish.  `path` None: the pool's own snapshot in the snapshot directory (the mark must name one of
     them); else the file given, which must be the one the mark names."""
@@ -223,13 +222,15 @@ def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_ow
             report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "filling": True, "published_seconds": 0.0,
                       "path": marked, "pool": name, "skipped": False, "resumed": True, "tiers": {},
                       "not_attached": None, "trusted": path is None or None}
-            if wait:
-                lock = RecordLock(core.seg.fd, fill.FILL_BYTE)
-                if not lock.try_acquire():
-                    raise PersistBusy(f"pool {name!r} is being filled by another restore")
+            lock = RecordLock(core.seg.fd, fill.FILL_BYTE)
+            if not lock.try_acquire():
+                raise PersistBusy(f"pool {name!r} is being filled by another restore")
+            if detach:
+                # The filler inherits the pool's descriptor, and with it the lock (OFD locks belong to
+                # the open file): this process lets go of its copy without releasing it.
+                report["filler_pid"] = _detached_fill(lambda: Pool.open(name, clock=clock), snap)
+            else:
                 try:
-                    if on_published is not None:
-                        on_published({**report, "seconds": round(time.perf_counter() - t0, 6)})
                     report.update(_run_fill(core, snap, progress))
                 finally:
                     lock.release()
@@ -238,6 +239,40 @@ def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_ow
     except BaseException:
         pool.close()
         raise
+
+
+def _detached_fill(opener: Callable[[], "Pool"], snap: Snapshot, quiet: contextlib.ExitStack | None = None) -> int:
+    """Fork a process that fills the pool (a handle of its own from `opener`: one is not inherited across
+    fork) and exits; its pid.
+
+    It holds the fill lock through the descriptors it inherits, runs in a
+    session of its own with no terminal (stdin, stdout and stderr are
+    /dev/null: status and the fill's header fields say how it goes), and
+    SIGTERM stops it as it stops any restore, leaving the fill resumable."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        if quiet is not None:
+            quiet.close()  # signals that waited for the publish reach the filler now
+        pool = opener()  # kept referenced: a collected handle closes its pool
+        _run_fill(pool.core, snap, None)
+    except interrupts.Interrupted as e:
+        code = e.exit_code
+    except CortexCacheError as e:
+        code = e.exit_code
+    except BaseException:
+        code = 70
+    finally:
+        os._exit(code)
 
 
 def _same_file(a, b) -> bool:
@@ -322,8 +357,8 @@ def _tiers_kept(pool: "Pool") -> dict[str, str]:
 
 
 def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
-                 clock, trust_tiers: bool = False, private: bool = False, wait: bool = True,
-                 t0: float = 0.0, on_published=None) -> tuple["Pool", dict[str, Any]]:
+                 clock, trust_tiers: bool = False, private: bool = False, detach: bool = False,
+                 t0: float = 0.0) -> tuple["Pool", dict[str, Any]]:
     """Create pool `target` from the snapshot's whole configuration, under a staging name first; publish
     it before its values are in and fill it (fill.py), or, for a snapshot whose path the fill mark cannot
     hold, fill it whole first."""
@@ -363,7 +398,6 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], _reserve_later=later, **tier_kw,
     )
     lock_fd = -1
-    fill_lock = None
     quiet = contextlib.ExitStack()
     try:
         if new_mode & 0o060 and snap.untrusted is None and snap.file_gid != os.getegid():
@@ -383,10 +417,10 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
             if h.counters is not None:
                 core.header["seq"] = h.counters["seq"]  # new puts are more recent than every entry to come
             fill.mark(core, snap, private)
-            if wait:  # held from before the publish, so nobody ever sees this fill without its filler
-                lock_fd = os.open(segment.shm_path(staging), os.O_RDWR | os.O_CLOEXEC)
-                fill_lock = RecordLock(lock_fd, fill.FILL_BYTE)
-                fill_lock.acquire()
+            # Held from before the publish to the fill's end (by the filler, when detached), so that
+            # nobody ever sees this fill without its filler.
+            lock_fd = os.open(segment.shm_path(staging), os.O_RDWR | os.O_CLOEXEC)
+            RecordLock(lock_fd, fill.FILL_BYTE).acquire()
             report = {"entries": 0, "bytes": 0, "expired_skipped": 0}
         else:
             report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
@@ -419,30 +453,28 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     report["not_attached"] = not_attached
     report["published_seconds"] = None
     try:
+        if later:
+            report["published_seconds"] = round(time.perf_counter() - t0, 6)
+            report["filling"] = True
+            if detach:  # before this process opens the pool (a remote tier would start a thread)
+                report["filler_pid"] = _detached_fill(lambda: Pool.open(target, clock=clock), snap, quiet)
         out = Pool.open(target, clock=clock)
         try:
-            if later:
-                report["published_seconds"] = round(time.perf_counter() - t0, 6)
-                report["filling"] = True
-                if on_published is not None:
-                    on_published({**report, "pool": target, "path": str(Path(snap.path)), "skipped": False,
-                                  "resumed": False, "seconds": report["published_seconds"],
-                                  "trusted": snap.untrusted is None})
+            if later and not detach:
                 try:
                     quiet.close()  # a signal that waited for the publish interrupts now
                 except interrupts.Interrupted as e:
                     e.kept = (f"pool {target!r} stays, published with none of its values yet; "
                               f"`cortex cache restore {target} --if-missing` fills it")
                     raise
-                if fill_lock is not None:
-                    report.update(_run_fill(out.core, snap, progress))
+                report.update(_run_fill(out.core, snap, progress))
         except BaseException:
             out.close()
             raise
     finally:
         quiet.close()
         if lock_fd >= 0:
-            os.close(lock_fd)  # the fill lock goes with it
+            os.close(lock_fd)  # the fill lock goes with it (or stays the filler's, when detached)
     return out, report
 
 

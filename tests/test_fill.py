@@ -40,15 +40,16 @@ if where == "batch":  # after the n-th batch was sealed
         calls += 1
         if calls == n:
             pause()
-else:  # inside a batch, its reservations made: before the n-th value is read
-    real = fill._Reader.value
-    def value(self, it):
+else:  # inside a batch, its reservations made: before the n-th value is copied into the pool
+    import cortex_cache.copyhash as ch
+    real = ch.copy_hash
+    def copy_hash(dst, src):
         global calls
         calls += 1
         if calls == n:
             pause()
-        return real(self, it)
-    fill._Reader.value = value
+        return real(dst, src)
+    ch.copy_hash = copy_hash
 pool, report = persist.restore(None, name=name, progress=progress)
 pool.close()
 print(json.dumps(report), flush=True)

@@ -276,15 +276,15 @@ def test_a_signal_during_the_fill_of_a_published_pool_keeps_it_for_the_next_rest
     p.close()
     assert cli("cache", "delete", name, "--force").returncode == 0
     child = Child("""
-        import cortex_cache.fill as f
-        orig = f._Reader.value
+        import cortex_cache.copyhash as ch
+        orig = ch.copy_hash
         calls = []
-        def value(*a):
+        def copy_hash(*a):
             calls.append(1)
             if len(calls) == 2:
                 stop()
             return orig(*a)
-        f._Reader.value = value
+        ch.copy_hash = copy_hash
         """, ["cache", "restore", name])
     child.wait_stopped()  # published, one entry in, the second batch reserved
     child.proc.send_signal(signal.SIGTERM)
