@@ -17,9 +17,9 @@ DONTNEED of each file; the share still resident, by mincore, is printed):
   restore  `cortex cache restore NAME --if-missing --background`, started as a
            new process (its Python start included), while a probe process opens
            the pool by name as soon as it exists and reads the most recently
-           used entry until it gets it (the first hit), then keeps reading
-           random entries until the fill ends: another process using the pool
-           throughout.  The fill's time is the header's fill_started to
+           used entry until it gets it (the first hit), then reads a random
+           entry every millisecond until the fill ends: another process using
+           the pool throughout.  The fill's time is the header's fill_started to
            fill_ended; "whole" is from the command's start to the fill's end.
 
 Targets (issue 26): the first hit <= 1.0 s after the command starts, at every
@@ -80,6 +80,7 @@ deadline = time.perf_counter() + 600
 while int(h["fill_state"]) == 1 and time.perf_counter() < deadline:
     gets += 1
     hits += q.get(f"k{int(rng.integers(n)):06d}") is not None
+    time.sleep(0.001)  # an engine's pace, not a core spinning on the pool
 q.close()
 print(json.dumps({"opened": opened, "first_hit": hit, "gets": gets, "hits": hits}), flush=True)
 """
