@@ -13,7 +13,9 @@ DONTNEED of each file; the share still resident, by mincore, is printed):
            its packs), 1 MiB readinto calls: the disk's speed, the baseline.
   ahead    the same read asking for the next 64 MiB ahead of it (posix_fadvise
            WILLNEED), as the fill does: the disk's speed with a deep queue,
-           shown beside the target's baseline.
+           shown beside the target's baseline; then as many bytes pwritten
+           into a new /dev/shm file: what fresh shared memory costs here (a
+           fill can go no faster than the slower of the two).
   restore  `cortex cache restore NAME --if-missing --background`, started as a
            new process (its Python start included), while a probe process opens
            the pool by name as soon as it exists and reads the most recently
@@ -132,6 +134,24 @@ def read_ahead(files: list[Path], ring: memoryview) -> float:
     return time.perf_counter() - t
 
 
+def shm_write(nbytes: int, ring: memoryview) -> float:
+    """Seconds to pwrite `nbytes` in 1 MiB pieces into a new file in /dev/shm: what getting that much fresh
+    shared memory and filling it costs here, the other bound on a fill (then the file is removed)."""
+    path = f"/dev/shm/ccbench-{os.getpid()}-fresh"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        t = time.perf_counter()
+        pos = 0
+        while pos < nbytes:
+            n = min(1 << 20, nbytes - pos)
+            os.pwrite(fd, ring[(pos % (RING - (1 << 20))) :][:n], pos)
+            pos += n
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def one_size(gib: float, rounds: int, workdir: Path, ring: np.ndarray) -> dict:
     from cortex_cache import Pool
     from cortex_cache.fill import FILL_BYTE
@@ -159,7 +179,7 @@ def one_size(gib: float, rounds: int, workdir: Path, ring: np.ndarray) -> dict:
     files = snapshot_files(snaps)
     nbytes = sum(p.stat().st_size for p in files)
     ring_mv = memoryview(ring).cast("B")
-    out: dict = {"gib": gib, "entries": n, "snapshot_bytes": nbytes, "read": [], "read_ahead": [], "fill": [],
+    out: dict = {"gib": gib, "entries": n, "snapshot_bytes": nbytes, "read": [], "read_ahead": [], "shm_write": [], "fill": [],
                  "whole": [],
                  "first_hit": [], "published": [], "probe_gets": [], "resident": []}
     cortex = [sys.executable, "-m", "cortex_cache", "cache", "restore", name, "--if-missing", "--background",
@@ -173,6 +193,7 @@ def one_size(gib: float, rounds: int, workdir: Path, ring: np.ndarray) -> dict:
                     continue
                 if step == "read_ahead":
                     out["read_ahead"].append(read_ahead(files, ring_mv))
+                    out["shm_write"].append(shm_write(nbytes, ring_mv))
                     continue
                 probe = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PROBE), name, mru, str(n)],
                                          stdout=subprocess.PIPE, text=True)
@@ -210,10 +231,12 @@ def one_size(gib: float, rounds: int, workdir: Path, ring: np.ndarray) -> dict:
         if Pool.exists(name):
             Pool.unlink(name)
         shutil.rmtree(snaps, ignore_errors=True)
-    med = {k: statistics.median(out[k]) for k in ("read", "read_ahead", "fill", "whole", "first_hit", "published")}
+    med = {k: statistics.median(out[k]) for k in ("read", "read_ahead", "shm_write", "fill", "whole",
+                                                  "first_hit", "published")}
     out["median"] = med
     out["fill_vs_read"] = med["read"] / med["fill"]
     out["fill_vs_read_ahead"] = med["read_ahead"] / med["fill"]
+    out["fill_vs_slower_bound"] = max(med["read"], med["shm_write"]) / med["fill"]
     out["whole_vs_read"] = med["read"] / med["whole"]
     return out
 
@@ -246,6 +269,9 @@ def main() -> int:
         print(f"{r['gib']:>4g}Gi {r['entries']:>8} {r['snapshot_bytes'] / 2**30:>7.2f}Gi {m['read']:>7.2f} "
               f"{m['read_ahead']:>7.2f} {m['fill']:>7.2f} {r['fill_vs_read']:>8.2f}x {r['fill_vs_read_ahead']:>9.2f}x "
               f"{r['whole_vs_read']:>9.2f}x {m['published']:>11.3f} {m['first_hit']:>11.3f}")
+    print("fresh shared memory, as many bytes pwritten into a new /dev/shm file: " + ", ".join(
+        f"{r['gib']:g} GiB {r['median']['shm_write']:.2f} s (fill / the slower of it and the read "
+        f"{r['fill_vs_slower_bound']:.2f}x)" for r in results))
     print("page cache resident before each step: " + ", ".join(f"{max(r['resident']):.0%}" for r in results)
           + " (the most of any step, per size)")
     targets = {

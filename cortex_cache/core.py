@@ -967,6 +967,12 @@ class Core:
         live = np.flatnonzero(self.live_mask())
         return live[np.argsort(self.columns["insert_seq"][live], kind="stable")]
 
+    def live_most_recent_first(self) -> np.ndarray:
+        """Live slots, the most recently used (put or read) first (lock held): the order persist writes, so
+        that restore's fill, which loads in that order (fill.py), reads a snapshot's pack front to back."""
+        live = np.flatnonzero(self.live_mask())
+        return live[np.argsort(self.columns["access_seq"][live], kind="stable")[::-1]]
+
     def info(self, i: int) -> dict[str, Any]:
         """Metadata of live entry `i` (lock held)."""
         now = self.clock()

@@ -553,13 +553,13 @@ class _Skipped:
 
 
 def _live_values(core: Core, skipped: _Skipped, held: Any = None) -> Iterator[tuple[SnapshotEntry, Any]]:
-    """Every live entry at the start, oldest insert first, with its value (a view of the pinned bytes, good
+    """Every live entry at the start, the most recently used first (the fill's order), with its value (a view of the pinned bytes, good
     until the next item): entries put later are not part of the snapshot, entries deleted meanwhile are
     skipped, and so (counted in `skipped`) are values whose bytes fail their checksum in memory.  An entry
     whose (key, length, checksum) is in `held` comes with None: a snapshot already has its bytes, checked
     against that checksum when written (and again when read back), so they are neither read nor hashed."""
     def live() -> tuple[Any, Any]:
-        order = core.live_in_insert_order()
+        order = core.live_most_recent_first()
         return order, core.columns["value_len"][order].copy()
 
     order, sizes = core.locked(live)
