@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_persist import pick_parent, plain_read, resident  # noqa: E402
+from benchmarks.bench_persist import drop_from_cache, pick_parent, plain_read  # noqa: E402
 
 VALUE = 1 << 20
 BLOCK = 64 << 10
@@ -97,15 +97,9 @@ def drop(files: list[Path]) -> float:
     """fsync and fadvise(DONTNEED) every file; the byte-weighted share still resident."""
     total = res = 0.0
     for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
         size = p.stat().st_size
         total += size
-        res += resident(p) * size
+        res += drop_from_cache(p) * size
     return res / total if total else 0.0
 
 

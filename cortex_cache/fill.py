@@ -57,7 +57,7 @@ import numpy as np
 import xxhash
 
 from . import packs
-from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError
+from .errors import PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .layout import (
     FILL_DONE,
     FILL_FAILED,
@@ -488,7 +488,7 @@ def _reserve_batch(core: "Core", batch: list[Item], gen: int, now: float) -> tup
             try:
                 nblk = core.blocks_or_raise(it.length, "snapshot entry")
                 out.append(core.reserve(it.key, kh, it.flags & SLOT_FLAG_STR_KEY, it.length, nblk))
-            except (PoolFull, CortexCacheError):
+            except (PoolFull, ValueTooLarge):  # no free room (a damaged segment's error goes up)
                 full = True
                 out.append(None)
     finally:
