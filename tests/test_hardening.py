@@ -257,9 +257,11 @@ sys.stdin.readline()
 
 
 @pytest.mark.parametrize("path", ["c", "python"])
-def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, monkeypatch):
+@pytest.mark.parametrize("waited", [True, False], ids=["waited", "zombie"])
+def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, waited, monkeypatch):
     """A process holding views of most of a small pool is killed: the next put that needs their room
-    reaps its pins and evicts (issue: it exited 73 once, and the same put then succeeded)."""
+    reaps its pins and evicts (issue: it exited 73 once, and the same put then succeeded).  Also while the
+    killed reader is a zombie its parent has not waited for yet (/proc still shows its pid and start time)."""
     if path == "python":
         monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     p = make_pool("1M", block_size="64K")
@@ -269,12 +271,19 @@ def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, mo
     try:
         assert child.stdout.readline() == b"held\n", child.stderr.read().decode()[-2000:]
         assert p.stats()["pinned_entries"] == 3
-    finally:
         child.send_signal(signal.SIGKILL)
+        if waited:
+            child.wait()
+        else:  # dead once waitid says so, but not reaped (WNOWAIT): a zombie
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        p.put("new", make_value(9, 0, 600_000))  # needs three of the four entries' room
+    finally:
+        child.kill()
         child.wait()
         for f in (child.stdin, child.stdout, child.stderr):
             f.close()
-    p.put("new", make_value(9, 0, 600_000))  # needs three of the four entries' room
     assert check_value(p.get("new"))[0] == 9
     assert p.stats()["pinned_entries"] == 0 and p.verify()["ok"]
 
