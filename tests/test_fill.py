@@ -144,11 +144,20 @@ def test_a_filler_killed_between_batches_leaves_a_pool_the_next_restore_finishes
     assert r.returncode == 75 and b"restore " + persisted.encode() + b" --if-missing" in r.stderr
     with Pool.open(persisted) as q:
         assert len(q) == 3
+    assert _doctor_fill_findings() == [
+        {"check": "fill", "ok": False, "fix": f"`cortex cache restore {persisted} --if-missing` finishes it"}]
     r = cli("cache", "restore", persisted, "--if-missing")
     assert r.returncode == 0 and b"finished the fill" in r.stdout, r.stderr
     with Pool.open(persisted) as q:
         _all_there(q)
         assert len(q) == N and q.stats()["fill"]["state"] == "done"
+    assert _doctor_fill_findings() == []
+
+
+def _doctor_fill_findings() -> list[dict]:
+    r = cli("cache", "doctor", "--json")  # exits 1 where cron's PATH has no cortex: read the findings
+    found = [f for f in json.loads(r.stdout)["findings"] if f["check"] == "fill"]
+    return [{k: f[k] for k in ("check", "ok", "fix")} for f in found]
 
 
 def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(persisted):
