@@ -35,9 +35,10 @@ is still verified whole before its pool appears (restore.py).
   next `restore --if-missing` (or `restore NAME`) goes on; the killed one's
   reservations are taken back as any dead writer's are.
 
-A get of an entry not loaded yet is a miss: loading it on demand would make
-every reader parse the snapshot's manifest and compete with the fill for the
-disk, and the order already brings the wanted entries first.  Persist refuses
+A get of an entry not loaded yet does not wait for it: the snapshot is a
+read-only tier below memory meanwhile (snaptier.py), which serves the
+entries the fill has not come to yet (the mark's fill_done, in the order
+`manifest_items` gives every process alike).  Persist refuses
 while the fill runs or was interrupted (a snapshot of half the pool would
 retire the whole one); `evict --all` and `restore --replace` stop it.
 """
@@ -192,7 +193,9 @@ def busy_reason(core: "Core") -> str | None:
 
 def manifest_items(snap: "Snapshot") -> list[Item]:
     """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
-    in pack and offset order.  Every record is checked against its own checksum here."""
+    in pack and offset order.  Every record is checked against its own checksum here.  A function of the
+    manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
+    reads the fill's progress (fill_done) against it."""
     refs = [(ref, off) for ref, _pack, off in snap.references(verify=True)]
     if not refs:
         return []

@@ -523,8 +523,8 @@ class Pool:
             core.locked(core.put_small, kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, int(priority))
         else:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
-        if tiers.remote is not None:  # queued; the caller never waits on the network
-            tiers.remote.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
+        if tiers.takes_puts:  # the remote tier: queued; the caller never waits on the network
+            tiers.offer_put(kb, value if value.__class__ is bytes else vb, flags, ttl)
 
     def reserve_write(
         self, key: str | bytes, nbytes: int, *, ttl: float | None = None, priority: int = 0
@@ -631,7 +631,7 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
-        if core.fast is not None and tiers.disk is None and tiers.remote is None:
+        if core.fast is not None and not tiers.below:
             got = batch.pin_many(core, [(kb, kh)], True)[0]
             if got is None:
                 raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
@@ -745,8 +745,8 @@ class Pool:
         kb, _ = key_bytes(key)
         tiers = self.tiers
         found = self.core.locked(tiers.delete, kb, xxh3_64_intdigest(kb))
-        if tiers.remote is not None:
-            tiers.remote.delete(kb)
+        if tiers.takes_puts:
+            tiers.offer_delete(kb)
         return found
 
     def __contains__(self, key: object) -> bool:

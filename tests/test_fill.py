@@ -106,7 +106,12 @@ def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(p
     q = Pool.open(persisted)
     try:
         assert len(q) == 1 and q.get("k5") == make_value(5, 0, MIB)
-        assert q.get("k6") is None  # in the snapshot, not loaded yet: a miss, never wrong bytes
+        # In the snapshot, not loaded yet: the snapshot is a tier below memory (snaptier.py), so it is there,
+        # and a get brings it in, checked, before the fill comes to it.
+        assert "k6" in q and q.leading(["k6", "k1", "nope"]) == 2
+        assert q.get("k6") == make_value(6, 0, MIB) and len(q) == 2
+        q.delete("k5")  # the fill came to it: the snapshot never brings it back
+        assert q.get("k5") is None and "k5" not in q
         st = q.stats()["fill"]
         assert st["state"] == "filling" and st["running"] and st["entries_done"] == 1 and st["entries_total"] == N
         r = cli("cache", "persist", persisted)  # a snapshot of a half-filled pool would retire the whole one
@@ -114,10 +119,11 @@ def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(p
         q.put("k7", b"newer")  # in the snapshot, not loaded yet: the newer value must stay
         q.put("fresh", b"f")
         report = _go_on(w)
-        assert report["entries"] == N - 1 and report["present_skipped"] == 1 and report["ended"] == "done"
+        assert report["entries"] == N - 2 and report["present_skipped"] == 2 and report["ended"] == "done"
         assert report["published_seconds"] is not None
-        _all_there(q, but={"k7": b"newer"})
-        assert q.get("fresh") == b"f" and len(q) == N + 1
+        _all_there(q, but={"k7": b"newer", "k5": None})
+        assert q.get("fresh") == b"f" and len(q) == N
+        assert "k5" not in q  # the fill is over: nothing comes from the snapshot any more
         assert q.stats()["fill"]["state"] == "done"
         assert cli("cache", "persist", persisted).returncode == 0  # done: persists again
     finally:
@@ -219,3 +225,32 @@ def test_restore_in_the_background_says_why_it_could_not_publish(snapshot_dir, p
     assert not Pool.exists(pool_name)
     r = cli("cache", "restore", pool_name, "--background", "--replace")
     assert r.returncode == 2
+
+
+def test_a_damaged_value_the_snapshot_tier_would_bring_is_a_miss(persisted):
+    """A get of an entry not loaded yet reads it from its pack and checks it: a damaged one is a miss (and the fill
+    leaves it out too), never wrong bytes."""
+    from cortex_cache.fill import manifest_items
+    from cortex_cache.snapshot import Snapshot, latest_path
+
+    with Snapshot(latest_path(persisted), private=True) as s:
+        (it,) = [it for it in manifest_items(s) if it.key == b"k6"]
+        pack, off = it.where
+        path = s.pack_reader(pack).path
+    with open(path, "r+b") as f:  # one byte of the value, past the record's head and key
+        f.seek(off + 32 + len(b"k6") + 1000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    w = _start(persisted)
+    q = Pool.open(persisted)
+    try:
+        assert q.get("k6") is None and q.get("k1") == make_value(1, 0, MIB)
+        w.stdin.write(b"\n")
+        w.stdin.flush()
+        assert w.wait(timeout=60) != 0 and b"SnapshotCorrupt" in w.stderr.read()  # after the fill, naming the pack
+        assert q.get("k6") is None and q.stats()["fill"]["corrupt"] == 1
+    finally:
+        q.close()
+        for f in (w.stdin, w.stdout, w.stderr):
+            f.close()
