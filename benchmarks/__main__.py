@@ -20,6 +20,9 @@ benchmark's full output.
             and through the KV layer, beside exact LRU of the same run; each
             policy's full-pool put p50/p99 beside LRU's (issue 27)
   persist   snapshot persist/restore against plain file write/read
+  boot      restore of a pool that is gone (1, 4, 8 GiB; --quick 0.25, 1):
+            first hit after the command starts, the background fill against
+            a cold sequential read of the snapshot's files
   tier      disk tier hit rates, spill/promote against plain file write/read
   remote    remote-tier promotes against raw redis-py GETs of the same values
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
@@ -64,7 +67,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "policies", "persist", "tier", "remote", "kv", "lookup", "lmcache",
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "policies", "persist", "boot", "tier", "remote", "kv", "lookup", "lmcache",
          "sglang", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
@@ -202,6 +205,17 @@ def rows_persist(d: dict) -> list:
         ("restore GB/s, file dropped", fig(s["restore_dropped"]["gbps"], s["restore_dropped"]["gbps_min"],
          s["restore_dropped"]["gbps_max"]), f"read {s['read_dropped']['gbps']:.2f}", r["restore_vs_read_dropped"], None),
     ]
+
+
+def rows_boot(d: dict) -> list:
+    rows = []
+    for r in d["sizes"]:
+        m = r["median"]
+        rows.append((f"{r['gib']:g} GiB pool restored at boot: first hit", f"{m['first_hit']:.3f} s",
+                     f"published after {m['published']:.3f} s", None, None))
+        rows.append((f"{r['gib']:g} GiB pool: background fill", f"{m['fill']:.2f} s",
+                     f"cold read {m['read']:.2f} s (with readahead {m['read_ahead']:.2f} s)", r["fill_vs_read"], None))
+    return rows
 
 
 def rows_tier(d: dict) -> list:
@@ -346,7 +360,8 @@ def regressions(name: str, d: dict) -> list[dict]:
 
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling,
-           "eviction": rows_eviction, "policies": rows_policies, "persist": rows_persist, "tier": rows_tier, "remote": rows_remote, "kv": rows_kv,
+           "eviction": rows_eviction, "policies": rows_policies, "persist": rows_persist, "boot": rows_boot, "tier": rows_tier,
+           "remote": rows_remote, "kv": rows_kv,
            "lookup": rows_lookup, "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
            "startup": rows_startup}
 

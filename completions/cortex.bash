@@ -62,7 +62,7 @@ _cortex_options()
         evict) _cortex_words '--percent --bytes --expired --key --prefix --all --tier --json -q --quiet --help' ;;
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --full --json -q --quiet --help' ;;
-        restore) _cortex_words '-i --input --replace --if-missing --mode --allow-other-owner --trust-tiers --json -q --quiet --help' ;;
+        restore) _cortex_words '-i --input --replace --if-missing --mode --allow-other-owner --trust-tiers --background --json -q --quiet --help' ;;
         snapshots) _cortex_words '--verify --json -q --quiet --help' ;;
         doctor) _cortex_words '--json -q --quiet --help' ;;
     esac

@@ -99,7 +99,7 @@ complete -c cortex -n '__cortex_at group' -a keys -d 'List keys of live entries,
 complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and report what was freed'
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
-complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot, verified whole before anything changes'
+complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot'
 complete -c cortex -n '__cortex_at group' -a snapshots -d 'List every snapshot of a pool in the snapshot directory, oldest first'
 complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-up; exit 1 if something is wrong, each finding with what to do'
 
@@ -200,6 +200,7 @@ complete -c cortex -n '__cortex_using restore' -l if-missing -d 'Exit 0 and chan
 complete -c cortex -n '__cortex_using restore' -l mode -x -d 'Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool\'s); never wider than the snapshot file\'s'
 complete -c cortex -n '__cortex_using restore' -l allow-other-owner -d 'With --if-missing or --replace: accept an existing pool of another user (by default only your own or root\'s: another user may have taken the name first)'
 complete -c cortex -n '__cortex_using restore' -l trust-tiers -d 'Attach the snapshot\'s disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)'
+complete -c cortex -n '__cortex_using restore' -l background -d 'Return as soon as the pool is published; a process of its own fills it (status shows how far it got)'
 complete -c cortex -n '__cortex_using restore' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'

@@ -82,12 +82,12 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
                 tiers.put(kb, kh, flags, vb, nblk, ttl, prio)
             except CortexCacheError as e:
                 results[n] = e
-    if tiers.remote_writes is not None:
+    if tiers.takes_puts:
         for (key, value), err in zip(pairs, results):
             if err is None:
                 kb, is_str = key_bytes(key)
-                tiers.remote_writes.put(kb, value if value.__class__ is bytes else as_byte_view(value),
-                                 SLOT_FLAG_STR_KEY if is_str else 0, ttl)
+                tiers.offer_put(kb, value if value.__class__ is bytes else as_byte_view(value),
+                                SLOT_FLAG_STR_KEY if is_str else 0, ttl)
     return results
 
 
@@ -123,7 +123,7 @@ def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | 
     omvs = [writable_bytes(o) for o in outs]
     if len(omvs) != len(enc):
         raise UsageError(f"get_many_into needs one buffer per key ({len(enc)} keys, {len(omvs)} buffers)")
-    below = tiers.disk is not None or tiers.remote is not None
+    below = bool(tiers.below)
     fast = core.fast
     if fast is not None:
         # Per key: its length, None (a miss, counted), or SLOW: the key by key path below.
@@ -210,7 +210,7 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
     `view_one` (Pool.view), which brings them in from below."""
     keys = list(keys)
     enc = encoded(keys)
-    below = tiers.disk is not None or tiers.remote is not None
+    below = bool(tiers.below)
     got = pin_many(core, enc, not below)
     results = EntryView.of_pins(core, views, got)
     if core.verify_reads:
@@ -263,9 +263,9 @@ def delete_many(core: Core, tiers: Tiers, keys: Any) -> list[bool]:
     """Pool.delete_many: every tier in one lock hold; the remote copies deleted in the background."""
     enc = encoded(keys)
     found = core.locked(lambda: [tiers.delete(kb, kh) for kb, kh in enc])
-    if tiers.remote is not None:
+    if tiers.takes_deletes:
         for kb, _ in enc:
-            tiers.remote.delete(kb)
+            tiers.offer_delete(kb)
     return found
 
 
@@ -349,11 +349,11 @@ def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[
     for (n, _, _), ok in zip(taken, sealed):
         if not ok:  # a repair took the reservation back (its owner looked dead)
             results[n] = PoolBusy(f"pool {core.name!r}: the reservation for this key was reclaimed")
-    if tiers.remote_writes is not None:
+    if tiers.takes_puts:
         for n, w, _ in taken:
             if results[n] is None:
                 kb, _, flags, ttl, _ = w.args
-                tiers.remote_writes.put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)
+                tiers.offer_put(kb, core.mv[w.offset : w.offset + w.nbytes].tobytes(), flags, ttl)
     return results
 
 

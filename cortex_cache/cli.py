@@ -20,7 +20,8 @@ import typer
 from . import cli_io, interrupts
 from .cli_render import (
     WATCH_HEADER, Output, console, fmt_size, json_key, keys_table, pools_table, print_json, print_status,
-    print_table, prometheus, run_with_progress, say, say_created, say_restored, show_key, snapshots_table,
+    print_table, prometheus, run_with_progress, say, say_created, say_published, say_restored, show_key,
+    snapshots_table,
     watch_line,
 )
 from .errors import EX_PROBLEM, KeyNotFound, SnapshotCorrupt, UsageError
@@ -571,45 +572,66 @@ def restore(
     mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing or --replace: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     trust_tiers: bool = typer.Option(False, "--trust-tiers", help="Attach the snapshot's disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)."),
+    background: bool = typer.Option(False, "--background", help="Return as soon as the pool is published; a process of its own fills it (status shows how far it got). What the boot line and the systemd unit use."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """Rebuild a pool from a snapshot, verified whole before anything changes.
+    """Rebuild a pool from a snapshot.
 
-    The pool is built under a temporary name and appears only when complete:
-    a missing pool is created with the snapshot's whole configuration
-    (size, policy, retention) and its tiers attached again (the disk tier's
-    records that check out are found again, the remote tier is used again);
-    an existing one is only replaced with --replace, by an atomic swap (other
-    processes see the old pool or the new one, never a mix; processes
-    attached to the old one keep it until they reopen).  A snapshot whose
-    entries do not all fit exits 73 and changes nothing.  Expired entries
-    are not restored.  A damaged, truncated or foreign file exits 65; a
+    A missing pool restored from the snapshot directory serves at once: it
+    is published with the snapshot's whole configuration (size, policy,
+    retention, counters) and its tiers attached again (the disk tier's
+    records that check out are found again, the remote tier is used again)
+    before any value is in, and the values come in afterwards, most recently
+    used first, each checked against its checksum, while every process may
+    use the pool (an entry not loaded yet is a miss).  The command returns
+    when the fill is done, or at once with --background.  A restore killed
+    while it fills leaves the pool with what it loaded: the next restore
+    --if-missing (or restore NAME) finishes it; persist waits until then.
+    A missing or damaged pack is refused (65) before anything is made; a
+    value that fails its checksum is left out and the command exits 65
+    naming the file.  A self-contained file (--input of a persist --output
+    file) is verified whole while its pool is built under a temporary name,
+    and appears only when complete.  An existing pool is only replaced with
+    --replace, built aside and swapped in atomically (other processes see
+    the old pool or the new one, never a mix; processes attached to the old
+    one keep it until they reopen).  A snapshot whose entries do not all fit
+    exits 73 and changes nothing.  Expired entries are not restored.  A
     FIFO or device exits 2.  Tiers and retention come back only from a
     snapshot this user wrote (the file and its directory theirs, writable by
     nobody else, as persist makes them) or with --trust-tiers; from another
     file the entries come back and one line names what was not attached.
 
-    Example: cortex cache restore llama --if-missing
+    Example: cortex cache restore llama --if-missing --background
     """
     from . import persist as snap
 
     if input_ is not None and os.path.isdir(input_):
         # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
-    pool, report = run_with_progress(
-        f"restore {name}",
-        lambda cb: snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
-                                mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers,
-                                allow_other_owner=allow_other_owner),
-    )
+    if background and replace:
+        raise UsageError("--background is for a pool that is missing: --replace swaps in a complete pool")
+    def run(cb):
+        return snap.restore(input_, name=name, replace=replace, progress=cb, if_missing=if_missing,
+                            mode=_parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers,
+                            allow_other_owner=allow_other_owner, detach=background)
+
+    # --background forks the filler: no progress bar (its refresh thread) may be running then.
+    pool, report = run(None) if background else run_with_progress(f"restore {name}", run)
     if pool is None:  # --if-missing, and the pool is there
         if as_json:
             print_json(report)
         else:
-            say(f"pool {name} exists; nothing restored")
+            say(f"pool {name} exists; nothing restored" + (" (another restore is filling it)"
+                                                            if report.get("filling") else ""))
         return
     pool.close()
+    if report.get("filler_pid"):
+        if as_json:
+            print_json(report)
+        else:
+            say_published(report)
+        return
     secs = report["seconds"]
     report["gbps"] = round(report["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0
     if as_json:

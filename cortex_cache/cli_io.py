@@ -164,8 +164,8 @@ def run_guarded(command: Callable[[], Any], debug: bool, as_json: bool) -> int:
     except Interrupted as e:
         # Raised by the handlers of cortex_cache.interrupts: what the command had made is removed
         # already (the cleanup every error gets ran on the way here).
-        error(f"interrupted by {e.signal_name}: stopped before it completed, and removed what it had made",
-              e.exit_code, as_json)
+        error(f"interrupted by {e.signal_name}: " + (e.kept or "stopped before it completed, and removed what it "
+                                                              "had made"), e.exit_code, as_json)
         code = e.exit_code
     except CortexCacheError as e:
         if debug:

@@ -134,12 +134,29 @@ def say_created(name: str, st: dict[str, Any]) -> None:
 
 def say_restored(report: dict[str, Any]) -> None:
     """`restore`'s confirmation: what came back from where, and what each tier did."""
+    published = report.get("published_seconds")
     say(
-        f"restored {entries(report['entries'])}, {fmt_size(report['bytes'])} into {report['pool']} "
+        ("finished the fill of " if report.get("resumed") else "restored ")
+        + f"{entries(report['entries'])}, {fmt_size(report['bytes'])} into {report['pool']} "
         f"from {report['path']} in {report['seconds']:.2f}s"
+        + (f" (serving after {published:.2f}s)" if published is not None and not report.get("resumed") else "")
         + (f"; {entries(report['expired_skipped'], 'expired entries')} skipped" if report["expired_skipped"] else "")
+        + (f"; {entries(report['present_skipped'])} kept as put meanwhile" if report.get("present_skipped") else "")
     )
+    if report.get("ended") == "stopped":
+        say("the fill stopped early: the pool filled up with newer entries, or was emptied or deleted meanwhile")
+    if report.get("reserve_failed"):
+        say(f"warning: the pool's memory could not all be reserved ({report['reserve_failed']}): it is not reserved")
     for tier, what in report["tiers"].items():
+        say(f"{tier} tier: {what}")
+
+
+def say_published(report: dict[str, Any]) -> None:
+    """`restore --background`'s confirmation: the pool serves, and who fills it."""
+    what = "resumed the fill of" if report.get("resumed") else "published"
+    say(f"{what} {report['pool']} from {report['path']} in {report['seconds']:.2f}s; filling it in the background "
+        f"(pid {report['filler_pid']}): `cortex cache status {report['pool']}` shows how far it got")
+    for tier, what in report.get("tiers", {}).items():
         say(f"{tier} tier: {what}")
 
 
@@ -199,6 +216,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         t.add_row("last snapshot", fmt_time(r["last_snapshot"]) + (f" ({fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))
         sn = r["snapshots"]
         t.add_row("snapshots", f"{sn['count']}, {fmt_size(sn['bytes'])} in {sn['directory']}")
+        if r.get("fill"):
+            t.add_row("fill", fill_line(r["fill"], r["name"]))
         if r["repairs"]:
             t.add_row("repairs", str(r["repairs"]))
         d = r.get("disk")
@@ -224,6 +243,24 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                       f"dropped, {fmt_size(rm['bytes_written'])} written, {fmt_size(rm['bytes_read'])} read")
             t.add_row("remote errors", str(rm["errors"]) + (f" (last: {rm['last_error']})" if rm.get("last_error") else ""))
         print_table(t, con)
+
+
+def fill_line(f: dict[str, Any], name: str) -> str:
+    """`status`'s line on a restored pool's background fill (fill.py)."""
+    pct = 100.0 * f["bytes_loaded"] / f["bytes_total"] if f["bytes_total"] else 100.0
+    done = (f"{pct:.0f}%: {fmt_size(f['bytes_loaded'])} of {fmt_size(f['bytes_total'])}, "
+            f"{f['entries_done']} of {f['entries_total']} entries")
+    extra = "".join(f", {f[k]} {what}" for k, what in (("skipped", "skipped"), ("corrupt", "damaged")) if f[k])
+    state = f["state"]
+    if state == "filling":
+        return f"filling {done}{extra}, from {f['snapshot']}"
+    if state == "interrupted":
+        return f"interrupted at {done}{extra}: `cortex cache restore {name} --if-missing` finishes it"
+    took = f" in {f['ended'] - f['started']:.1f}s" if f["ended"] else ""
+    how = {"done": "complete", "stopped": "stopped early (the pool filled up, or was emptied or deleted)",
+           "failed": "failed (the snapshot could not be read)"}[state]
+    return (f"{how}{took}: {fmt_size(f['bytes_loaded'])} loaded, {f['entries_done']} of {f['entries_total']} "
+            f"entries{extra}, from {f['snapshot']}")
 
 
 WATCH_HEADER = f"{'time':8} {'puts/s':>9} {'gets/s':>9} {'hit%':>6} {'evict/s':>8} {'spill/s':>8} {'promo/s':>8} {'disk w/s':>9} {'disk r/s':>9} {'entries':>8} {'used':>9}"
@@ -364,6 +401,21 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
             # (time() - cortex_cache_last_snapshot_timestamp_seconds > interval) fires for it too.
             v = r["snapshots"][key]
             out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else 0}')
+    fill_metrics = [
+        ("fill_running", "gauge", "1 while the pool is still being filled from its snapshot after a restore "
+         "(or its fill was interrupted: see status), else 0."),
+        ("fill_bytes_loaded", "gauge", "Value bytes the fill has loaded so far."),
+        ("fill_bytes_total", "gauge", "Value bytes of the snapshot the pool is filled from."),
+    ]
+    with_fill = [r for r in ok if r.get("fill")]
+    for key, kind, help_ in fill_metrics if with_fill else []:
+        name = f"cortex_cache_{key}"
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r in with_fill:
+            f = r["fill"]
+            v = int(f["state"] in ("filling", "interrupted")) if key == "fill_running" else f[key[len("fill_"):]]
+            out.append(f'{name}{{pool="{r["name"]}"}} {v}')
     out.append("# HELP cortex_cache_up 1 if the pool could be opened and read, else 0.")
     out.append("# TYPE cortex_cache_up gauge")
     for r in rows:
@@ -403,6 +455,6 @@ def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
 
 __all__ = [
     "Output", "console", "print_table", "now_iso", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
-    "show_key", "json_key", "say_created", "say_restored", "pools_table", "show_attached", "print_status",
+    "show_key", "json_key", "say_created", "say_restored", "say_published", "pools_table", "show_attached", "print_status",
     "WATCH_HEADER", "watch_line", "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
 ]

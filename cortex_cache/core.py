@@ -205,12 +205,17 @@ class Core:
         # A queue policy's two queues (queues.py), or None: the hooks below cost one test for the others.
         self.queues: queues.QueueVictims | None = None
         if pol.queues and g.qslots_off:
+            if (g.n_ghosts0, g.n_ghosts1) != tuple(f * g.n_slots for f in pol.ghosts):  # type: ignore[attr-defined]
+                raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: ghost rings of the wrong size "
+                                     f"for policy {pol.name}")
             self.queues = queues.build(pol, mv, g, hdr, self.columns, views, hdr_views, victims, self.clock,
                                        self._typed_views)
             self.victims = self.queues  # type: ignore[assignment]  # the same interface, over two lists
             self.repair_hooks.append(self.queues.repair)
         elif pol.queues:
             raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: policy {pol.name} without its queues")
+        elif g.qslots_off:
+            raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: a queue region for policy {pol.name}")
         else:
             self.victims = VictimCache(pol, hdr, self.columns, victims, self.clock, hdr_views, views)
         self.fast = self._fast_path(offs) if clock is None else None  # it reads the real clock
@@ -256,7 +261,7 @@ class Core:
                         freq_col=qo["freq"], qseq_col=qo["qseq"])
             for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live", "g0_head",
                          "g0_tail", "g1_head", "g1_tail"):
-                spec["h_" + name] = hoff[name]
+                spec["h_" + name] = g.queue_field(name)  # in the queue region's header: absolute offsets
             spec["g0_factor"], spec["g1_factor"] = pol.ghosts  # type: ignore[attr-defined]
             for ring in (0, 1):
                 offs, n, boff = g.ghost_columns(ring)
@@ -1017,6 +1022,12 @@ class Core:
     def live_in_insert_order(self) -> np.ndarray:
         live = np.flatnonzero(self.live_mask())
         return live[np.argsort(self.columns["insert_seq"][live], kind="stable")]
+
+    def live_most_recent_first(self) -> np.ndarray:
+        """Live slots, the most recently used (put or read) first (lock held): the order persist writes, so
+        that restore's fill, which loads in that order (fill.py), reads a snapshot's pack front to back."""
+        live = np.flatnonzero(self.live_mask())
+        return live[np.argsort(self.columns["access_seq"][live], kind="stable")[::-1]]
 
     def info(self, i: int) -> dict[str, Any]:
         """Metadata of live entry `i` (lock held)."""

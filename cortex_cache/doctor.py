@@ -136,6 +136,27 @@ def check_snapshots(pools) -> list[Finding]:
     return out
 
 
+def check_fills(pools) -> list[Finding]:
+    """Pools restored from a snapshot whose fill (fill.py) was interrupted or failed: they serve part of it."""
+    out = []
+    for name, info, _ in pools:
+        fill = info["stats"].get("fill") if info else None
+        if not fill or fill["state"] not in ("interrupted", "failed"):
+            continue
+        pct = 100.0 * fill["bytes_loaded"] / fill["bytes_total"] if fill["bytes_total"] else 100.0
+        if fill["state"] == "interrupted":  # a killed filler; persist refuses (75) until it is finished
+            out.append(_finding("fill", False, f"pool {name}: its fill from {fill['snapshot']} was interrupted at "
+                                f"{pct:.0f}% (persist refuses until it is finished)",
+                                f"`cortex cache restore {name} --if-missing` finishes it"))
+        else:
+            damaged = f"{fill['corrupt']} damaged values left out" if fill["corrupt"] else "the snapshot became unreadable"
+            out.append(_finding("fill", False, f"pool {name}: its fill from {fill['snapshot']} failed at {pct:.0f}% "
+                                f"({damaged}); it serves what was loaded",
+                                f"check the snapshot's disk; `cortex cache persist {name} --full` writes a snapshot "
+                                "that shares nothing with the damaged one"))
+    return out
+
+
 def check_disk_tiers(pools) -> list[Finding]:
     out = []
     for name, info, _ in pools:
@@ -293,7 +314,7 @@ def check_cron_cortex(running: str | None = None) -> list[Finding]:
 def diagnose(running: str | None = None, ping: Callable[[str, bool], str | None] | None = None) -> list[Finding]:
     """Every check's findings, in a stable order."""
     pools = _pools() if os.path.isdir(segment.SHM_DIR) else []
-    return (check_shm(pools) + check_snapshots(pools) + check_disk_tiers(pools) + check_remotes(pools, ping)
+    return (check_shm(pools) + check_snapshots(pools) + check_fills(pools) + check_disk_tiers(pools) + check_remotes(pools, ping)
             + check_staging() + check_leftovers() + check_cron_cortex(running))
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import UsageError
-from .layout import CANDIDATES, H_LFU_EPOCH, SEALED, VICTIM_LIST_WORDS
+from .layout import H_LFU_EPOCH, SEALED, VICTIM_LIST_WORDS
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 from .units import parse_size
 
@@ -235,7 +235,8 @@ class VictimCache:
     pool's clock.  Rows [pos, count) of the list are the best victims known,
     best first; every live entry not in those rows scores at least as high as
     the last of them (max_primary, max_secondary).  `words`: the list's header
-    words (layout.VICTIM_LIST_WORDS); `member`: (column, value) to list only
+    words (layout.VICTIM_LIST_WORDS), indices into `list_views` (default: the
+    header's, `hdr_views`); `member`: (column, value) to list only
     the entries whose column holds the value (a queue pool lists each queue
     apart: queues.py).
     """
@@ -245,6 +246,7 @@ class VictimCache:
         clock: Callable[[], float], hdr_views: tuple[memoryview, memoryview, memoryview],
         col_views: dict[str, memoryview], words: tuple[int, ...] = VICTIM_LIST_WORDS[0],
         member: tuple[np.ndarray, int] | None = None,
+        list_views: tuple[memoryview, memoryview, memoryview] | None = None,
     ) -> None:
         self.policy = policy
         self.h = h
@@ -259,7 +261,9 @@ class VictimCache:
         self._pins = s["pins"]
         self._vslot, self._vident = v["slot"], v["ident"]
         self._vprim, self._vsec = v["primary"], v["secondary"]
-        self._hu32, self._hu64, self._hf64 = hdr_views
+        self._hu64 = hdr_views[1]  # the pool header's (lfu_epoch)
+        # The views the list's own words index: the pool header's, or (queue pools' list 1) the queue header's.
+        self._lu32, self._lu64, self._lf64 = list_views if list_views is not None else hdr_views
         (self._w_valid, self._w_count, self._w_pos, self._w_next_expiry, self._w_max_primary,
          self._w_max_secondary, self._w_epoch) = words
         self._m_state, self._m_pins = col_views["state"], col_views["pins"]
@@ -268,7 +272,7 @@ class VictimCache:
         self._m = col_views
 
     def invalidate(self) -> None:
-        self._hu32[self._w_valid] = 0
+        self._lu32[self._w_valid] = 0
 
     def _score(self, i: int) -> tuple[float, int]:
         e = self._m_expiry[i]
@@ -278,22 +282,22 @@ class VictimCache:
 
     def on_score_change(self, i: int) -> None:
         """Call after a put or hit gave slot `i` a new score (non-monotone policies)."""
-        if not self._hu32[self._w_valid]:
+        if not self._lu32[self._w_valid]:
             return
         # Fast exit for the usual case, an unexpired entry scoring above the
         # last listed victim: one primary score, one comparison.
         e = self._m_expiry[i]
         if (e == 0 or e > self.clock()) and self.policy.primary_one(
             self._m, i, self._hu64[H_LFU_EPOCH]
-        ) > self._hf64[self._w_max_primary]:
+        ) > self._lf64[self._w_max_primary]:
             return
         self._offer(i)
 
     def on_unpin(self, i: int) -> None:
         """Call when sealed slot `i` loses its last pin: the list may have skipped it."""
-        if not self._hu32[self._w_valid]:
+        if not self._lu32[self._w_valid]:
             return
-        pos, count = self._hu32[self._w_pos], self._hu32[self._w_count]
+        pos, count = self._lu32[self._w_pos], self._lu32[self._w_count]
         rows = np.flatnonzero(self._vslot[pos:count] == i)
         if rows.size and self._vident[pos + rows[0]] == self._ident[i]:
             return  # still listed, and unchanged
@@ -302,9 +306,9 @@ class VictimCache:
 
     def _offer(self, i: int) -> None:
         """Put slot `i` into the list if it scores below the last listed victim."""
-        hu32 = self._hu32
+        hu32 = self._lu32
         p, sec = self._score(i)
-        mp, ms = self._hf64[self._w_max_primary], self._hu64[self._w_max_secondary]
+        mp, ms = self._lf64[self._w_max_primary], self._lu64[self._w_max_secondary]
         if not (p < mp or (p == mp and sec < ms)):
             return
         pos, count = hu32[self._w_pos], hu32[self._w_count]
@@ -320,19 +324,19 @@ class VictimCache:
         self._vprim[k], self._vsec[k] = p, sec
         count = end + 1
         hu32[self._w_count] = count
-        self._hf64[self._w_max_primary] = float(self._vprim[count - 1])
-        self._hu64[self._w_max_secondary] = int(self._vsec[count - 1])
+        self._lf64[self._w_max_primary] = float(self._vprim[count - 1])
+        self._lu64[self._w_max_secondary] = int(self._vsec[count - 1])
 
     def on_expiry_set(self, expiry: float) -> None:
-        if 0 < expiry < self._hf64[self._w_next_expiry]:
-            self._hf64[self._w_next_expiry] = expiry
+        if 0 < expiry < self._lf64[self._w_next_expiry]:
+            self._lf64[self._w_next_expiry] = expiry
 
     def peek(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, left at the head of the list, or (-1, False)."""
-        hu32, hu64 = self._hu32, self._hu64
+        hu32, hu64 = self._lu32, self._hu64
         for attempt in range(2):
-            if not hu32[self._w_valid] or self.clock() >= self._hf64[self._w_next_expiry] or (
-                hu64[self._w_epoch] != hu64[H_LFU_EPOCH]
+            if not hu32[self._w_valid] or self.clock() >= self._lf64[self._w_next_expiry] or (
+                self._lu64[self._w_epoch] != hu64[H_LFU_EPOCH]
             ):
                 if not self._fill():
                     return -1, False
@@ -355,21 +359,21 @@ class VictimCache:
     def may_expire(self) -> bool:
         """Could `peek` give an expired entry?  (The list is stale, an entry expired since the scan, or
         the scan listed expired entries, which come first: one header word and one row to look at.)"""
-        hu32 = self._hu32
-        if not hu32[self._w_valid] or self.clock() >= self._hf64[self._w_next_expiry]:
+        hu32 = self._lu32
+        if not hu32[self._w_valid] or self.clock() >= self._lf64[self._w_next_expiry]:
             return True
         pos = hu32[self._w_pos]
         return pos < hu32[self._w_count] and self._vprim[pos] == -INF
 
     def take(self) -> None:
         """Take the entry `peek` just gave off the list."""
-        self._hu32[self._w_pos] += 1
+        self._lu32[self._w_pos] += 1
 
     def next_victim(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, taken off the list, or (-1, False) if none can be."""
         i, expired = self.peek()
         if i >= 0:
-            self._hu32[self._w_pos] += 1
+            self._lu32[self._w_pos] += 1
         return i, expired
 
     def _fill(self) -> bool:
@@ -380,10 +384,10 @@ class VictimCache:
         no index gathers, which halves its cost.
         """
         s = self.s
-        hu32, hu64, hf64 = self._hu32, self._hu64, self._hf64
+        hu32, hu64, hf64 = self._lu32, self._hu64, self._lf64
         now = self.clock()
         epoch = int(hu64[H_LFU_EPOCH])
-        hu64[self._w_epoch] = epoch
+        self._lu64[self._w_epoch] = epoch
         hu32[self._w_pos] = 0
         live_mask = (self._state == SEALED) & (self._pins == 0)
         if self.member is not None:
@@ -448,7 +452,7 @@ class VictimCache:
         self._vsec[:n] = np.concatenate([_expiry_key(exp[expired]), sec_all[chosen]])
         hu32[self._w_count] = n
         hf64[self._w_max_primary] = self._vprim[n - 1]
-        hu64[self._w_max_secondary] = int(self._vsec[n - 1])
+        self._lu64[self._w_max_secondary] = int(self._vsec[n - 1])
         hf64[self._w_next_expiry] = next_expiry
         hu32[self._w_valid] = 1
         return True

@@ -17,8 +17,8 @@ from . import segment
 from .errors import CortexCacheError, IncompatibleVersion, SegmentCorrupt
 from .eviction import POLICY_IDS, policy_by_id
 from .layout import (
-    DISK_ON, FLAG_MULTI_THREADED, FLAG_RESERVED, FORMAT_VERSION, HEADER_DTYPE, HEADER_SIZE, MAGIC, Geometry,
-    ghost_buckets,
+    DISK_ON, FLAG_MULTI_THREADED, FLAG_RESERVED, FORMAT_VERSION, HEADER_DTYPE, HEADER_SIZE, MAGIC,
+    QUEUE_HEADER_DTYPE, Geometry, ghost_buckets,
 )
 from .lock import RecordLock
 
@@ -36,7 +36,7 @@ def initialise(seg: segment.Segment, geo: Geometry, name: str, policy: str, mode
     for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins",
               "slots_off", "buckets_off", "blockmap_off", "pins_off", "victims_off", "data_off",
               "n_dslots", "n_dbuckets", "dslots_off", "dbuckets_off", "n_kcells", "keymap_off", "keys_off",
-              "qslots_off", "n_ghosts0", "n_ghosts1", "ghosts0_off", "ghosts1_off"):
+              "qslots_off", "n_ghosts0", "n_ghosts1"):
         h[f] = getattr(geo, f)
     h["policy"] = POLICY_IDS.index(policy)
     h["flags"] = (FLAG_MULTI_THREADED if multi_threaded else 0) | (FLAG_RESERVED if reserve else 0)
@@ -45,10 +45,12 @@ def initialise(seg: segment.Segment, geo: Geometry, name: str, policy: str, mode
     h["name"] = name.encode()
     h["lfu_period"] = lfu_period or max(1024, geo.n_slots)
     h["cand_next_expiry"] = np.inf
-    h["cand1_next_expiry"] = np.inf
     pol = policy_by_id(int(h["policy"]))
     if pol is not None and pol.queues:
-        h["q_target"] = pol.target  # type: ignore[attr-defined]
+        qh = np.frombuffer(mm, QUEUE_HEADER_DTYPE, 1, geo.qslots_off)[0]  # the queue region's own header
+        qh["cand1_next_expiry"] = np.inf
+        qh["q_target"] = pol.target  # type: ignore[attr-defined]
+        del qh
         for ring in (0, 1):
             _, n, boff = geo.ghost_columns(ring)
             if n:  # empty chains; the places' hashes are zeros already

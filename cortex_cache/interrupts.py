@@ -38,6 +38,9 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+        # What stays when the command had published something before the signal (the CLI says it in
+        # place of "removed what it had made"); None: nothing of it stays.
+        self.kept: str | None = None
 
     @property
     def exit_code(self) -> int:

@@ -1,7 +1,7 @@
 """Byte layout of a pool segment (format version 3).
 
-A segment is one POSIX shared-memory object, laid out as ten regions, each
-starting on a 4096-byte boundary (docs/design.md, "Segment layout")::
+A segment is one POSIX shared-memory object, laid out as ten regions (eleven
+in a queue policy's pool), each starting on a 4096-byte boundary (docs/design.md, "Segment layout")::
 
     0             header     4096 bytes, HEADER_FIELDS below
     slots_off     slots      one column per SLOT_COLUMNS entry, n_slots values each
@@ -13,6 +13,9 @@ starting on a 4096-byte boundary (docs/design.md, "Segment layout")::
     dbuckets_off  disk hash  n_dbuckets x int32: head disk slot of each chain, -1 empty
     keymap_off    key map    n_kcells  x uint8: 0 free, 1 used
     keys_off      key arena  n_kcells  x KEY_CELL bytes: the keys of the entries
+    qslots_off    queues     queue policies only: QUEUE_HEADER_FIELDS (256 bytes), then on the
+                             next page QSLOT_COLUMNS (n_slots values each), ghost ring 0 and
+                             ring 1 (GHOST_COLUMNS and their hash heads), each page-aligned
     data_off      data       n_blocks  x block_size bytes: values only
 
 The two disk-index regions are empty (n_dslots = 0) in a pool without a disk
@@ -77,6 +80,15 @@ ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
 # Header flags.
 FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
 FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
+
+# Fill states (header field fill_state; fill.py).
+FILL_NONE = 0  # never filled from a snapshot (a created pool, a restore --replace)
+FILL_RUNNING = 1  # published, values still coming: a filler holds FILL_BYTE, or it was killed (resumable)
+FILL_DONE = 2  # every entry of the snapshot was processed
+FILL_STOPPED = 3  # ended early: the pool filled up with newer entries, or it was emptied (evict --all)
+FILL_FAILED = 4  # ended early: the snapshot became unreadable or damaged
+FILL_PRIVATE = 1 << 0  # fill_flags: the snapshot is the pool's own, in the snapshot directory
+FILL_PATH_BYTES = 200
 
 # Slot flags (column `flags`; the disk index and snapshot records use the same bit).
 SLOT_FLAG_STR_KEY = 1 << 0  # the key was given as str: keys() returns it as str
@@ -197,38 +209,34 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     # Lookups (batch.py, LookupMemo): counts every sealed entry that left memory or had its value
     # replaced in place; a memoized "first n chunks are present" holds while it stays the same.
     ("gone_seq", "<u8", 672),
-    # Queue policies (s3fifo, arc, auto; queues.py), carved from the reserved zeros of format 3: all zero in
-    # a pool of another policy, which carries no queue region (qslots_off 0).
-    ("q_count0", "<u8", 680),  # sealed entries in queue 0 (S3-FIFO's small queue, ARC's T1)
-    ("q_count1", "<u8", 688),  # ... in queue 1 (the main queue, ARC's T2)
-    ("q_target", "<f8", 696),  # ARC: p, the target of T1 in entries; s3fifo and auto: queue 0's share of entries
-    ("q_seq", "<u8", 704),  # the queues' clock: +1 whenever an entry joins the tail of a queue (its qseq)
-    ("qslots_off", "<u8", 712),  # the queue region: QSLOT_COLUMNS, then ghost ring 0, then ring 1
-    ("n_ghosts0", "<u8", 720),  # places in ghost ring 0 (keys evicted from queue 0); 0 = no ring
-    ("n_ghosts1", "<u8", 728),  # ... ring 1 (keys evicted from queue 1)
-    ("ghosts0_off", "<u8", 736),
-    ("ghosts1_off", "<u8", 744),
-    ("g0_head", "<u8", 752),  # ghosts ever added to ring 0 (the next one's sequence number)
-    ("g0_tail", "<u8", 760),  # oldest sequence number still in its window
-    ("g0_live", "<u8", 768),  # ghosts in ring 0 (added, not yet forgotten or taken back)
-    ("g1_head", "<u8", 776),
-    ("g1_tail", "<u8", 784),
-    ("g1_live", "<u8", 792),
-    # The second victim list of a queue pool (queue 1's; queue 0's is the cand_* fields above), laid out
-    # as those are, word for word.
-    ("cand1_valid", "<u4", 800),
-    ("cand1_count", "<u4", 804),
-    ("cand1_pos", "<u4", 808),
-    ("cand1_pad", "<u4", 812),
-    ("cand1_next_expiry", "<f8", 816),
-    ("cand1_max_primary", "<f8", 824),
-    ("cand1_max_secondary", "<u8", 832),
-    ("cand1_epoch", "<u8", 840),
+    # The background fill of a restored pool (fill.py): where it reads, how far it got.  A pool
+    # published by restore before its values are in reads fill_state FILL_RUNNING until the fill ends.
+    ("fill_state", "<u4", 680),  # FILL_* (0: never filled from a snapshot)
+    ("fill_gen", "<u4", 684),  # +1 whenever a fill starts or is stopped: a filler that sees it change stops
+    ("fill_done", "<u8", 688),  # snapshot entries processed, in the fill's order (loaded, skipped or damaged)
+    ("fill_total", "<u8", 696),  # entries of the snapshot
+    ("fill_bytes", "<u8", 704),  # value bytes loaded
+    ("fill_bytes_total", "<u8", 712),  # value bytes of the snapshot
+    ("fill_check", "<u8", 720),  # the snapshot's file checksum (its trailer's): which snapshot the fill reads
+    ("fill_started", "<f8", 728),  # wall clock
+    ("fill_corrupt", "<u8", 736),  # values that failed their checksums: not loaded
+    ("fill_skipped", "<u8", 744),  # entries the pool already held (put meanwhile) or that had expired
+    ("fill_path", "S200", 752),  # the snapshot's absolute path, NUL padded
+    ("fill_ended", "<f8", 952),  # wall clock, 0 while it runs
+    ("fill_flags", "<u4", 960),  # FILL_PRIVATE: the snapshot is the pool's own in the snapshot directory
+    # 964..967 reserved (zero).
+    # Queue policies (s3fifo, arc, auto; queues.py), carved from format 3's reserved zeros: where the queue
+    # region lies (its own header, QUEUE_HEADER_FIELDS, holds the queues' state).  All zero in a pool of
+    # another policy, which carries no queue region.  The ghost rings' offsets are not stored: Geometry
+    # derives them from qslots_off, n_slots and the rings' sizes.
+    ("qslots_off", "<u8", 968),  # the queue region: QUEUE_HEADER, QSLOT_COLUMNS, ghost ring 0, ring 1; 0 = none
+    ("n_ghosts0", "<u4", 976),  # places in ghost ring 0 (keys evicted from queue 0); 0 = no ring
+    ("n_ghosts1", "<u4", 980),  # ... ring 1 (keys evicted from queue 1)
     # Admission to the lower tiers (tiers.py), also carved from format 3's reserved zeros.
-    ("tier_admit", "<u4", 848),  # 0 or 1: every evicted entry goes below; 2: only entries read since their put
-    ("tier_pad", "<u4", 852),
-    ("tier_refused", "<u8", 856),  # evicted entries the lower tiers were not offered (not admitted)
-    # 864..1023 reserved (zero).
+    ("tier_admit", "<u4", 984),  # 0 or 1: every evicted entry goes below; 2: only entries read since their put
+    ("tier_pad", "<u4", 988),
+    ("tier_refused", "<u8", 992),  # evicted entries the lower tiers were not offered (not admitted)
+    # 1000..1023 reserved (zero).
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]
@@ -289,7 +297,34 @@ DSLOT_COLUMNS: list[tuple[str, str]] = [
 ]
 DSLOT_BYTES = sum(np.dtype(f).itemsize for _, f in DSLOT_COLUMNS)  # 96 per disk slot
 
-# The queue region (queues.py), only in a pool of a queue policy (s3fifo, arc, auto): per slot, by column,
+# The queue region (queues.py), only in a pool of a queue policy (s3fifo, arc, auto), at qslots_off: first
+# its own header, QUEUE_HEADER_SIZE bytes (the queues' state, offsets from the region's start), changed under
+# the pool lock with the dirty mark set like the pool header's fields,
+QUEUE_HEADER_SIZE = 256
+QUEUE_HEADER_FIELDS: list[tuple[str, str, int]] = [
+    ("q_count0", "<u8", 0),  # sealed entries in queue 0 (S3-FIFO's small queue, ARC's T1)
+    ("q_count1", "<u8", 8),  # ... in queue 1 (the main queue, ARC's T2); the fast path reads the two as a pair
+    ("q_target", "<f8", 16),  # ARC: p, the target of T1 in entries; s3fifo and auto: queue 0's share of entries
+    ("q_seq", "<u8", 24),  # the queues' clock: +1 whenever an entry joins the tail of a queue (its qseq)
+    ("g0_head", "<u8", 32),  # ghosts ever added to ring 0 (the next one's sequence number)
+    ("g0_tail", "<u8", 40),  # oldest sequence number still in its window
+    ("g0_live", "<u8", 48),  # ghosts in ring 0 (added, not yet forgotten or taken back)
+    ("g1_head", "<u8", 56),
+    ("g1_tail", "<u8", 64),
+    ("g1_live", "<u8", 72),
+    # The second victim list (queue 1's; queue 0's is the pool header's cand_* fields), laid out as those
+    # are, word for word.
+    ("cand1_valid", "<u4", 80),
+    ("cand1_count", "<u4", 84),
+    ("cand1_pos", "<u4", 88),
+    ("cand1_pad", "<u4", 92),
+    ("cand1_next_expiry", "<f8", 96),
+    ("cand1_max_primary", "<f8", 104),
+    ("cand1_max_secondary", "<u8", 112),
+    ("cand1_epoch", "<u8", 120),
+    # 128..255 reserved (zero).
+]
+# then (on the next page) per slot, by column,
 QSLOT_COLUMNS: list[tuple[str, str]] = [
     ("queue", "<u1"),  # 0 or 1: which queue a sealed entry is in
     ("freq", "<u1"),  # s3fifo and auto: reads since it joined its queue, at most 3
@@ -338,6 +373,7 @@ def _dtype(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
 
 
 HEADER_DTYPE = _dtype(HEADER_FIELDS, HEADER_SIZE)
+QUEUE_HEADER_DTYPE = _dtype(QUEUE_HEADER_FIELDS, QUEUE_HEADER_SIZE)
 PIN_DTYPE = _dtype(PIN_FIELDS, PIN_SIZE)
 
 
@@ -404,8 +440,6 @@ class Geometry:
     qslots_off: int = 0  # 0: no queue region (the policy is not a queue policy)
     n_ghosts0: int = 0
     n_ghosts1: int = 0
-    ghosts0_off: int = 0
-    ghosts1_off: int = 0
 
     @property
     def data_size(self) -> int:
@@ -420,8 +454,30 @@ class Geometry:
     def dslot_columns(self) -> dict[str, int]:
         return column_offsets(DSLOT_COLUMNS, self.n_dslots, self.dslots_off)
 
+    # The queue region's parts after its header, derived (not stored): each on its own page boundary.
+    @property
+    def qcols_off(self) -> int:
+        return _align(self.qslots_off + QUEUE_HEADER_SIZE) if self.qslots_off else 0
+
+    @property
+    def ghosts0_off(self) -> int:
+        return _align(self.qcols_off + columns_size(QSLOT_COLUMNS, self.n_slots)) if self.qslots_off else 0
+
+    @property
+    def ghosts1_off(self) -> int:
+        return _align(self.ghosts0_off + ghost_ring_size(self.n_ghosts0)) if self.qslots_off else 0
+
+    @property
+    def queue_end(self) -> int:
+        """Where the queue region ends (the data region starts at or after it, on a block boundary)."""
+        return _align(self.ghosts1_off + ghost_ring_size(self.n_ghosts1)) if self.qslots_off else 0
+
     def qslot_columns(self) -> dict[str, int]:
-        return column_offsets(QSLOT_COLUMNS, self.n_slots, self.qslots_off)
+        return column_offsets(QSLOT_COLUMNS, self.n_slots, self.qcols_off)
+
+    def queue_field(self, name: str) -> int:
+        """Absolute offset of the queue header's field `name` (what the C fast path is given)."""
+        return self.qslots_off + {f[0]: f[2] for f in QUEUE_HEADER_FIELDS}[name]
 
     def ghost_columns(self, ring: int) -> tuple[dict[str, int], int, int]:
         """(column offsets, places, bucket heads' offset) of ghost ring 0 or 1."""
@@ -470,13 +526,15 @@ class Geometry:
         keymap_off = _align(dbuckets_off + n_dbuckets * 4)
         keys_off = _align(keymap_off + n_kcells)
         data_off = _align(keys_off + n_kcells * KEY_CELL)
-        qslots_off = n_g0 = n_g1 = g0_off = g1_off = 0
+        qslots_off = n_g0 = n_g1 = 0
         if ghosts is not None:
             qslots_off = data_off
             n_g0, n_g1 = ghosts[0] * n_slots, ghosts[1] * n_slots
-            g0_off = _align(qslots_off + columns_size(QSLOT_COLUMNS, n_slots))
-            g1_off = _align(g0_off + ghost_ring_size(n_g0))
-            data_off = _align(g1_off + ghost_ring_size(n_g1))
+            if max(n_g0, n_g1) >= 2**32:  # the header holds them as u32
+                raise UsageError(f"too many entries ({n_slots}) for a queue policy's ghost rings")
+            q = cls(block_size, n_blocks, n_slots, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                    qslots_off=qslots_off, n_ghosts0=n_g0, n_ghosts1=n_g1)
+            data_off = q.queue_end
         # The data region starts on a block boundary (and a page boundary), so
         # every value starts on one: blocks of 4 KiB and up are page-aligned.
         data_off = _align(data_off, max(PAGE, block_size))
@@ -485,7 +543,7 @@ class Geometry:
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
             disk_entries, n_dbuckets, dslots_off, dbuckets_off, n_kcells, keymap_off, keys_off,
-            qslots_off, n_g0, n_g1, g0_off, g1_off,
+            qslots_off, n_g0, n_g1,
         )
 
     @classmethod
@@ -497,8 +555,7 @@ class Geometry:
             int(h["pins_off"]), int(h["victims_off"]), int(h["data_off"]), int(h["segment_size"]),
             int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
             int(h["n_kcells"]), int(h["keymap_off"]), int(h["keys_off"]),
-            int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]), int(h["ghosts0_off"]),
-            int(h["ghosts1_off"]),
+            int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -535,14 +592,17 @@ class Geometry:
             (self.keys_off, self.n_kcells * KEY_CELL),
         ]
         if self.qslots_off:
-            if not (self.n_ghosts0 <= 8 * self.n_slots and self.n_ghosts1 <= 8 * self.n_slots):
+            # Each ring holds a whole number of places per slot (Geometry.compute), ring 0 at least one.
+            n0, n1, ns = self.n_ghosts0, self.n_ghosts1, self.n_slots
+            if not (ns <= n0 <= 8 * ns and n1 <= 8 * ns and n0 % ns == 0 and n1 % ns == 0):
                 return "bad ghost ring sizes"
             regions += [
-                (self.qslots_off, columns_size(QSLOT_COLUMNS, self.n_slots)),
+                (self.qslots_off, QUEUE_HEADER_SIZE),
+                (self.qcols_off, columns_size(QSLOT_COLUMNS, self.n_slots)),
                 (self.ghosts0_off, ghost_ring_size(self.n_ghosts0)),
                 (self.ghosts1_off, ghost_ring_size(self.n_ghosts1)),
             ]
-        elif self.n_ghosts0 or self.n_ghosts1 or self.ghosts0_off or self.ghosts1_off:
+        elif self.n_ghosts0 or self.n_ghosts1:
             return "ghost rings without a queue region"
         regions.append((self.data_off, self.n_blocks * bs))
         end = HEADER_SIZE
@@ -561,7 +621,8 @@ __all__ = [
     "MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "HEADER_FIELDS", "SLOT_COLUMNS", "PIN_FIELDS", "VICTIM_COLUMNS",
     "HEADER_DTYPE", "PIN_DTYPE", "Geometry", "FREE", "WRITING", "SEALED", "ZOMBIE", "KEY_CELL", "key_cells",
     "blocks_for", "MV_FORMAT", "SLOT_FLAG_STR_KEY",
-    "DSLOT_COLUMNS", "QSLOT_COLUMNS", "GHOST_COLUMNS", "ghost_buckets", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
+    "DSLOT_COLUMNS", "QSLOT_COLUMNS", "GHOST_COLUMNS", "QUEUE_HEADER_FIELDS", "QUEUE_HEADER_SIZE",
+    "QUEUE_HEADER_DTYPE", "ghost_buckets", "DFREE", "DLIVE", "DPENDING", "DISK_ON", "DISK_WRITE_THROUGH", "DISK_O_DIRECT",
 ]
 
 
@@ -614,17 +675,17 @@ H_TIER_REFUSED = _word(HEADER_FIELDS, "tier_refused", 8)
     for n in ("remote_hits", "remote_misses", "remote_promotions", "remote_errors", "remote_corrupt", "remote_sent",
               "remote_written", "remote_dropped", "remote_bytes_written", "remote_bytes_read")
 )
-(H_Q_COUNT0, H_Q_COUNT1, H_Q_TARGET, H_Q_SEQ, H_G0_HEAD, H_G0_TAIL, H_G0_LIVE, H_G1_HEAD, H_G1_TAIL,
- H_G1_LIVE) = (
-    _word(HEADER_FIELDS, n, 8)
+# The queue header's words (QUEUE_HEADER_FIELDS), as indices into typed views over that header alone.
+(Q_COUNT0, Q_COUNT1, Q_TARGET, Q_SEQ, Q_G0_HEAD, Q_G0_TAIL, Q_G0_LIVE, Q_G1_HEAD, Q_G1_TAIL, Q_G1_LIVE) = (
+    _word(QUEUE_HEADER_FIELDS, n, 8)
     for n in ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
               "g1_live")
 )
 # A victim list's header words (eviction.VictimCache), in the order (valid, count, pos: u32 words;
-# next_expiry, max_primary, max_secondary, epoch: u64 words) for list 0 (every pool) and list 1 (queue pools).
+# next_expiry, max_primary, max_secondary, epoch: u64 words) for list 0 (every pool: in the pool header) and
+# list 1 (queue pools: in the queue header).
 VICTIM_LIST_WORDS = [
-    (_word(HEADER_FIELDS, f"{p}_valid", 4), _word(HEADER_FIELDS, f"{p}_count", 4), _word(HEADER_FIELDS, f"{p}_pos", 4),
-     _word(HEADER_FIELDS, f"{p}_next_expiry", 8), _word(HEADER_FIELDS, f"{p}_max_primary", 8),
-     _word(HEADER_FIELDS, f"{p}_max_secondary", 8), _word(HEADER_FIELDS, f"{p}_epoch", 8))
-    for p in ("cand", "cand1")
+    tuple(_word(fields, f"{p}_{f}", w) for f, w in (("valid", 4), ("count", 4), ("pos", 4), ("next_expiry", 8),
+                                                     ("max_primary", 8), ("max_secondary", 8), ("epoch", 8)))
+    for p, fields in (("cand", HEADER_FIELDS), ("cand1", QUEUE_HEADER_FIELDS))
 ]

@@ -115,7 +115,7 @@ def probe_locked(core: Core, tiers: Tiers, enc: Sequence[Encoded], start: int, s
             live = exp[exp > 0]
             expiry = float(live.min()) if live.size else 0.0
     n = mem
-    if tiers.disk is not None:
+    if tiers.answer_contains:  # the disk tier, the snapshot a fill still brings back
         while a + n < stop and enc[a + n][0] is not None and tiers.contains(*enc[a + n]):
             n += 1
     return a, n, mem, seq, expiry

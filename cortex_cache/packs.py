@@ -172,8 +172,10 @@ class PackReader:
                 raise self.corrupt(manifest, f"its size is {st.st_size} bytes, the manifest says {ref.size}")
             self.untrusted = safefs.written_by_us(fd, self.path)
             self._mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd  # kept for the background fill's preads (fill.py)
         self.mv = memoryview(self._mm)
         head = bytes(self.mv[: PACK_HEAD.size])
         magic, version, hsize, _created, pack_id = PACK_HEAD.unpack(head)
@@ -191,19 +193,25 @@ class PackReader:
         end = self.ref.size
         if off < HEAD_SIZE or off > end - REC_SIZE:
             raise self.corrupt(manifest, f"no record at byte {off}")
-        magic, klen, rvlen, rcks = PACK_REC.unpack_from(self.mv, off)
-        kpos = off + REC_SIZE
-        if magic != REC_MAGIC or klen != len(key) or rvlen != vlen or rcks != checksum or \
-                not 0 < klen <= MAX_KEY_BYTES or vlen > end - kpos - klen:
+        if vlen > end - off - REC_SIZE - len(key):
             raise self.corrupt(manifest, f"the record at byte {off} is not the one the manifest names")
-        (hcheck,) = PACK_REC_CHECK.unpack_from(self.mv, off + PACK_REC.size)
-        if bytes(self.mv[kpos : kpos + klen]) != key or \
-                hcheck != xxhash.xxh3_64_intdigest(bytes(self.mv[off : off + PACK_REC.size]) + key):
-            raise self.corrupt(manifest, f"the record at byte {off} fails its checksum")
-        value = self.mv[kpos + klen : kpos + klen + vlen]
+        self.check_head(self.mv[off : off + REC_SIZE + len(key)], off, key, vlen, checksum, manifest)
+        kpos = off + REC_SIZE
+        value = self.mv[kpos + len(key) : kpos + len(key) + vlen]
         if check_value and xxhash.xxh3_64_intdigest(value) != checksum:
             raise self.corrupt(manifest, f"the value of the record at byte {off} fails its checksum")
         return value
+
+    def check_head(self, head: Any, off: int, key: bytes, vlen: int, checksum: int, manifest: Path) -> None:
+        """Check the record head and key in `head` (the bytes at `off`) against what the manifest says."""
+        magic, klen, rvlen, rcks = PACK_REC.unpack_from(head, 0)
+        if magic != REC_MAGIC or klen != len(key) or rvlen != vlen or rcks != checksum or \
+                not 0 < klen <= MAX_KEY_BYTES:
+            raise self.corrupt(manifest, f"the record at byte {off} is not the one the manifest names")
+        (hcheck,) = PACK_REC_CHECK.unpack_from(head, PACK_REC.size)
+        if bytes(head[REC_SIZE : REC_SIZE + klen]) != key or \
+                hcheck != xxhash.xxh3_64_intdigest(bytes(head[: PACK_REC.size]) + key):
+            raise self.corrupt(manifest, f"the record at byte {off} fails its checksum")
 
     def advise_sequential(self) -> None:
         try:
@@ -212,6 +220,9 @@ class PackReader:
             pass
 
     def close(self) -> None:
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
         mv, self.mv = getattr(self, "mv", None), None
         if mv is not None:
             try:

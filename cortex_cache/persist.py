@@ -72,14 +72,20 @@ def restore(
     if_missing: bool = False,
     trust_tiers: bool = False,
     allow_other_owner: bool = False,
+    detach: bool = False,
 ) -> tuple[Pool | None, dict[str, Any]]:
     """Rebuild a pool from a snapshot; return (pool, report) (restore.restore has the details).
+
+    A pool that is gone comes back from the snapshot directory at once and is filled in the background
+    (fill.py): this returns when the fill ended, or with `detach` once the pool is published, a forked
+    process filling it (fork: call it from a program with no other threads).
 
     `if_missing`: a pool that exists is left alone: (None, a report with "skipped": True).
     `trust_tiers`: attach the snapshot's tiers even from a file this user may not have written.
     `allow_other_owner`: use (skip, or replace) an existing pool that is neither this user's nor root's."""
     return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode,
-                         if_missing=if_missing, trust_tiers=trust_tiers, allow_other_owner=allow_other_owner)
+                         if_missing=if_missing, trust_tiers=trust_tiers, allow_other_owner=allow_other_owner,
+                         detach=detach)
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",

@@ -27,6 +27,7 @@ from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_m
 from .errors import (
     CortexCacheError,
     KeyNotFound,
+    NoSpace,
     PoolClosed,
     PoolExists,
     PoolFull,
@@ -155,6 +156,7 @@ class Pool:
         tier_admit: int = 1,
         exist_ok: bool = False,
         allow_other_owner: bool = False,
+        _reserve_later: bool = False,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -245,7 +247,15 @@ class Pool:
             n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
             geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d, ghosts=ghosts)
         try:
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve, reserve_head=geo.data_off)
+            if reserve and _reserve_later:
+                # restore's background fill reserves the memory as it goes (fill.py): the room is
+                # checked now, so a pool that cannot have it is refused before anyone sees it.
+                free = segment.shm_free_bytes()
+                if geo.segment_size > free:
+                    raise NoSpace(f"not enough shared memory for pool {name!r}: needs "
+                                  f"{format_size(geo.segment_size)}, {segment.SHM_DIR} has {format_size(free)} free")
+            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve and not _reserve_later,
+                                         reserve_head=geo.data_off)
         except BaseException as e:
             if log is not None:
                 log.close()
@@ -263,7 +273,7 @@ class Pool:
         try:
             # Openers that find no magic yet wait on this lock until we are done.
             init_lock.acquire()
-            if reserve and prefault:
+            if reserve and prefault and not _reserve_later:
                 seg.prefault()
             header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=log is None)
             if keep is not None:
@@ -462,7 +472,6 @@ class Pool:
             self.tiers.remote = None  # its thread is the parent's; nothing to drain here
         tiers = self.tiers
         remote, tiers.remote = tiers.remote, None
-        tiers.remote_writes = None
         if remote is not None:
             remote.close()  # lets queued writes finish (a few seconds at most)
         for v in list(self._views):
@@ -526,8 +535,8 @@ class Pool:
             core.locked(core.put_small, kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, int(priority))
         else:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
-        if tiers.remote_writes is not None:  # queued; the caller never waits on the network
-            tiers.remote_writes.put(kb, value if value.__class__ is bytes else vb, flags, ttl)
+        if tiers.takes_puts:  # the remote tier: queued; the caller never waits on the network
+            tiers.offer_put(kb, value if value.__class__ is bytes else vb, flags, ttl)
 
     def reserve_write(
         self, key: str | bytes, nbytes: int, *, ttl: float | None = None, priority: int = 0
@@ -634,7 +643,7 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
-        if core.fast is not None and tiers.disk is None and tiers.remote is None:
+        if core.fast is not None and not tiers.below:
             got = batch.pin_many(core, [(kb, kh)], True)[0]
             if got is None:
                 raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
@@ -748,8 +757,8 @@ class Pool:
         kb, _ = key_bytes(key)
         tiers = self.tiers
         found = self.core.locked(tiers.delete, kb, xxh3_64_intdigest(kb))
-        if tiers.remote is not None:
-            tiers.remote.delete(kb)
+        if tiers.takes_deletes:
+            tiers.offer_delete(kb)
         return found
 
     def __contains__(self, key: object) -> bool:

@@ -25,9 +25,21 @@ def start_time(pid: int) -> int:
     # after the last ')'.  Field 22 is then index 19 of the rest.
     rest = data[data.rfind(b")") + 2 :].split()
     try:
+        if rest[0] in (b"Z", b"X") and _no_live_threads(pid):
+            # Killed and not yet waited for by its parent: it holds nothing any more (its memory and
+            # locks are gone), so its pins and reservations are a dead process's.  A leader whose other
+            # threads still run shows Z too; it counts as alive.
+            return 0
         return int(rest[19])
     except (IndexError, ValueError):
         return 0
+
+
+def _no_live_threads(pid: int) -> bool:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
 
 
 _cached: tuple[int, int] | None = None

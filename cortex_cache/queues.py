@@ -19,8 +19,10 @@ What is left, and lives here, is small and O(1) per operation:
   1, or round queue 1 with one read less), and the next head is looked at;
 - `evicted`: the victim's key hash goes into its queue's ghost ring.
 
-All of it is shared state in the segment: the queue columns (queue, freq,
-qseq), the two rings, and header fields (layout.py, from q_count0), changed
+All of it is shared state in the segment's queue region: its header
+(layout.QUEUE_HEADER_FIELDS: the queue counts, the target, the clock, the
+rings' windows, queue 1's victim list), the queue columns (queue, freq,
+qseq) and the two rings, changed
 under the pool lock with the dirty mark set like every other field, so a
 process killed half-way is repaired by the next lock holder (`repair`).
 The C fast path does `hit`, `admit`, `evicted` and the queue counts of a
@@ -37,9 +39,9 @@ import numpy as np
 from .chains import build_chains, unchain
 from .eviction import QueuePolicy, VictimCache
 from .layout import (
-    GHOST_COLUMNS, MV_FORMAT, QSLOT_COLUMNS, VICTIM_LIST_WORDS, Geometry, ghost_buckets,
-    H_G0_HEAD, H_G0_LIVE, H_G0_TAIL, H_G1_HEAD, H_G1_LIVE, H_G1_TAIL, H_N_ENTRIES, H_Q_COUNT0, H_Q_COUNT1,
-    H_Q_SEQ, H_Q_TARGET, SEALED,
+    GHOST_COLUMNS, MV_FORMAT, QSLOT_COLUMNS, QUEUE_HEADER_DTYPE, QUEUE_HEADER_SIZE, VICTIM_LIST_WORDS, Geometry,
+    ghost_buckets, H_N_ENTRIES, Q_COUNT0, Q_COUNT1, Q_G0_HEAD, Q_G0_LIVE, Q_G0_TAIL, Q_G1_HEAD, Q_G1_LIVE,
+    Q_G1_TAIL, Q_SEQ, Q_TARGET, SEALED,
 )
 
 MAX_FREQ = 3  # S3-FIFO's cap on an entry's read count
@@ -54,18 +56,18 @@ class Ghosts:
     """
 
     def __init__(self, hashes: np.ndarray, nxt: np.ndarray, buckets: np.ndarray, views: tuple, factor: int,
-                 hu64: memoryview, words: tuple[int, int, int]) -> None:
+                 qu64: memoryview, words: tuple[int, int, int]) -> None:
         self.hashes, self.nxt_arr, self.buckets_arr = hashes, nxt, buckets
         self._h, self._next, self._bkt = views
         self.n = hashes.size
         self._mask = buckets.size - 1
         self.factor = factor
-        self._hu64 = hu64
+        self._qu64 = qu64
         self._w_head, self._w_tail, self._w_live = words
 
     @property
     def live(self) -> int:
-        return self._hu64[self._w_live]
+        return self._qu64[self._w_live]
 
     def _find(self, kh: int) -> int:
         p = self._bkt[kh & self._mask]
@@ -82,7 +84,7 @@ class Ghosts:
         unchain(self._bkt, self._next, kh & self._mask, p)
         self._h[p] = 0
         self._next[p] = -1
-        self._hu64[self._w_live] -= 1
+        self._qu64[self._w_live] -= 1
 
     def take(self, kh: int) -> bool:
         """Forget `kh` if it is a ghost here: True if it was."""
@@ -99,30 +101,30 @@ class Ghosts:
         if not self.n:
             return
         kh = kh or 1  # 0 marks an empty place
-        hu64 = self._hu64
+        qu64 = self._qu64
         p = self._find(kh)
         if p >= 0:
             self._forget(p)
-        head, tail = hu64[self._w_head], hu64[self._w_tail]
+        head, tail = qu64[self._w_head], qu64[self._w_tail]
         window = min(self.n, self.factor * max(1, entries))
         while head + 1 - tail > window:
             q = tail % self.n
             if self._h[q]:
                 self._forget(q)
             tail += 1
-        hu64[self._w_tail] = tail
+        qu64[self._w_tail] = tail
         p = head % self.n
         b = kh & self._mask
         self._h[p] = kh
         self._next[p] = self._bkt[b]
         self._bkt[b] = p
-        hu64[self._w_head] = head + 1
-        hu64[self._w_live] += 1
+        qu64[self._w_head] = head + 1
+        qu64[self._w_live] += 1
 
     def repair(self, fix: bool) -> list[str]:
         """Check (and with `fix` rebuild) the ring: its window, its count and its chains (lock held)."""
-        hu64 = self._hu64
-        head, tail = hu64[self._w_head], hu64[self._w_tail]
+        qu64 = self._qu64
+        head, tail = qu64[self._w_head], qu64[self._w_tail]
         problems = []
         pos = np.arange(self.n, dtype=np.int64)
         if tail > head or head - tail > self.n:
@@ -136,7 +138,7 @@ class Ghosts:
             inside = ((pos - first) % max(1, self.n)) < span
         keep = inside & (self.hashes != 0)
         live = int(np.count_nonzero(keep))
-        if live != hu64[self._w_live] and not problems:
+        if live != qu64[self._w_live] and not problems:
             problems.append("a ghost ring's count was out of step")
         if fix:
             self.hashes[~keep] = 0
@@ -145,8 +147,8 @@ class Ghosts:
                                     np.empty(0, dtype=np.int64))
             self.buckets_arr[:] = bkt
             self.nxt_arr[:] = nxt
-            hu64[self._w_tail] = tail
-            hu64[self._w_live] = live
+            qu64[self._w_tail] = tail
+            qu64[self._w_live] = live
         return problems
 
 
@@ -155,7 +157,9 @@ class QueueVictims:
 
     def __init__(self, policy: QueuePolicy, lists: tuple[VictimCache, VictimCache], ghosts: tuple[Ghosts, Ghosts],
                  cols: dict[str, np.ndarray], views: dict[str, memoryview],
-                 hdr_views: tuple[memoryview, memoryview, memoryview], clock: Callable[[], float]) -> None:
+                 hdr_views: tuple[memoryview, memoryview, memoryview],
+                 q_views: tuple[memoryview, memoryview, memoryview], header: np.ndarray,
+                 clock: Callable[[], float]) -> None:
         self.policy = policy
         self.second_chance = policy.second_chance
         self.arc = policy.adapt == "arc"
@@ -164,7 +168,9 @@ class QueueVictims:
         self.cols = cols
         self._queue, self._freq, self._qseq = views["queue"], views["freq"], views["qseq"]
         self._state, self._khash, self._expiry = views["state"], views["key_hash"], views["expiry"]
-        _, self._hu64, self._hf64 = hdr_views
+        self._hu64 = hdr_views[1]  # the pool header's (n_entries)
+        _, self._qu64, self._qf64 = q_views  # the queue header's (Q_* words)
+        self.header = header  # the queue header as a record (inspection, tests)
         self.clock = clock
 
     # ---- the VictimCache interface
@@ -184,9 +190,9 @@ class QueueVictims:
 
     def next_victim(self) -> tuple[int, bool]:
         """(slot, expired) of the next entry to evict, or (-1, False) if none can be."""
-        lists, hu64 = self.lists, self._hu64
+        lists, qu64 = self.lists, self._qu64
         while True:
-            n0, n1 = hu64[H_Q_COUNT0], hu64[H_Q_COUNT1]
+            n0, n1 = qu64[Q_COUNT0], qu64[Q_COUNT1]
             if (n0 and lists[0].may_expire()) or (n1 and lists[1].may_expire()):
                 i, q = self._expired_first(n0, n1)
                 if i < 0 or q < 0:
@@ -249,7 +255,7 @@ class QueueVictims:
         self._queue[i] = q
         self._freq[i] = 0
         self._qseq[i] = self._tick()
-        self._hu64[H_Q_COUNT0 + q] += 1
+        self._qu64[Q_COUNT0 + q] += 1
 
     def hit(self, i: int) -> None:
         """A read of sealed slot `i` (Core.touch; _fastpath.c's touch does the same)."""
@@ -264,9 +270,9 @@ class QueueVictims:
 
     def removed(self, i: int) -> None:
         """Sealed slot `i` leaves the index (Core.remove)."""
-        w = H_Q_COUNT0 + (self._queue[i] & 1)
-        if self._hu64[w]:
-            self._hu64[w] -= 1
+        w = Q_COUNT0 + (self._queue[i] & 1)
+        if self._qu64[w]:
+            self._qu64[w] -= 1
 
     def evicted(self, i: int) -> None:
         """Slot `i` is evicted by the policy (not expired, not deleted): remember its key."""
@@ -276,30 +282,30 @@ class QueueVictims:
     def _from_queue0(self, n0: int, n1: int) -> bool:
         """The rule: queue 0 while it holds more than its target."""
         if self.arc:
-            return n0 > self._hf64[H_Q_TARGET]
-        return n0 >= self._hf64[H_Q_TARGET] * (n0 + n1)
+            return n0 > self._qf64[Q_TARGET]
+        return n0 >= self._qf64[Q_TARGET] * (n0 + n1)
 
     def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
         """ARC's rule: a ghost of queue 0 grows its target, one of queue 1 shrinks it, by max(1, other/this)."""
-        hf64 = self._hf64
+        qf64 = self._qf64
         if self.policy.adapt == "arc":  # p in entries, integer steps (Megiddo and Modha's)
             step = max(1, other // max(1, this))
-            hf64[H_Q_TARGET] = min(float(entries), max(0.0, hf64[H_Q_TARGET] + sign * step))
+            qf64[Q_TARGET] = min(float(entries), max(0.0, qf64[Q_TARGET] + sign * step))
         elif self.policy.adapt == "share":
             step = max(1.0, other / max(1, this)) / max(1, entries)
-            hf64[H_Q_TARGET] = min(1.0, max(0.0, hf64[H_Q_TARGET] + sign * step))
+            qf64[Q_TARGET] = min(1.0, max(0.0, qf64[Q_TARGET] + sign * step))
 
     def _move(self, i: int, a: int, b: int) -> None:
         self._queue[i] = b
-        if self._hu64[H_Q_COUNT0 + a]:
-            self._hu64[H_Q_COUNT0 + a] -= 1
-        self._hu64[H_Q_COUNT0 + b] += 1
+        if self._qu64[Q_COUNT0 + a]:
+            self._qu64[Q_COUNT0 + a] -= 1
+        self._qu64[Q_COUNT0 + b] += 1
         # Queue b's list was filled without it: its expiry must still make that list look again.
         self.lists[b].on_expiry_set(self._expiry[i])
 
     def _tick(self) -> int:
-        seq = self._hu64[H_Q_SEQ] + 1
-        self._hu64[H_Q_SEQ] = seq
+        seq = self._qu64[Q_SEQ] + 1
+        self._qu64[Q_SEQ] = seq
         return seq
 
     # ---- repair
@@ -313,10 +319,10 @@ class QueueVictims:
         sealed = state == SEALED
         n1 = int(np.count_nonzero(sealed & (queue == 1)))
         n0 = int(np.count_nonzero(sealed)) - n1
-        hu64, hf64 = self._hu64, self._hf64
-        if (hu64[H_Q_COUNT0], hu64[H_Q_COUNT1]) != (n0, n1) and not problems:
+        qu64, qf64 = self._qu64, self._qf64
+        if (qu64[Q_COUNT0], qu64[Q_COUNT1]) != (n0, n1) and not problems:
             problems.append("queue counts out of step with the entries")
-        t = hf64[H_Q_TARGET]
+        t = qf64[Q_TARGET]
         limit = float(self.cols["state"].size) if self.policy.adapt == "arc" else 1.0
         if not 0.0 <= t <= limit:  # NaN too
             problems.append("queue target out of range reset")
@@ -325,9 +331,9 @@ class QueueVictims:
         if fix:
             queue[bad] = 0
             self.cols["freq"][self.cols["freq"] > MAX_FREQ] = MAX_FREQ
-            hu64[H_Q_COUNT0], hu64[H_Q_COUNT1] = n0, n1
+            qu64[Q_COUNT0], qu64[Q_COUNT1] = n0, n1
             if not 0.0 <= t <= limit:
-                hf64[H_Q_TARGET] = self.policy.target
+                qf64[Q_TARGET] = self.policy.target
             self.invalidate()
         return problems
 
@@ -347,14 +353,21 @@ def build(policy: QueuePolicy, mv: memoryview, geometry: Geometry, header: np.nd
         cols[name] = np.frombuffer(mm, fmt, g.n_slots, qo[name])
         vws[name] = mv[qo[name] : qo[name] + g.n_slots * size].cast(MV_FORMAT[fmt])
         typed.append(vws[name])
+    qoff = g.qslots_off
+    qmv = mv[qoff : qoff + QUEUE_HEADER_SIZE]
+    q_views = (qmv.cast("I"), qmv.cast("Q"), qmv.cast("d"))
+    typed.extend(q_views)
+    typed.append(qmv)
+    qheader = np.frombuffer(mm, QUEUE_HEADER_DTYPE, 1, qoff)
     half = victims["slot"].size // 2
     lists = tuple(
         VictimCache(policy, header, cols, {k: c[q * half : (q + 1) * half] for k, c in victims.items()},
-                    clock, hdr_views, vws, VICTIM_LIST_WORDS[q], (cols["queue"], q))
+                    clock, hdr_views, vws, VICTIM_LIST_WORDS[q], (cols["queue"], q),
+                    None if q == 0 else q_views)
         for q in (0, 1)
     )
     rings = []
-    for q, words in ((0, (H_G0_HEAD, H_G0_TAIL, H_G0_LIVE)), (1, (H_G1_HEAD, H_G1_TAIL, H_G1_LIVE))):
+    for q, words in ((0, (Q_G0_HEAD, Q_G0_TAIL, Q_G0_LIVE)), (1, (Q_G1_HEAD, Q_G1_TAIL, Q_G1_LIVE))):
         offs, n, boff = g.ghost_columns(q)
         nb = max(1, ghost_buckets(n))
         if n:
@@ -366,8 +379,8 @@ def build(policy: QueuePolicy, mv: memoryview, geometry: Geometry, header: np.nd
         else:  # s3fifo keeps no ghosts of its main queue
             hashes, nxt, bkt = np.zeros(0, np.uint64), np.zeros(0, np.int32), np.full(1, -1, np.int32)
             vs = (memoryview(hashes), memoryview(nxt), memoryview(bkt))
-        rings.append(Ghosts(hashes, nxt, bkt, vs, policy.ghosts[q], hdr_views[1], words))
-    return QueueVictims(policy, lists, (rings[0], rings[1]), cols, vws, hdr_views, clock)
+        rings.append(Ghosts(hashes, nxt, bkt, vs, policy.ghosts[q], q_views[1], words))
+    return QueueVictims(policy, lists, (rings[0], rings[1]), cols, vws, hdr_views, q_views, qheader, clock)
 
 
 __all__ = ["Ghosts", "QueueVictims", "build", "MAX_FREQ"]

@@ -7,8 +7,10 @@ file itself is read by snapshot.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
 import secrets
 import stat
 import tempfile
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import xxhash
 
-from . import interrupts, procs, safefs, segment
+from . import fill, interrupts, procs, safefs, segment
 from .core import COPY_IN_LOCK, Core
 from .disklog import DiskLog
 from .disktier import live_owner
@@ -28,8 +30,10 @@ from .errors import (
     PermissionDenied,
     PoolExists,
     PoolFull,
+    PersistBusy,
     PoolNotFound,
     ServiceUnavailable,
+    SnapshotCorrupt,
     UsageError,
     ValueTooLarge,
 )
@@ -37,7 +41,16 @@ from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 from .remote import redact, redis_missing
-from .snapshot import RESTORE_BYTE, Record, Snapshot, busy, checked_snapshot_dir, latest_path, pool_config
+from .snapshot import (
+    RESTORE_BYTE,
+    Record,
+    Snapshot,
+    busy,
+    checked_snapshot_dir,
+    latest_path,
+    pool_config,
+    snapshots_of,
+)
 from .units import entries
 
 if TYPE_CHECKING:
@@ -55,14 +68,25 @@ def restore(
     if_missing: bool = False,
     trust_tiers: bool = False,
     allow_other_owner: bool = False,
+    detach: bool = False,
 ) -> tuple["Pool | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
-    The pool is built under a temporary name and appears under its real name
-    only once every live entry of the snapshot is in it and the whole file
-    checked out: other processes see no pool (or the old one) until then,
-    and a restore killed at any point leaves no trace but a staging segment
-    the next restore sweeps.  A missing pool is created with the snapshot's
+    A pool that is gone, restored from the snapshot directory's incremental
+    snapshots, is published at once and filled afterwards
+    (fill.py): it is built under a temporary name with the snapshot's
+    configuration and counters, appears under its real name before any
+    value is in, and the values come in most recently used first while
+    every process may use it (an entry not loaded yet is a miss).  This
+    call fills it and returns when the fill ended; with `detach` (the CLI's
+    --background) it forks a process that fills it and returns once the pool
+    is published (the report's "filler_pid"; call it from a program with no
+    other threads, as fork requires).  A fill that was interrupted (its process killed) is finished by
+    the next restore of the pool without `replace`, from where it stopped;
+    the report's "resumed" says so.  A self-contained file (persist
+    --output), and a snapshot whose path does not fit the pool's header
+    (FILL_PATH_BYTES), are restored the old way: built whole aside, verified,
+    and published complete.  A missing pool is created with the snapshot's
     whole configuration: its disk tier is attached again (the records still
     on disk that check out are found again; a tier that is gone is made
     anew), and so are its remote tier and its retention.  An existing one is
@@ -107,9 +131,13 @@ def restore(
         path = latest_path(segment.validate_name(name))
     if name is not None:
         segment.validate_name(name)
-        if if_missing and segment.exists(name):
-            segment.check_owner_of(name, allow_other_owner)
-            return None, _skipped(name, path)
+        if not replace and segment.exists(name):
+            done = _resume(Pool, name, None if private else path, progress, clock, allow_other_owner, detach,
+                           if_missing)
+            if done is not None:
+                return done
+            if if_missing:
+                return None, _skipped(name, path)
     if private:
         checked_snapshot_dir(mode if mode is not None else _pool_mode(name) if replace else 0o600)
     if mode is not None and (not isinstance(mode, int) or mode & ~0o777 or mode & 0o600 != 0o600):
@@ -129,7 +157,8 @@ def restore(
             report["not_attached"] = None  # the pool's own configuration is kept, not the snapshot's
         else:
             try:
-                pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers)
+                pool, report = _restore_new(Pool, snap, target, mode, progress, clock, trust_tiers, private, detach,
+                                              t0)
             except PoolExists:
                 if not if_missing or not segment.exists(target):
                     raise
@@ -142,9 +171,153 @@ def restore(
     return pool, report
 
 
-def _skipped(name: str, path) -> dict[str, Any]:
+def _skipped(name: str, path, filling: bool = False) -> dict[str, Any]:
     return {"pool": name, "path": str(Path(path)), "skipped": True, "entries": 0, "bytes": 0,
-            "expired_skipped": 0, "seconds": 0.0, "tiers": {}, "not_attached": None, "trusted": None}
+            "expired_skipped": 0, "seconds": 0.0, "tiers": {}, "not_attached": None, "trusted": None,
+            "filling": filling}
+
+
+def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_owner: bool, detach: bool,
+            if_missing: bool) -> tuple["Pool | None", dict[str, Any]] | None:
+    """Finish the fill of existing pool `name` if it was interrupted (fill.py); None if it has none to
+    finish.  `path` None: the pool's own snapshot in the snapshot directory (the mark must name one of
+    them); else the file given, which must be the one the mark names."""
+    try:
+        segment.check_owner_of(name, allow_other_owner)
+    except PermissionDenied:
+        if if_missing:
+            raise
+        return None  # restore of another user's pool: PoolExists, as before
+    try:
+        pool = Pool.open(name, clock=clock, require_owner=not allow_other_owner)
+    except CortexCacheError:
+        return None  # a damaged or half-made pool has no fill to finish
+    try:
+        core = pool.core
+        if not fill.running(core):
+            pool.close()
+            return None
+        st = fill.state(core)
+        assert st is not None
+        marked = st["snapshot"]
+        if st["running"]:
+            pool.close()
+            if if_missing:
+                return None, _skipped(name, marked, filling=True)
+            raise PersistBusy(f"pool {name!r} is being filled from {marked!r} by another restore; "
+                              "status shows how far it got")
+        if path is not None and not _same_file(path, marked):
+            raise UsageError(f"pool {name!r} is being filled from {marked!r}, not from {str(path)!r}: give that "
+                             "file (or none), or start again with --replace")
+        if path is None and not any(_same_file(p, marked) for p in snapshots_of(name)):
+            raise UsageError(f"pool {name!r} is being filled from {marked!r}, which is not one of its snapshots "
+                             "in the snapshot directory: give it with --input, or start again with --replace")
+        t0 = time.perf_counter()
+        with Snapshot(marked, verify=False, private=path is None) as snap:
+            if snap.file_check != int(core.header[0]["fill_check"]):
+                raise SnapshotCorrupt(f"snapshot {marked!r} has changed since pool {name!r} began filling from it: "
+                                      f"the fill cannot go on (the pool keeps its {entries(pool.stats()['entries'])}); "
+                                      "start again with restore --replace")
+            _check_before_publish(snap)
+            report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "filling": True, "published_seconds": 0.0,
+                      "path": marked, "pool": name, "skipped": False, "resumed": True, "tiers": {},
+                      "not_attached": None, "trusted": path is None or None}
+            lock = RecordLock(core.seg.fd, fill.FILL_BYTE)
+            if not lock.try_acquire():
+                raise PersistBusy(f"pool {name!r} is being filled by another restore")
+            if detach:
+                # The filler inherits the pool's descriptor, and with it the lock (OFD locks belong to
+                # the open file): this process lets go of its copy without releasing it.
+                report["filler_pid"] = _detached_fill(lambda: Pool.open(name, clock=clock), snap)
+            else:
+                try:
+                    report.update(_run_fill(core, snap, progress))
+                finally:
+                    lock.release()
+        report["seconds"] = round(time.perf_counter() - t0, 6)
+        return pool, report
+    except BaseException:
+        pool.close()
+        raise
+
+
+def _detached_fill(opener: Callable[[], "Pool"], snap: Snapshot, quiet: contextlib.ExitStack | None = None) -> int:
+    """Fork a process that fills the pool (a handle of its own from `opener`: one is not inherited across
+    fork) and exits; its pid.
+
+    It holds the fill lock through the descriptors it inherits, runs in a
+    session of its own with no terminal (stdin, stdout and stderr are
+    /dev/null: status and the fill's header fields say how it goes), and
+    SIGTERM stops it as it stops any restore, leaving the fill resumable."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        if quiet is not None:
+            quiet.close()  # signals that waited for the publish reach the filler now
+        pool = opener()  # kept referenced: a collected handle closes its pool
+        _run_fill(pool.core, snap, None)
+    except interrupts.Interrupted as e:
+        code = e.exit_code
+    except CortexCacheError as e:
+        code = e.exit_code
+    except BaseException:
+        code = 70
+    finally:
+        os._exit(code)
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_before_publish(snap: Snapshot) -> None:
+    """What is checked before a pool anyone can see is filled from `snap`: a version 3 manifest's own
+    checksum and every pack it names (there, the right size, its header whole).  Each record and value is
+    checked as the fill reaches it."""
+    if snap.header.version == 3:
+        snap.check_manifest_file()
+        snap.open_packs()
+
+
+def _run_fill(core: Core, snap: Snapshot, progress) -> dict[str, Any]:
+    """fill.run, with its outcome turned into restore's report (a damaged value: reported, not raised)."""
+    try:
+        out = fill.run(core, snap, progress)
+    except interrupts.Interrupted as e:
+        st = fill.state(core) or {"entries_done": 0, "entries_total": 0}
+        e.kept = (f"pool {core.name!r} stays, with the entries loaded so far ({st['entries_done']} of "
+                  f"{st['entries_total']} processed); `cortex cache restore {core.name} --if-missing` finishes it")
+        raise
+    except SnapshotCorrupt as e:  # the manifest's records or a file's structure: nothing more can be read
+        core.locked(_fill_failed, core)
+        raise SnapshotCorrupt(f"{e}; the pool keeps the entries loaded before it") from None
+    if out["corrupt"]:
+        raise SnapshotCorrupt(
+            f"{out['corrupt_why']}: pool {core.name!r} was restored without the {entries(out['corrupt'], 'values')} "
+            f"that fail their checksums ({entries(out['entries'])} loaded)"
+        )
+    return {"entries": out["entries"], "bytes": out["bytes"], "expired_skipped": out["expired_skipped"],
+            "present_skipped": out["present_skipped"], "corrupt": out["corrupt"], "corrupt_why": out["corrupt_why"],
+            "ended": out["ended"], "reserve_failed": out["reserve_failed"], "filling": False}
+
+
+def _fill_failed(core: Core) -> None:
+    h = core.header[0]
+    if int(h["fill_state"]) == fill.FILL_RUNNING:
+        h["fill_state"] = fill.FILL_FAILED
+        h["fill_ended"] = time.time()
 
 
 def _pool_mode(name: str | None) -> int:
@@ -184,9 +357,15 @@ def _tiers_kept(pool: "Pool") -> dict[str, str]:
 
 
 def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
-                 clock, trust_tiers: bool = False) -> tuple["Pool", dict[str, Any]]:
-    """Create pool `target` from the snapshot's whole configuration, under a staging name first."""
+                 clock, trust_tiers: bool = False, private: bool = False, detach: bool = False,
+                 t0: float = 0.0) -> tuple["Pool", dict[str, Any]]:
+    """Create pool `target` from the snapshot's whole configuration, under a staging name first; publish
+    it before its values are in and fill it (fill.py), or, for a snapshot whose path the fill mark cannot
+    hold, fill it whole first."""
     h = snap.header
+    later = snap.header.version == 3 and fill.fits_mark(snap.path)
+    if later:
+        _check_before_publish(snap)
     cfg = h.config or {"reserve": True, "keep": None, "disk": None, "remote": None}
     not_attached = None
     if snap.untrusted is not None and not trust_tiers:
@@ -217,8 +396,10 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         Pool, target, staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
         mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
         prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], tier_admit=cfg.get("tier_admit", 1),
-        **tier_kw,
+        _reserve_later=later, **tier_kw,
     )
+    lock_fd = -1
+    quiet = contextlib.ExitStack()
     try:
         if new_mode & 0o060 and snap.untrusted is None and snap.file_gid != os.getegid():
             # A group pool comes back in the group its snapshot was persisted for (persist gives the
@@ -231,7 +412,19 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
             d = pool.stats()["disk"]
             tiers["disk"] = (f"attached {disk['path']}: {entries(d['entries'])} found on it" if tier_kw["disk_size"] is None
                              else f"made anew in {disk['path']} (it was gone)")
-        report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
+        if later:
+            core = pool.core
+            core.locked(_restore_end, core, h.counters)
+            if h.counters is not None:
+                core.header["seq"] = h.counters["seq"]  # new puts are more recent than every entry to come
+            fill.mark(core, snap, private)
+            # Held from before the publish to the fill's end (by the filler, when detached), so that
+            # nobody ever sees this fill without its filler.
+            lock_fd = os.open(segment.shm_path(staging), os.O_RDWR | os.O_CLOEXEC)
+            RecordLock(lock_fd, fill.FILL_BYTE).acquire()
+            report = {"entries": 0, "bytes": 0, "expired_skipped": 0}
+        else:
+            report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
         pool.core.header["name"] = target.encode()
         if remote is not None:
             # Set under the real name only: the staging handle must never talk to the server.
@@ -240,9 +433,17 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         disk_tier = pool.tiers.disk
         if disk_tier is not None and disk_tier.log is not None:
             disk_tier.log.set_owner(segment.shm_path(target))
-        with interrupts.commit():  # published: a signal now waits, and the restore reports success
+        if later:
+            # Published, but the restore goes on (the fill): signals wait only until the fill starts.
+            quiet.enter_context(interrupts.atomic())
             segment.publish(staging, target)
+        else:
+            with interrupts.commit():  # published: a signal now waits, and the restore reports success
+                segment.publish(staging, target)
     except BaseException:
+        quiet.close()
+        if lock_fd >= 0:
+            os.close(lock_fd)
         _discard(Pool, pool, staging)
         if tier_kw and tier_kw["disk_size"] is not None and not segment.exists(target):
             DiskLog.destroy(tier_kw["disk_path"])  # the tier this restore made anew goes with it
@@ -251,7 +452,31 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     Pool.unlink(staging)
     report["tiers"] = tiers
     report["not_attached"] = not_attached
-    return Pool.open(target, clock=clock), report
+    report["published_seconds"] = None
+    try:
+        if later:
+            report["published_seconds"] = round(time.perf_counter() - t0, 6)
+            report["filling"] = True
+            if detach:  # before this process opens the pool (a remote tier would start a thread)
+                report["filler_pid"] = _detached_fill(lambda: Pool.open(target, clock=clock), snap, quiet)
+        out = Pool.open(target, clock=clock)
+        try:
+            if later and not detach:
+                try:
+                    quiet.close()  # a signal that waited for the publish interrupts now
+                except interrupts.Interrupted as e:
+                    e.kept = (f"pool {target!r} stays, published with none of its values yet; "
+                              f"`cortex cache restore {target} --if-missing` fills it")
+                    raise
+                report.update(_run_fill(out.core, snap, progress))
+        except BaseException:
+            out.close()
+            raise
+    finally:
+        quiet.close()
+        if lock_fd >= 0:
+            os.close(lock_fd)  # the fill lock goes with it (or stays the filler's, when detached)
+    return out, report
 
 
 def _create_staging(Pool: "type[Pool]", target: str, staging: str, size: int, **kw: Any) -> "Pool":
@@ -310,6 +535,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
         running = RecordLock(old.core.seg.fd, RESTORE_BYTE)  # says "a restore" to whoever waits on PERSIST_BYTE
         running.try_acquire()
         try:
+            old.core.locked(fill.stop, old.core)  # a fill of the pool replaced stops: its pool is going
             cfg = old.core.locked(pool_config, old.core)
             keep = _tier_header(old.core)
             st = old.core.seg.stat()

@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import xxhash
 
-from . import config, interrupts, packs, safefs, segment
+from . import config, fill, interrupts, packs, safefs, segment
 from .core import Core
 from .errors import (
     OUT_OF_FILES,
@@ -287,6 +287,9 @@ def write(
         if not lock.take_soon():  # another process persists (or restores) this pool
             raise busy(core.seg.fd, core.name, "persist")
         try:
+            waiting = fill.busy_reason(core)
+            if waiting is not None:
+                raise PersistBusy(waiting)
             if keep is not None:
                 core.fields.snapshot_keep[0] = keep
             return _persist_locked(core, configuration, path, progress, full)
@@ -550,13 +553,13 @@ class _Skipped:
 
 
 def _live_values(core: Core, skipped: _Skipped, held: Any = None) -> Iterator[tuple[SnapshotEntry, Any]]:
-    """Every live entry at the start, oldest insert first, with its value (a view of the pinned bytes, good
+    """Every live entry at the start, the most recently used first (the fill's order), with its value (a view of the pinned bytes, good
     until the next item): entries put later are not part of the snapshot, entries deleted meanwhile are
     skipped, and so (counted in `skipped`) are values whose bytes fail their checksum in memory.  An entry
     whose (key, length, checksum) is in `held` comes with None: a snapshot already has its bytes, checked
     against that checksum when written (and again when read back), so they are neither read nor hashed."""
     def live() -> tuple[Any, Any]:
-        order = core.live_in_insert_order()
+        order = core.live_most_recent_first()
         return order, core.columns["value_len"][order].copy()
 
     order, sizes = core.locked(live)
@@ -1210,16 +1213,33 @@ class Snapshot:
             self._packs[index] = reader
         return reader
 
+    @property
+    def file_check(self) -> int:
+        """The trailer's checksum of the file: what names this snapshot in a pool's fill mark (fill.py)."""
+        return self._file_check
+
+    def pack_reader(self, index: int) -> packs.PackReader:
+        """Version 3: the reader of pack `index` (opened and checked on first use)."""
+        return self._pack(index)
+
+    def pack_fd(self, index: int) -> int:
+        """Version 3: a descriptor of pack `index` of its own (the caller closes it)."""
+        return os.dup(self._pack(index).fd)
+
     def open_packs(self) -> None:
         """Open every pack now (version 3): a missing or damaged one is refused before anything is read."""
         for n in range(len(self.pack_refs)):
             self._pack(n).advise_sequential()
 
-    def verify_manifest(self) -> None:
-        """Version 3: check the manifest alone (its checksum, every record's structure), not the packs."""
+    def check_manifest_file(self) -> None:
+        """Version 3: check the manifest's own checksum (every byte of it; not its records one by one)."""
         end = self.size - TRAILER.size
         if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
             raise self._corrupt("file checksum mismatch")
+
+    def verify_manifest(self) -> None:
+        """Version 3: check the manifest alone (its checksum, every record's structure), not the packs."""
+        self.check_manifest_file()
         count = total = 0
         for rec, _pack, _off in self.references(verify=True):
             count += 1

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import fill
 from .allocator import largest_run
 from .layout import FLAG_MULTI_THREADED, FLAG_RESERVED, KEY_CELL, SEALED, WRITING
 
@@ -67,6 +68,8 @@ def memory_stats(core: "Core") -> dict[str, Any]:
         "writing_entries": int(np.count_nonzero(c["state"] == WRITING)),
         "created": float(h["created"]),
         "last_snapshot": last if last > 0 else None,
+        # A pool restored from an incremental snapshot: how its background fill went (fill.py); None else.
+        "fill": fill.state(core),
         "mode": f"{st.st_mode & 0o777:04o}",
         "uid": st.st_uid,
         "gid": st.st_gid,

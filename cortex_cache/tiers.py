@@ -17,17 +17,17 @@ from typing import Any, Callable
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from . import fill
 from .copyhash import copy_hash
 from .core import COPY_IN_LOCK, Core, Pinned
-from .disklog import CORRUPT, DiskLog, Found
+from .disklog import DiskLog
 from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
 from .errors import (
-    BufferTooSmall, CortexCacheError, PermissionDenied, PoolFull, SpillLost, StorageIOError, TooManyOpenFiles,
-    UsageError, ValueTooLarge,
+    CortexCacheError, PermissionDenied, PoolFull, SpillLost, StorageIOError, TooManyOpenFiles, UsageError,
 )
-from .layout import (
-    ADMIT_REUSED, H_DISK_BYTES_READ, H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, H_TIER_REFUSED, SLOT_FLAG_STR_KEY,
-)
+from .layout import ADMIT_REUSED, H_DISK_ERRORS, H_TIER_REFUSED, SLOT_FLAG_STR_KEY
+from .lower import DiskBelow, Fetched, Lower, RemoteBelow
+from .snaptier import SnapshotBelow
 
 # How long a reader waits for a key whose spill to disk another process is writing (normally
 # microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
@@ -50,12 +50,24 @@ def copy_hashing(mv: memoryview, off: int, vb: memoryview) -> int:
 
 
 class Tiers:
-    """Memory (a Core) with an optional disk tier and an optional remote tier below it."""
+    """Memory (a Core) with the tiers below it, each a `lower.Lower`, asked in order on a miss: the disk tier
+    (optional), the snapshot the pool is still being filled from (while its fill runs: snaptier.py), the
+    remote tier (optional)."""
 
     def __init__(self, core: Core, disk: DiskTier | None, remote: Any) -> None:
         self.core = core
-        self.disk = disk
-        self.remote = remote  # remote.RemoteTier or None
+        self.below: list[Lower] = []
+        self.takes_puts: list[Lower] = []  # the tiers that want every put (the remote, without admission)
+        self.takes_deletes: list[Lower] = []  # ... and every delete (the remote)
+        # Admission (`tier_admit` 2): the tiers below take only evicted entries read since their put (seen
+        # twice); the remote then gets them when memory lets them go (`_admit`), not at every put.
+        self.admit = int(core.header[0]["tier_admit"]) >= ADMIT_REUSED
+        self.answer_contains: list[Lower] = []
+        self._indexed: Lower | None = None  # the tier looked up in memory's lock hold (the disk)
+        self._disk = disk
+        self._remote = remote  # remote.RemoteTier or None
+        self._snapshot = SnapshotBelow(core) if fill.running(core) else None
+        self._arrange()
         self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
         self._spill_bytes = 0  # bytes copied aside in `_spills`
         # An explicit eviction (`evict`) writes its records under the lock, before each entry leaves
@@ -67,15 +79,44 @@ class Tiers:
         # so the next failure refuses its eviction instead of losing the entry; cleared by a success.
         self.spill_failing = False
         self._no_evict = False  # set while a failed spill's entry is put back: no eviction may make room
-        # Admission (`tier_admit` 2): the tiers below take only evicted entries read since their put (seen
-        # twice); the remote then gets them when memory lets them go, not at every put.
-        self.admit = int(core.header[0]["tier_admit"]) >= ADMIT_REUSED
-        self.remote_writes = remote if not self.admit else None  # the remote tier that puts write to
         if disk is not None:
             core.on_evict = self._spill if not self.admit else self._admit
             core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
         elif remote is not None and self.admit:
             core.on_evict = self._admit
+
+    def _arrange(self) -> None:
+        below: list[Lower] = []
+        if self._disk is not None:
+            below.append(DiskBelow(self.core, self._disk))
+        if self._snapshot is not None:
+            below.append(self._snapshot)
+        if self._remote is not None:
+            below.append(RemoteBelow(self._remote))
+        self.below = below
+        self._indexed = next((t for t in below if t.in_segment), None)
+        self.takes_deletes = [t for t in below if type(t).offer_delete is not Lower.offer_delete]
+        self.takes_puts = [t for t in below if type(t).offer_put is not Lower.offer_put and not self.admit]
+        # Tiers that say whether they hold a key in memory's lock hold (`in`, the lookups' leading runs).
+        self.answer_contains = [t for t in below if type(t).contains is not Lower.contains]
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._disk
+
+    @disk.setter
+    def disk(self, disk: DiskTier | None) -> None:
+        self._disk = disk
+        self._arrange()
+
+    @property
+    def remote(self) -> Any:
+        return self._remote
+
+    @remote.setter
+    def remote(self, remote: Any) -> None:
+        self._remote = remote
+        self._arrange()
 
     def close(self) -> None:
         """Close the tiers (the remote's queue drains first, a few seconds at most); safe twice."""
@@ -85,6 +126,19 @@ class Tiers:
         disk, self.disk = self.disk, None
         if disk is not None:
             disk.close()
+        snap, self._snapshot = self._snapshot, None
+        if snap is not None:
+            snap.close()
+            self._arrange()
+
+    def offer_put(self, kb: bytes, value: Any, flags: int, ttl: float | None) -> None:
+        """A put to memory, told to each tier that wants every put (the remote: queued, never waited on)."""
+        for t in self.takes_puts:
+            t.offer_put(kb, value, flags, ttl)
+
+    def offer_delete(self, kb: bytes) -> None:
+        for t in self.takes_deletes:
+            t.offer_delete(kb)
 
     # ------------------------------------------------------------------ writes
 
@@ -176,8 +230,8 @@ class Tiers:
         except BaseException:
             core.locked(core.abort, i)
             raise
-        if self.remote_writes is not None:
-            self.remote_writes.put(kb, mv.tobytes(), flags, ttl)
+        if self.takes_puts:
+            self.offer_put(kb, mv.tobytes(), flags, ttl)
 
     def _admit(self, i: int) -> None:
         """`on_evict` with admission: only an entry read since its put goes to the tiers below (lock held)."""
@@ -287,15 +341,15 @@ class Tiers:
     def read(self, kb: bytes, kh: int, out: memoryview | None) -> bytes | int | Pinned | DiskHit | None:
         """`Core.read`, and on a memory miss the disk tier's entry (a DiskHit to read outside the lock)."""
         r = self.core.read(kb, kh, out)
-        if r is None and self.disk is not None:
-            return self.disk.lookup(kb, kh)
+        if r is None and self._indexed is not None:
+            return self._indexed.lookup(kb, kh)
         return r
 
     def pin_live(self, kb: bytes, kh: int) -> Pinned | DiskHit | None:
         """`Core.pin_live`, and on a memory miss the disk tier's entry."""
         r = self.core.pin_live(kb, kh)
-        if r is None and self.disk is not None:
-            return self.disk.lookup(kb, kh)
+        if r is None and self._indexed is not None:
+            return self._indexed.lookup(kb, kh)
         return r
 
     def settled(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -316,133 +370,87 @@ class Tiers:
         return r
 
     def from_below(self, kb: bytes, kh: int, hit: DiskHit | None, room: int | None = None) -> bytes | None:
-        """A memory miss: read it from the disk tier (`hit`), else from the remote; promote it; its bytes.
-        `room`: the caller's buffer size (BufferTooSmall for a larger value)."""
-        if hit is not None:
-            if room is not None and room < hit.value_len:
-                raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {hit.value_len} bytes")
-            value = self.from_disk(kb, kh, hit)
-            if value is not None:
-                return value
-        if self.remote is not None:
-            return self.from_remote(kb, kh, room)
+        """A memory miss: ask each tier below in order (`hit`: what the disk tier's index said in memory's lock
+        hold); promote what the first that has it returns; its bytes.  `room`: the caller's buffer size
+        (BufferTooSmall for a larger value)."""
+        for t in self.below:
+            got = t.fetch(kb, kh, hit if t.in_segment else None, room)
+            if got is None:
+                continue
+            promoted = self._promote(t, kb, kh, got)
+            t.served(got, promoted)
+            value = got.value
+            return value if value.__class__ is bytes else bytes(value)
+        snap = self._snapshot
+        if snap is not None and snap.ended:  # its fill is over: memory has all it will get from it
+            self._snapshot = None
+            self._arrange()
         return None
 
-    def from_remote(self, kb: bytes, kh: int, room: int | None = None) -> bytes | None:
-        """Look a miss of memory and disk up on the server; promote what comes back; its bytes."""
-        got = self.remote.get(kb)
-        if got is None:
-            return None
-        value, flags, checksum = got
-        if room is not None and value.nbytes > room:
-            raise BufferTooSmall(f"buffer of {room} bytes is too small for a value of {value.nbytes} bytes")
-        promoted = 0
+    def _promote(self, tier: Lower, kb: bytes, kh: int, got: Fetched) -> bool:
+        """Copy a value a tier below had back into memory, if it is still that tier's current one and memory
+        has no newer value; True if it was (or is being) promoted."""
         core = self.core
-        if core.fits(value.nbytes):
-            try:
-                # The record's checksum is the pool's (xxh3_64 of the value), already verified.
-                self.put(kb, kh, flags & SLOT_FLAG_STR_KEY, value, core.blocks_or_raise(value.nbytes), None, 0,
-                         checksum)
-                promoted = 1
-            except (PoolFull, ValueTooLarge, *REFUSED):
-                pass  # served from the server this once; memory is full of pinned entries, or of entries
-                # that cannot be evicted because the disk tier cannot take them
-        self.remote.count_hit(value.nbytes, promoted)
-        return value.tobytes()
-
-    def from_disk(self, kb: bytes, kh: int, hit: DiskHit) -> bytes | None:
-        """Read a memory miss from the disk tier (outside the lock), promote it, return its value."""
-        d = self.disk
-        assert d is not None
-        core = self.core
-        for _ in range(4):  # the index can move on while we read; then look again
-            log = d.log
-            if log is None:
-                core.locked(d.count, H_DISK_ERRORS)
-                return None
-            try:
-                found = log.read(hit.loc, kb)
-            except OSError:
-                core.locked(d.count, H_DISK_ERRORS)
-                return None
-            if found.__class__ is Found and len(found.value) == hit.value_len:  # type: ignore[union-attr]
-                self._promote(kb, kh, hit, found)  # type: ignore[arg-type]
-                return found.value  # type: ignore[union-attr]
-            bad = found == CORRUPT or found.__class__ is Found
-            hit = core.locked(d.after_failed_read, kb, kh, hit, bad)
-            if hit is None:
-                return None
-        return None
-
-    def _promote(self, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
-        """Copy a value read from disk back into memory (if it is still the current one)."""
-        core = self.core
-        vlen = len(found.value)
+        vlen = memoryview(got.value).nbytes
         if vlen <= COPY_IN_LOCK or not core.fits(vlen):
-            core.locked(self._promote_locked, kb, kh, hit, found, True)
-            return
-        r = core.locked(self._promote_locked, kb, kh, hit, found, False)
+            return core.locked(self._promote_locked, tier, kb, kh, got, vlen, True) is not None
+        r = core.locked(self._promote_locked, tier, kb, kh, got, vlen, False)
         if r is None:
-            return
+            return False
         i, off = r
 
         def copy() -> int:
-            core.mv[off : off + vlen] = found.value
-            return found.checksum
+            core.mv[off : off + vlen] = got.value
+            return got.checksum
 
-        core.fill(i, copy, self._promote_seal, kb, kh, hit, found)
+        core.fill(i, copy, self._promote_seal, tier, kb, kh, got)
+        return True
 
-    def _promote_locked(self, kb: bytes, kh: int, hit: DiskHit, found: Found, copy_now: bool) -> tuple[int, int] | None:
+    def _promote_locked(self, tier: Lower, kb: bytes, kh: int, got: Fetched, vlen: int,
+                        copy_now: bool) -> tuple[int, int] | bool | None:
         core = self.core
-        d = self.disk
-        assert d is not None
-        d.count(H_DISK_HITS)
-        d.count(H_DISK_BYTES_READ, hit.loc.length)
-        vlen = len(found.value)
-        if not d.still(hit) or core.find(kb, kh) >= 0 or not core.fits(vlen):
+        if not tier.still(got) or core.find(kb, kh) >= 0 or not core.fits(vlen):
             return None  # deleted, replaced or already promoted while we read
-        if found.expiry and found.expiry <= core.clock():
+        if got.expiry and got.expiry <= core.clock():
             return None
         try:
-            i, off = core.reserve(kb, kh, hit.flags, vlen, core.blocks_or_raise(vlen))
+            i, off = core.reserve(kb, kh, got.flags, vlen, core.blocks_or_raise(vlen))
         except (PoolFull, *REFUSED):
-            return None  # everything in memory is pinned, or cannot be spilled: serve from disk, promote later
+            return None  # everything in memory is pinned, or cannot be spilled: served from below this once
         if not copy_now:
             return i, off
-        core.mv[off : off + vlen] = found.value
-        self._seal_promoted(i, kb, kh, hit, found)
-        return None
+        core.mv[off : off + vlen] = got.value
+        self._seal_promoted(tier, i, kb, kh, got)
+        return True
 
-    def _promote_seal(self, i: int, checksum: int, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
+    def _promote_seal(self, i: int, checksum: int, tier: Lower, kb: bytes, kh: int, got: Fetched) -> None:
         if not self.core.is_writing(i):
             return  # a repair took the reservation back
-        if not self.disk.still(hit) or self.core.find(kb, kh) >= 0:  # type: ignore[union-attr]
+        if not tier.still(got) or self.core.find(kb, kh) >= 0:
             self.core.abort(i)
             return
-        self._seal_promoted(i, kb, kh, hit, found)
+        self._seal_promoted(tier, i, kb, kh, got)
 
-    def _seal_promoted(self, i: int, kb: bytes, kh: int, hit: DiskHit, found: Found) -> None:
-        d = self.disk
-        assert d is not None
-        self.core.seal(i, kb, kh, found.checksum, None, found.priority, False, found.expiry)
-        d.count(H_DISK_PROMOTIONS)
-        if not d.write_through and d.still(hit):
-            d.kill_slot(hit.slot)  # exclusive tiers: the entry lives in memory now
-        if self.admit:
+    def _seal_promoted(self, tier: Lower, i: int, kb: bytes, kh: int, got: Fetched) -> None:
+        self.core.seal(i, kb, kh, got.checksum, None, got.priority, False, got.expiry)
+        tier.promoted(got)
+        if self.disk is not None and not tier.in_segment:
+            self.disk.forget(kb, kh)  # a stale disk copy of the key, as a put drops it
+        if self.admit and tier.in_segment:
             self.core.mark_read(i)  # read from disk: it earned its place there, and goes back when evicted
 
     # ------------------------------------------------------------------ delete, membership, metadata
 
     def delete(self, kb: bytes, kh: int) -> bool:
         """Remove `kb` from memory and disk (lock held); True if it was in either."""
-        on_disk = self.disk is not None and self.disk.forget(kb, kh)
-        return self.core.delete(kb, kh, on_disk)
+        below = [t.forget(kb, kh) for t in self.below]  # every tier forgets it
+        return self.core.delete(kb, kh, any(below))
 
     def contains(self, kb: bytes, kh: int) -> bool:
         """Is `kb` live in memory or on disk?  (Lock held.)"""
         if self.core.find_live(kb, kh) >= 0:
             return True
-        return self.disk is not None and self.disk.contains(kb, kh)
+        return any(t.contains(kb, kh) for t in self.below)
 
     def info(self, kb: bytes, kh: int) -> dict[str, Any] | None:
         """Metadata of `kb`'s entry in memory, else on disk, else None (lock held)."""
@@ -524,6 +532,8 @@ class Tiers:
 
         if keys is not None:
             return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in keys], spill)
+        if all:  # an empty pool means empty: a fill still bringing the snapshot back stops (fill.py)
+            core.locked(fill.stop, core)
         if expired or all or prefix is not None:
             return core.locked(in_place, core.evict_matching, expired, prefix, spill)
         return core.locked(in_place, core.evict_amount, percent, target, spill)

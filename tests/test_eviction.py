@@ -998,7 +998,7 @@ def test_queue_policy_is_exact_in_a_pool_larger_than_its_victim_lists(make_pool,
     st = p.stats()
     assert {f: st[f] for f in model.stats} == model.stats
     assert present(p) == set(model.e)
-    h = p.core.header[0]
+    h = p.core.queues.header[0]
     assert (int(h["q_count0"]), int(h["q_count1"])) == (len(model.q[0]), len(model.q[1]))
     assert float(h["q_target"]) == pytest.approx(model.target, abs=0, rel=1e-12)
     assert st["evictions"] > 2 * CANDIDATES and min(len(model.q[0]), len(model.q[1])) > 0
@@ -1019,7 +1019,7 @@ def test_s3fifo_keeps_what_was_read_through_a_scan_of_new_keys(small):
 
 def test_arc_moves_a_key_read_twice_to_t2_and_its_ghost_steers_p(small):
     p = small("arc")
-    h = p.core.header[0]
+    h = p.core.queues.header[0]
     keys = fill(p)
     p.get("k0")  # read again: T2
     assert (int(h["q_count0"]), int(h["q_count1"])) == (7, 1)
@@ -1032,7 +1032,7 @@ def test_arc_moves_a_key_read_twice_to_t2_and_its_ghost_steers_p(small):
 
 def test_auto_moves_its_small_queue_share_with_the_ghosts(small):
     p = small("auto")
-    h = p.core.header[0]
+    h = p.core.queues.header[0]
     fill(p)
     assert float(h["q_target"]) == 0.1
     for i in range(8):  # the small queue's victims k0..k7 are ghosts of queue 0
@@ -1050,7 +1050,7 @@ def test_damaged_queue_state_is_found_and_repaired(small, policy):
     p = small(policy)
     fill(p, 20)
     core = p.core
-    h = core.header[0]
+    h = core.queues.header[0]
     counts = int(h["q_count0"]), int(h["q_count1"])
     live = int(h["g0_live"])
     h["q_count0"] += 5

@@ -327,7 +327,8 @@ def _state(p: Pool) -> dict:
                                                               core.buckets.copy())
     if core.queues is not None:  # a queue policy's own state: the queues, the target, the ghosts
         state.update({name: core.queues.cols[name].copy() for name in ("queue", "freq", "qseq")})
-        state.update({name: float(h[name][0]) for name in _QUEUE_HEADER})
+        qh = core.queues.header
+        state.update({name: float(qh[name][0]) for name in _QUEUE_HEADER})
         state.update({f"ghosts{r}": g.hashes.copy() for r, g in enumerate(core.queues.ghosts)})
     state["values"] = {k: p.peek(k) for k in p.keys()}
     return state

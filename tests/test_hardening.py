@@ -169,6 +169,10 @@ while True:
         q = Pool.restore(sys.argv[4], name=sys.argv[5])
         q.close()
         Pool.unlink(sys.argv[5])
+    elif op == "fill":                                     # published at once, filled in the background
+        q = Pool.restore(sys.argv[4], name=sys.argv[5])
+        q.close()
+        Pool.unlink(sys.argv[5])
     elif op == "replace":                                  # two snapshots, in turn, over one pool
         Pool.restore(sys.argv[4 + i % 2], name=name, replace=True).close()
     print(i, flush=True)
@@ -269,9 +273,11 @@ sys.stdin.readline()
 
 
 @pytest.mark.parametrize("path", ["c", "python"])
-def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, monkeypatch):
+@pytest.mark.parametrize("waited", [True, False], ids=["waited", "zombie"])
+def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, waited, monkeypatch):
     """A process holding views of most of a small pool is killed: the next put that needs their room
-    reaps its pins and evicts (issue: it exited 73 once, and the same put then succeeded)."""
+    reaps its pins and evicts (issue: it exited 73 once, and the same put then succeeded).  Also while the
+    killed reader is a zombie its parent has not waited for yet (/proc still shows its pid and start time)."""
     if path == "python":
         monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     p = make_pool("1M", block_size="64K")
@@ -281,12 +287,19 @@ def test_a_killed_readers_pins_do_not_make_the_next_put_fail(make_pool, path, mo
     try:
         assert child.stdout.readline() == b"held\n", child.stderr.read().decode()[-2000:]
         assert p.stats()["pinned_entries"] == 3
-    finally:
         child.send_signal(signal.SIGKILL)
+        if waited:
+            child.wait()
+        else:  # dead once waitid says so, but not reaped (WNOWAIT): a zombie
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        p.put("new", make_value(9, 0, 600_000))  # needs three of the four entries' room
+    finally:
+        child.kill()
         child.wait()
         for f in (child.stdin, child.stdout, child.stderr):
             f.close()
-    p.put("new", make_value(9, 0, 600_000))  # needs three of the four entries' room
     assert check_value(p.get("new"))[0] == 9
     assert p.stats()["pinned_entries"] == 0 and p.verify()["ok"]
 
@@ -344,6 +357,40 @@ def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, 
     q.close()
     Pool.unlink(target)
     assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
+
+
+def test_sigkill_mid_fill_leaves_no_pool_or_one_the_next_restore_finishes(make_pool, snapshot_dir, pool_name,
+                                                                          monkeypatch):
+    """A restore from the snapshot directory publishes the pool before its values are in (fill.py): killed
+    at random, it leaves no pool, or one whose entries are each exact, which the next restore completes."""
+    from cortex_cache import restore
+
+    p = make_pool("8M")
+    for k in range(48):
+        p.put(f"k{k}", make_value(k, 0, 100_000))
+    manifest = str(p.persist())  # an incremental snapshot: what restore publishes before filling
+    name = pool_name + "f"
+    for r in range(ROUNDS):
+        _kill_at_random("fill", p.name, 1900 + r, manifest, name)
+        if not Pool.exists(name):
+            continue
+        with Pool.open(name) as q:
+            assert q.verify()["ok"] and all(check_value(q.get(k))[0] == int(k[1:]) for k in q.keys())
+            state = q.stats()["fill"]["state"]
+            assert state in ("interrupted", "done")
+        if state == "interrupted":
+            q = Pool.restore(manifest, name=name)  # finishes the fill from where it stopped
+            try:
+                assert len(q) == 48 and all(check_value(q.get(f"k{k}"))[0] == k for k in range(48))
+                assert q.stats()["writing_entries"] == 0
+            finally:
+                q.close()
+        Pool.unlink(name)
+        _check_pool(p)
+    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
+    Pool.restore(manifest, name=name).close()  # sweeps the staging segments killed restores left
+    Pool.unlink(name)
+    assert not [n for n in segment.list_names() if n.startswith(restore.STAGING_PREFIX)]
 
 
 REPLACE_ROUNDS = max(ROUNDS, 20)

@@ -198,6 +198,20 @@ def _pack_of(path) -> Path:
         return path.parent / s.pack_refs[-1].name
 
 
+def _left_without_the_damaged_one(name: str, refused: bool) -> None:
+    """After a restore met damage: no pool if it was refused, else one with the 9 good entries, checked."""
+    if refused:
+        assert not Pool.exists(name)
+        return
+    q = Pool.open(name)
+    try:
+        assert len(q) == 9 and q.verify()["ok"]
+        assert all(q.get(k) == v for k, v in _values(10, 0).items() if k in q)
+    finally:
+        q.close()
+    Pool.unlink(name)
+
+
 @pytest.mark.parametrize("damage", ["missing", "value", "record-head", "pack-header", "truncated"])
 def test_a_missing_or_damaged_pack_refuses_its_snapshot_naming_the_file(make_pool, snapshot_dir, pool_name,
                                                                        damage):
@@ -220,16 +234,19 @@ def test_a_missing_or_damaged_pack_refuses_its_snapshot_naming_the_file(make_poo
         pack.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorrupt, match=str(pack)):
         Pool.restore(path, name=pool_name)
-    assert not Pool.exists(pool_name)
+    # A pack that is missing or whose size or header is wrong is seen before the pool is published: nothing
+    # is made.  A damaged record is seen when the fill reaches it (fill.py): the pool, published already,
+    # keeps every other entry, and never the damaged one.
+    seen = damage in ("missing", "truncated", "pack-header")
+    _left_without_the_damaged_one(pool_name, seen)
     listed = cli("cache", "snapshots", p.name, "--verify")
     assert listed.returncode == 65 and pack.name.encode() in listed.stdout and b"0 of 1 verified" in listed.stdout
     r = cli("cache", "restore", pool_name, "--input", str(path))
     assert r.returncode == 65 and len(r.stderr.splitlines()) == 1 and pack.name.encode() in r.stderr
-    assert not Pool.exists(pool_name)
+    _left_without_the_damaged_one(pool_name, seen)
     # The next persist does not share a pack it can see is missing or damaged (its size, its header); one
     # whose records were damaged after they were written it cannot see without reading every value back:
     # --full shares nothing.
-    seen = damage in ("missing", "truncated", "pack-header")
     again = snap.persist(p, full=not seen)
     assert again.written == again.bytes
     name = p.name

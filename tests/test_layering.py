@@ -158,6 +158,11 @@ def _private(name: str) -> bool:
 C_HALVES = {f"{PACKAGE}._fastpath": f"{PACKAGE}.core"}
 
 
+# Standard-library names that are public despite their underscore: os._exit is the documented way out of a
+# forked child (restore's detached filler), which must not run the parent's cleanup.
+STDLIB_PUBLIC = {"os._exit"}
+
+
 def _private_uses(modules: dict[str, ast.Module]) -> list[str]:
     problems = []
     for m, tree in modules.items():
@@ -177,6 +182,8 @@ def _private_uses(modules: dict[str, ast.Module]) -> list[str]:
                 continue
             v = node.value
             if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Name) and f"{v.id}.{node.attr}" in STDLIB_PUBLIC:
                 continue
             if isinstance(v, ast.Name) and v.id in modules_here:
                 problems.append(f"{m}:{node.lineno} uses {v.id}.{node.attr}")

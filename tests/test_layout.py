@@ -38,18 +38,26 @@ FROZEN_HEADER = [
     ("remote_written", "<u8", 592), ("remote_dropped", "<u8", 600), ("remote_bytes_written", "<u8", 608),
     ("remote_bytes_read", "<u8", 616), ("keymap_off", "<u8", 624), ("keys_off", "<u8", 632),
     ("n_kcells", "<u8", 640), ("used_kcells", "<u8", 648), ("key_hint", "<u8", 656), ("snapshot_keep", "<u4", 664),
-    # Carved from the reserved zeros in version 3 (older code reads past it): the lookups' memo counter.
+    # Carved from the reserved zeros in version 3 (older code reads past them): the lookups' memo counter
+    # and the background fill's fields.
     ("gone_seq", "<u8", 672),
-    # ... and the queue policies' fields (s3fifo, arc, auto: issue 27), zero in every other pool.
-    ("q_count0", "<u8", 680), ("q_count1", "<u8", 688), ("q_target", "<f8", 696), ("q_seq", "<u8", 704),
-    ("qslots_off", "<u8", 712), ("n_ghosts0", "<u8", 720), ("n_ghosts1", "<u8", 728), ("ghosts0_off", "<u8", 736),
-    ("ghosts1_off", "<u8", 744), ("g0_head", "<u8", 752), ("g0_tail", "<u8", 760), ("g0_live", "<u8", 768),
-    ("g1_head", "<u8", 776), ("g1_tail", "<u8", 784), ("g1_live", "<u8", 792), ("cand1_valid", "<u4", 800),
-    ("cand1_count", "<u4", 804), ("cand1_pos", "<u4", 808), ("cand1_pad", "<u4", 812),
-    ("cand1_next_expiry", "<f8", 816), ("cand1_max_primary", "<f8", 824), ("cand1_max_secondary", "<u8", 832),
-    ("cand1_epoch", "<u8", 840),
-    # ... and admission to the lower tiers.
-    ("tier_admit", "<u4", 848), ("tier_pad", "<u4", 852), ("tier_refused", "<u8", 856),
+    ("fill_state", "<u4", 680),
+    ("fill_gen", "<u4", 684),
+    ("fill_done", "<u8", 688),
+    ("fill_total", "<u8", 696),
+    ("fill_bytes", "<u8", 704),
+    ("fill_bytes_total", "<u8", 712),
+    ("fill_check", "<u8", 720),
+    ("fill_started", "<f8", 728),
+    ("fill_corrupt", "<u8", 736),
+    ("fill_skipped", "<u8", 744),
+    ("fill_path", "S200", 752),
+    ("fill_ended", "<f8", 952),
+    ("fill_flags", "<u4", 960),
+    # ... and the queue policies' place (s3fifo, arc, auto: issue 27; zero in every other pool) and admission
+    # to the lower tiers.
+    ("qslots_off", "<u8", 968), ("n_ghosts0", "<u4", 976), ("n_ghosts1", "<u4", 980),
+    ("tier_admit", "<u4", 984), ("tier_pad", "<u4", 988), ("tier_refused", "<u8", 992),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [
@@ -67,6 +75,14 @@ FROZEN_DSLOT_COLUMNS = [
 ]
 FROZEN_PIN = [("pid", "<u4", 0), ("slot", "<i4", 4), ("start", "<u8", 8)]
 FROZEN_QSLOT_COLUMNS = [("queue", "<u1"), ("freq", "<u1"), ("qseq", "<u8")]
+# The queue region's own header (offsets from qslots_off), 256 bytes.
+FROZEN_QUEUE_HEADER = [
+    ("q_count0", "<u8", 0), ("q_count1", "<u8", 8), ("q_target", "<f8", 16), ("q_seq", "<u8", 24),
+    ("g0_head", "<u8", 32), ("g0_tail", "<u8", 40), ("g0_live", "<u8", 48), ("g1_head", "<u8", 56),
+    ("g1_tail", "<u8", 64), ("g1_live", "<u8", 72), ("cand1_valid", "<u4", 80), ("cand1_count", "<u4", 84),
+    ("cand1_pos", "<u4", 88), ("cand1_pad", "<u4", 92), ("cand1_next_expiry", "<f8", 96),
+    ("cand1_max_primary", "<f8", 104), ("cand1_max_secondary", "<u8", 112), ("cand1_epoch", "<u8", 120),
+]
 FROZEN_GHOST_COLUMNS = [("hash", "<u8"), ("next", "<i4")]
 
 
@@ -79,11 +95,13 @@ def test_layout_matches_frozen_format():
     assert layout.PIN_FIELDS == FROZEN_PIN
     assert layout.DSLOT_COLUMNS == FROZEN_DSLOT_COLUMNS
     assert layout.QSLOT_COLUMNS == FROZEN_QSLOT_COLUMNS and layout.GHOST_COLUMNS == FROZEN_GHOST_COLUMNS
+    assert layout.QUEUE_HEADER_FIELDS == FROZEN_QUEUE_HEADER and layout.QUEUE_HEADER_SIZE == 256
     assert (layout.HEADER_SIZE, layout.SLOT_BYTES, layout.PIN_SIZE, layout.CANDIDATES) == (4096, 144, 16, 4096)
     assert layout.DSLOT_BYTES == 96
 
 
-@pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.PIN_FIELDS, 16)])
+@pytest.mark.parametrize("fields,size", [(layout.HEADER_FIELDS, 4096), (layout.PIN_FIELDS, 16),
+                                         (layout.QUEUE_HEADER_FIELDS, 256)])
 def test_fields_do_not_overlap_and_fit(fields, size):
     spans = sorted((off, off + np.dtype(fmt).itemsize, name) for name, fmt, off in fields)
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
@@ -148,14 +166,16 @@ def test_blocks_for_a_value_are_exactly_its_size_in_blocks():
 
 
 def test_geometry_with_a_queue_region():
-    """Only a queue policy's pool carries the queue region (queue columns and two ghost rings), between the
-    key arena and the data; a pool of another policy is laid out exactly as before."""
+    """Only a queue policy's pool carries the queue region (its header, queue columns and two ghost rings),
+    between the key arena and the data; a pool of another policy is laid out exactly as before."""
     plain = Geometry.compute(16 << 20, 4096, max_entries=1000)
     g = Geometry.compute(16 << 20, 4096, max_entries=1000, ghosts=(3, 1))
     assert g.check(g.segment_size) is None
     assert (plain.qslots_off, plain.n_ghosts0, plain.n_ghosts1) == (0, 0, 0)
     assert plain.keys_off == g.keys_off and plain.data_off < g.data_off
-    assert g.keys_off < g.qslots_off < g.ghosts0_off < g.ghosts1_off < g.data_off
+    assert g.keys_off < g.qslots_off < g.qcols_off < g.ghosts0_off < g.ghosts1_off < g.data_off
+    assert g.qcols_off == g.qslots_off + 4096 and g.qslots_off % 4096 == 0
+    assert g.qslot_columns()["queue"] == g.qcols_off
     assert (g.n_ghosts0, g.n_ghosts1) == (3000, 1000)
     big = Geometry.compute(1 << 30, 4096, max_entries=100_000, ghosts=(3, 1))
     per_slot = (big.data_off - big.qslots_off) / big.n_slots
@@ -169,10 +189,34 @@ def test_geometry_with_a_queue_region():
     assert replace(g, n_ghosts0=9000 * 1000).check(g.segment_size) is not None
 
 
+def test_the_ghost_rings_places_come_from_the_header_alone():
+    """The rings' offsets are derived, not stored: from_header of what initialise wrote gives back the same
+    geometry, and a damaged qslots_off or ring size is refused by check (never an exception)."""
+    from dataclasses import replace
+
+    g = Geometry.compute(16 << 20, 4096, max_entries=1000, ghosts=(3, 1))
+    hdr = np.zeros(1, layout.HEADER_DTYPE)
+    for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins", "slots_off", "buckets_off",
+              "blockmap_off", "pins_off", "victims_off", "data_off", "n_dslots", "n_dbuckets", "dslots_off",
+              "dbuckets_off", "n_kcells", "keymap_off", "keys_off", "qslots_off", "n_ghosts0", "n_ghosts1"):
+        hdr[0][f] = getattr(g, f)
+    back = Geometry.from_header(hdr)
+    assert back == g and (back.ghosts0_off, back.ghosts1_off) == (g.ghosts0_off, g.ghosts1_off)
+    for bad in (dict(qslots_off=g.qslots_off + 8), dict(qslots_off=g.keys_off), dict(qslots_off=g.data_off),
+                dict(qslots_off=1 << 62), dict(n_ghosts0=g.n_ghosts0 + 1), dict(n_ghosts1=2**32 - 1),
+                dict(n_ghosts0=0, n_ghosts1=0)):
+        assert replace(g, **bad).check(g.segment_size) is not None, bad
+
+
 def test_queue_fields_and_the_second_victim_list_are_laid_out_as_the_first():
     hoffs = {n: o for n, _, o in layout.HEADER_FIELDS}
-    first, second = (hoffs[f"{p}_valid"] for p in ("cand", "cand1"))
+    qoffs = {n: o for n, _, o in layout.QUEUE_HEADER_FIELDS}
+    first, second = hoffs["cand_valid"], qoffs["cand1_valid"]
     for f in ("count", "pos", "pad", "next_expiry", "max_primary", "max_secondary", "epoch"):
-        assert hoffs[f"cand1_{f}"] - second == hoffs[f"cand_{f}"] - first, f
-    assert layout.H_Q_COUNT1 == layout.H_Q_COUNT0 + 1  # the fast path reads them as a pair
+        assert qoffs[f"cand1_{f}"] - second == hoffs[f"cand_{f}"] - first, f
+    assert layout.Q_COUNT1 == layout.Q_COUNT0 + 1  # the fast path reads them as a pair
+    assert layout.VICTIM_LIST_WORDS[1][0] * 4 == second and layout.Q_TARGET * 8 == qoffs["q_target"]
     assert max(o for n, _, o in layout.HEADER_FIELDS if n != "disk_path" and n != "remote_url") < 1024
+    # Nothing of the queues' moved into the fill's fields (680..963), which landed first.
+    fill = [(n, o) for n, _, o in layout.HEADER_FIELDS if 680 <= o < 964]
+    assert all(n.startswith("fill_") for n, _ in fill)

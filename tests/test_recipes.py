@@ -25,6 +25,8 @@ import pytest
 
 from cortex_cache import Pool
 from cortex_cache.disklog import DiskLog
+from cortex_cache.fill import FILL_BYTE
+from cortex_cache.lock import RecordLock
 
 from .helpers import REPO
 
@@ -114,7 +116,13 @@ def _run_unit(unit: str, key: str, env: dict, state: Path) -> None:
 
 
 def _entries() -> dict:
+    """Every entry of the pool, once a background fill (restore --background) is done."""
     with Pool.open(POOL) as p:
+        lock = RecordLock(p.core.seg.fd, FILL_BYTE)  # the filler holds it from before the publish to its end
+        lock.acquire(timeout=60)
+        lock.release()
+        fill = p.stats()["fill"]
+        assert fill is None or fill["state"] == "done", fill
         return {k: p.get(k) for k in p.keys()}
 
 

@@ -252,19 +252,50 @@ def test_a_signal_during_a_restore_of_a_missing_pool_leaves_no_pool_and_no_new_t
     assert cli("cache", "delete", name, "--force").returncode == 0
     assert not (tmp_path / "tier").exists()
     child = Child("""
-        import cortex_cache.restore as r
-        orig = r._restore_entry
-        def entry(*a):
+        import cortex_cache.fill as f
+        orig = f.mark
+        def mark(*a):
             stop()
             return orig(*a)
-        r._restore_entry = entry
+        f.mark = mark
         """, ["cache", "restore", name])
-    child.wait_stopped()
+    child.wait_stopped()  # the pool is made under its staging name, not published yet
     assert staging_segments() and (tmp_path / "tier").exists()  # the restore made both
     child.proc.send_signal(signal.SIGTERM)
     rc, out, err = child.finish(go_on=False)
     assert rc == 143 and "interrupted by SIGTERM" in err, (rc, err)
     assert staging_segments() == [] and not Pool.exists(name) and not (tmp_path / "tier").exists()
+
+
+def test_a_signal_during_the_fill_of_a_published_pool_keeps_it_for_the_next_restore(make_pool, tmp_path):
+    p = make_pool("1M", block_size="4K", disk_path=tmp_path / "tier", disk_size="1M")
+    for i in range(10):
+        p.put(f"k{i}", bytes([i]) * VALUE)
+    p.persist()
+    name = p.name
+    p.close()
+    assert cli("cache", "delete", name, "--force").returncode == 0
+    child = Child("""
+        import cortex_cache.fill as f
+        orig = f._store
+        calls = []
+        def store(*a):
+            calls.append(1)
+            if len(calls) == 2:
+                stop()
+            return orig(*a)
+        f._store = store
+        """, ["cache", "restore", name])
+    child.wait_stopped()  # published, one entry in, the second batch reserved
+    child.proc.send_signal(signal.SIGTERM)
+    rc, out, err = child.finish(go_on=False)
+    assert rc == 143 and "interrupted by SIGTERM" in err and "stays" in err and "--if-missing" in err, (rc, err)
+    assert staging_segments() == [] and Pool.exists(name)
+    with Pool.open(name) as q:  # the interrupted batch gave its reservations back on the way out
+        assert len(q) == 1 and q.stats()["writing_entries"] == 0 and q.stats()["fill"]["state"] == "interrupted"
+    assert cli("cache", "restore", name, "--if-missing").returncode == 0
+    with Pool.open(name) as q:
+        assert len(q) == 10 and all(q.get(f"k{i}") == bytes([i]) * VALUE for i in range(10))
 
 
 def test_a_signal_during_create_leaves_no_segment_and_no_tier(pool_name, tmp_path):

@@ -1,0 +1,605 @@
+"""The background fill: a restored pool serves at once, and its values come in afterwards.
+
+restore.py publishes a pool that is gone, restored from an incremental
+snapshot (the snapshot directory's, version 3: what the boot line restores),
+as soon as its configuration is in place (an empty pool with the snapshot's
+size, policy, tiers and counters) and a fill mark in its header (the fill_*
+fields, layout.py); this module then loads the snapshot's values into it
+while every process may use it.  A self-contained file (persist --output)
+is still verified whole before its pool appears (restore.py).
+
+- **Order**: most recently used first (the snapshot's access sequence
+  numbers, newest first), in bands of BAND_BYTES inside which values are read
+  in file order: the entries engines want come back first, and the disk
+  still reads long runs.
+- **Batches**: one lock hold reserves room for a batch (never by evicting: an
+  entry that finds no free room ends the fill, since what is left is older
+  than everything the pool holds), the values are read and checked against
+  their checksums without the lock, and one lock hold seals them and advances
+  the mark.  An entry the pool already holds (put meanwhile) is skipped, and
+  so is one put while its value was being read: the newer value stays.  A
+  value that fails its checksum is not loaded; it is counted (fill_corrupt)
+  and the fill goes on.  The first batch is one entry, so the most recent
+  entry is there within milliseconds of the publish.
+- **A pipeline on three threads**: one reads the coming batches' records with
+  pread into reused buffers (posix_fadvise WILLNEED keeping READAHEAD bytes
+  of them in flight, so the disk never waits), the filling thread checks each
+  value there and writes it into its reservation with pwrite (no page fault
+  per 4 KiB, as a copy into the mapping takes), and for a pool that reserves
+  its memory a third one posix_fallocates the data region ahead of the
+  copies for the part of the pool the fill does not write (the fill's pwrites
+  allocate their own pages), so the publish does not wait for seconds of
+  posix_fallocate either.
+- **Crashes**: the mark is advanced in the lock hold that seals, so a filler
+  killed at any point leaves its loaded entries and a mark from which the
+  next `restore --if-missing` (or `restore NAME`) goes on; the killed one's
+  reservations are taken back as any dead writer's are.
+
+A get of an entry not loaded yet does not wait for it: the snapshot is a
+read-only tier below memory meanwhile (snaptier.py), which serves the
+entries the fill has not come to yet (the mark's fill_done, in the order
+`manifest_items` gives every process alike).  Persist refuses
+while the fill runs or was interrupted (a snapshot of half the pool would
+retire the whole one); `evict --all` and `restore --replace` stop it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import xxhash
+
+from . import packs
+from .errors import PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
+from .layout import (
+    FILL_DONE,
+    FILL_FAILED,
+    FILL_NONE,
+    FILL_PATH_BYTES,
+    FILL_PRIVATE,
+    FILL_RUNNING,
+    FILL_STOPPED,
+    FLAG_RESERVED,
+    SLOT_FLAG_STR_KEY,
+)
+from .lock import RecordLock
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .snapshot import Snapshot
+
+FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (lock.py's bytes)
+BAND_BYTES = 64 << 20
+READAHEAD = 64 << 20
+BATCH_ENTRIES = 64
+BATCH_BYTES = 8 << 20
+PREPARE_STEP = 32 << 20
+FILL_STATES = {FILL_NONE: None, FILL_RUNNING: "filling", FILL_DONE: "done", FILL_STOPPED: "stopped",
+               FILL_FAILED: "failed"}
+
+
+class Item(NamedTuple):
+    """One snapshot entry to load: its key and metadata, and where its value is."""
+
+    key: bytes
+    flags: int
+    length: int
+    checksum: int
+    priority: int
+    meta: tuple  # created, last_access, expiry, insert_seq, access_seq, access_count
+    where: Any  # (pack index, record offset) in a manifest's packs, or the value's view in a file
+
+
+# ---------------------------------------------------------------- the mark
+
+
+def mark(core: "Core", snap: "Snapshot", private: bool) -> None:
+    """Put a new fill's mark into a pool not published yet (restore.py; no lock needed: nobody else sees it)."""
+    path = str(Path(snap.path).resolve()).encode()
+    h = core.header[0]
+    h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
+    h["fill_done"] = h["fill_bytes"] = h["fill_corrupt"] = h["fill_skipped"] = 0
+    h["fill_total"] = snap.entries
+    h["fill_bytes_total"] = snap.value_bytes
+    h["fill_check"] = snap.file_check
+    h["fill_started"] = time.time()
+    h["fill_ended"] = 0.0
+    h["fill_path"] = path
+    h["fill_flags"] = FILL_PRIVATE if private else 0
+    h["fill_state"] = FILL_RUNNING
+
+
+def fits_mark(snap_path: str | os.PathLike) -> bool:
+    """Can the mark name this snapshot (its absolute path fits the header field)?"""
+    return len(str(Path(snap_path).resolve()).encode()) < FILL_PATH_BYTES
+
+
+def state(core: "Core") -> dict[str, Any] | None:
+    """The fill as `status` shows it (lock held or not: a few words read once), None for a pool never
+    filled from a snapshot.  "running" says whether a filler holds it now (else it was interrupted)."""
+    h = core.header[0]
+    st = int(h["fill_state"])
+    if st == FILL_NONE or st not in FILL_STATES:
+        return None
+    out = {
+        "state": FILL_STATES[st],
+        "snapshot": bytes(h["fill_path"]).rstrip(b"\0").decode(errors="replace"),
+        "entries_done": int(h["fill_done"]),
+        "entries_total": int(h["fill_total"]),
+        "bytes_loaded": int(h["fill_bytes"]),
+        "bytes_total": int(h["fill_bytes_total"]),
+        "corrupt": int(h["fill_corrupt"]),
+        "skipped": int(h["fill_skipped"]),
+        "started": float(h["fill_started"]),
+        "ended": float(h["fill_ended"]) or None,
+        "running": False,
+    }
+    if st == FILL_RUNNING:
+        out["running"] = filler_alive(core)
+        if not out["running"]:
+            out["state"] = "interrupted"
+    return out
+
+
+def filler_alive(core: "Core") -> bool:
+    """Does a process hold the pool's fill lock (is a fill running right now)?"""
+    probe = RecordLock(core.seg.fd, FILL_BYTE)
+    if probe.try_acquire():
+        probe.release()
+        return False
+    return True
+
+
+def running(core: "Core") -> bool:
+    """Is a fill running or interrupted (the mark says FILL_RUNNING)?"""
+    return int(core.header[0]["fill_state"]) == FILL_RUNNING
+
+
+def stop(core: "Core") -> None:
+    """End a running or interrupted fill here (lock held): its filler stops at its next batch, and the
+    entries loaded so far stay.  For `evict --all` and restore --replace."""
+    h = core.header[0]
+    if int(h["fill_state"]) == FILL_RUNNING:
+        h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
+        h["fill_state"] = FILL_STOPPED
+        h["fill_ended"] = time.time()
+
+
+def busy_reason(core: "Core") -> str | None:
+    """Why a persist of this pool must wait for its fill (None: no fill in the way)."""
+    if not running(core):
+        return None
+    st = state(core)
+    assert st is not None
+    pct = 100.0 * st["bytes_loaded"] / st["bytes_total"] if st["bytes_total"] else 100.0
+    if st["running"]:
+        return (f"pool {core.name!r} is still being filled from snapshot {st['snapshot']!r} ({pct:.0f}% loaded); "
+                "persist it when the fill is done (status shows it)")
+    return (f"pool {core.name!r} was being filled from snapshot {st['snapshot']!r} and its restore was stopped "
+            f"at {pct:.0f}%; finish it with `cortex cache restore {core.name} --if-missing` first (or empty the "
+            "pool with `evict --all` to give the fill up)")
+
+
+# ---------------------------------------------------------------- the order
+
+
+def manifest_items(snap: "Snapshot") -> list[Item]:
+    """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
+    in pack and offset order.  Every record is checked against its own checksum here.  A function of the
+    manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
+    reads the fill's progress (fill_done) against it."""
+    refs = [(ref, off) for ref, _pack, off in snap.references(verify=True)]
+    if not refs:
+        return []
+    aseq = np.fromiter((r.access_seq for r, _ in refs), np.uint64, len(refs))
+    lengths = np.fromiter((r.length for r, _ in refs), np.int64, len(refs))
+    pack = np.fromiter((r.pack for r, _ in refs), np.int64, len(refs))
+    offs = np.fromiter((o for _, o in refs), np.int64, len(refs))
+    mru = np.argsort(-aseq.astype(np.float64), kind="stable")  # newest first
+    band = np.empty(len(refs), np.int64)
+    band[mru] = np.cumsum(lengths[mru]) // BAND_BYTES
+    band[mru[0]] = -1  # the most recent entry alone first: the first hit should not wait for a band
+    order = np.lexsort((offs, pack, band))
+    out = []
+    for n in order.tolist():
+        r, off = refs[n]
+        out.append(Item(r.key, r.flags, r.length, r.checksum, r.priority,
+                        (r.created, r.last_access, r.expiry, r.insert_seq, r.access_seq, r.access_count),
+                        (r.pack, off)))
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Reads the fill's batches on a thread of its own, ahead of the one that copies them into the pool.
+
+    Batches come out in the fill's order through a queue of DEPTH, each as
+    (items, values): every value a view of a reused buffer holding its
+    record, whose head was checked against the manifest, or the
+    SnapshotCorrupt that says why it could not be used.  The first batch is
+    one entry; each next one twice the bytes of the last, up to BATCH_BYTES.
+    posix_fadvise WILLNEED keeps READAHEAD bytes of the coming records in
+    flight, so the disk never waits for the copy; the preads let the GIL go.
+    """
+
+    DEPTH = 2
+
+    def __init__(self, snap: "Snapshot", items: list[Item]) -> None:
+        self.snap = snap
+        self.items = items
+        self.fds: dict[int, int] = {}
+        self.ahead = 0  # items[:ahead] have had their readahead asked for
+        self.asked = 0  # bytes asked for ahead of the read cursor
+        self.queue: queue.Queue = queue.Queue(self.DEPTH)
+        self.free: queue.Queue = queue.Queue()  # buffers copied from, to read into again
+        self.made = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cortex-fill-reader", daemon=True)
+        self.thread.start()
+
+    def fd(self, pack: int) -> int:
+        fd = self.fds.get(pack)
+        if fd is None:
+            fd = self.fds[pack] = self.snap.pack_fd(pack)
+        return fd
+
+    def batches(self) -> Iterator[tuple[list[Item], list[Any], Any]]:
+        """(items, values, buffer) per batch; give each buffer back with `done` once copied."""
+        while True:
+            got = self.queue.get()
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def done(self, buf: Any) -> None:
+        self.free.put(buf)
+
+    def _buffer(self, nbytes: int) -> Any:
+        """A buffer of at least `nbytes`: one given back, or a new one while fewer than DEPTH + 2 exist (DEPTH
+        queued, one being copied from, one being read into).  Anonymous mappings: no zeroing pass, their
+        pages come with the first pread into them."""
+        if self.made < self.DEPTH + 2 and self.free.empty():
+            self.made += 1
+            return mmap.mmap(-1, max(nbytes, 1 << 20))
+        buf = self.free.get()
+        if len(buf) < nbytes:  # the old one goes with the last view of it
+            buf = mmap.mmap(-1, nbytes)
+        return buf
+
+    def _run(self) -> None:
+        try:
+            pos, limit, items = 0, 1, self.items
+            while pos < len(items) and not self.stopping.is_set():
+                batch: list[Item] = []
+                nbytes = 0
+                while pos < len(items) and len(batch) < BATCH_ENTRIES and nbytes < limit:
+                    batch.append(items[pos])
+                    nbytes += packs.REC_SIZE + len(items[pos].key) + items[pos].length
+                    pos += 1
+                limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
+                buf = self._buffer(nbytes)
+                self._readahead(pos, nbytes)
+                values = self._read(batch, buf)
+                self._put((batch, values, buf))
+        except BaseException as e:  # an I/O error: the fill stops, resumable
+            self._put(StorageIOError(f"reading snapshot {str(self.snap.path)!r}: "
+                                     f"{getattr(e, 'strerror', None) or e}"))
+            return
+        self._put(None)
+
+    def _put(self, what: Any) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(what, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def _readahead(self, pos: int, consumed: int) -> None:
+        """Ask for the records from items[pos] on, up to READAHEAD bytes ahead of what was read."""
+        items = self.items
+        self.asked -= consumed
+        self.ahead = max(self.ahead, pos)
+        while self.ahead < len(items) and self.asked < READAHEAD:
+            it = items[self.ahead]
+            pack, off = it.where
+            n = packs.REC_SIZE + len(it.key) + it.length
+            try:
+                os.posix_fadvise(self.fd(pack), off, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            self.ahead += 1
+            self.asked += n
+
+    def _read(self, batch: list[Item], buf: Any) -> list[Any]:
+        out: list[Any] = []
+        mv = memoryview(buf)
+        at = 0
+        for it in batch:
+            pack, off = it.where
+            klen = len(it.key)
+            n = packs.REC_SIZE + klen + it.length
+            view = mv[at : at + n]
+            at += n
+            reader = self.snap.pack_reader(pack)
+            got = os.preadv(self.fd(pack), [view], off)
+            try:
+                if got != n:
+                    raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
+                reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
+            except SnapshotCorrupt as e:
+                out.append(e)
+                continue
+            out.append(view[packs.REC_SIZE + klen :])
+        return out
+
+    def value_corrupt(self, it: Item) -> SnapshotCorrupt:
+        pack, off = it.where
+        return self.snap.pack_reader(pack).corrupt(self.snap.path, f"the value of the record at byte {off} fails "
+                                                                   "its checksum")
+
+    def close(self) -> None:
+        self.stopping.set()
+        while self.thread.is_alive():  # unblock a put waiting for room, then let it see `stopping`
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.thread.join()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+# ---------------------------------------------------------------- the fill
+
+
+class _Ended(Exception):
+    """The fill was stopped by someone else (its generation changed)."""
+
+
+def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Fill `core`'s pool from `snap` as its mark says, from where the mark says the fill got to.
+
+    The caller holds FILL_BYTE and checked that the mark names `snap`.
+    Returns the report restore gives: entries loaded, bytes, skipped,
+    corrupt (and the first damaged file's message), and how it ended
+    ("done", "stopped": the pool filled up with newer entries or was emptied).
+    Raises StorageIOError if the snapshot cannot be read (the mark stays:
+    the fill can be resumed), after taking back its own reservations.
+    """
+    h = core.header[0]
+    core.locked(core.reap_dead)  # a killed filler's reservations: their room is this fill's
+    gen = int(h["fill_gen"])
+    start = int(h["fill_done"])
+    items = manifest_items(snap)
+    block = core.geometry.block_size
+    prepare = _Prepare(core, sum(-(-it.length // block) for it in items[start:]) * block)
+    report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
+              "corrupt_why": None, "ended": "done", "expiring": []}
+    reader = _Reader(snap, items[start:])
+    try:
+        for batch, values, buf in reader.batches():
+            full = _fill_batch(core, reader, batch, values, gen, report)
+            reader.done(buf)
+            if progress is not None:
+                progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
+            if full or os.fstat(core.seg.fd).st_nlink == 0:  # no room left, or the pool was deleted
+                report["ended"] = "stopped"
+                break
+        prepare.finish()
+        core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED)
+    except _Ended:
+        report["ended"] = "stopped"
+        prepare.finish()
+    finally:
+        reader.close()
+        prepare.stop()  # interrupted: the next fill of the pool reserves the rest
+    report["reserve_failed"] = prepare.failed
+    # An entry whose TTL ran out while the fill ran is gone anyway: counted as expired, not as restored.
+    end = core.clock()
+    ran_out = [n for expiry, n in report.pop("expiring") if expiry <= end]
+    report["entries"] -= len(ran_out)
+    report["bytes"] -= sum(ran_out)
+    report["expired_skipped"] += len(ran_out)
+    return report
+
+
+def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[Any], gen: int, report: dict) -> bool:
+    """Load one batch read by `reader`; True if the pool had no free room left for one of its entries (the
+    fill ends).  Each value is checked in its buffer, then written into its reservation, invisible until
+    sealed."""
+    now = core.clock()
+    slots, full = core.locked(_reserve_batch, core, batch, gen, now)
+    checks: list[int | None] = [None] * len(batch)
+    bad = 0
+    fd, xxh3 = core.seg.fd, xxhash.xxh3_64_intdigest
+    try:
+        for n, (it, where, value) in enumerate(zip(batch, slots, values)):
+            if where is None or where is _EXPIRED or where is _PRESENT:
+                continue
+            _i, off = where
+            try:
+                if isinstance(value, SnapshotCorrupt):
+                    raise value
+                if xxh3(value) != it.checksum:
+                    raise reader.value_corrupt(it)
+            except SnapshotCorrupt as e:
+                report["corrupt"] += 1
+                bad += 1
+                report["corrupt_why"] = report["corrupt_why"] or str(e)
+                continue
+            _store(fd, value, off)
+            checks[n] = it.checksum
+    except BaseException:
+        core.locked(_abort_batch, core, slots)
+        raise
+    core.locked(_seal_batch, core, batch, slots, checks, gen, report, bad)
+    return full
+
+
+def _store(fd: int, value: memoryview, off: int) -> None:
+    """Write a checked value into its reservation through the segment's descriptor: no page fault per
+    4 KiB, as a copy into the mapping takes."""
+    done, total = 0, len(value)
+    while done < total:
+        done += os.pwrite(fd, value[done:], off + done)
+
+
+_EXPIRED = object()
+_PRESENT = object()
+
+
+def _no_victim() -> None:
+    return None
+
+
+def _reserve_batch(core: "Core", batch: list[Item], gen: int, now: float) -> tuple[list[Any], bool]:
+    """Reserve room for the batch's entries (lock held), never evicting.  Per entry (slot, offset),
+    _EXPIRED, _PRESENT, or None past the first that found no room; and whether one did not."""
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        raise _Ended
+    out: list[Any] = []
+    full = False
+    core.evict_one = _no_victim  # this instance's allocations find no victim: PoolFull instead
+    try:
+        for it in batch:
+            if full:
+                out.append(None)
+                continue
+            expiry = it.meta[2]
+            if 0 < expiry <= now:
+                out.append(_EXPIRED)
+                continue
+            kh = xxhash.xxh3_64_intdigest(it.key)
+            if core.find(it.key, kh) >= 0:
+                out.append(_PRESENT)
+                continue
+            try:
+                nblk = core.blocks_or_raise(it.length, "snapshot entry")
+                out.append(core.reserve(it.key, kh, it.flags & SLOT_FLAG_STR_KEY, it.length, nblk))
+            except (PoolFull, ValueTooLarge):  # no free room (a damaged segment's error goes up)
+                full = True
+                out.append(None)
+    finally:
+        del core.evict_one
+    return out, full
+
+
+def _abort_batch(core: "Core", slots: list[Any]) -> None:
+    for where in slots:
+        if isinstance(where, tuple):
+            core.abort(where[0])
+
+
+def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[int | None], gen: int,
+                report: dict, bad: int) -> None:
+    """Seal what was read and checked, give the rest back, advance the mark (lock held)."""
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        _abort_batch(core, slots)
+        raise _Ended
+    loaded = nbytes = skipped = 0
+    processed = 0
+    for it, where, checksum in zip(batch, slots, checks):
+        if where is None:
+            break  # no room from here on: these entries are not processed
+        processed += 1
+        if where is _EXPIRED or where is _PRESENT:
+            skipped += 1
+            report["expired_skipped" if where is _EXPIRED else "present_skipped"] += 1
+            continue
+        i = where[0]
+        if checksum is None or not core.is_writing(i):
+            core.abort(i)
+            continue
+        kh = xxhash.xxh3_64_intdigest(it.key)
+        if core.find(it.key, kh) >= 0:
+            core.abort(i)  # put while we read: the newer value stays
+            skipped += 1
+            report["present_skipped"] += 1
+            continue
+        core.seal(i, it.key, kh, checksum, None, it.priority, False)
+        core.restore_meta(i, *it.meta)
+        if it.meta[2]:
+            report["expiring"].append((it.meta[2], it.length))
+        loaded += 1
+        nbytes += it.length
+    h["fill_done"] = int(h["fill_done"]) + processed
+    h["fill_bytes"] = int(h["fill_bytes"]) + nbytes
+    h["fill_skipped"] = int(h["fill_skipped"]) + skipped
+    h["fill_corrupt"] = int(h["fill_corrupt"]) + bad
+    report["entries"] += loaded
+    report["bytes"] += nbytes
+
+
+def _finish(core: "Core", gen: int, end: int) -> None:
+    h = core.header[0]
+    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+        raise _Ended
+    h["fill_state"] = end
+    h["fill_ended"] = time.time()
+
+
+class _Prepare:
+    """Reserves the memory of a pool that reserves it beyond what the fill writes (posix_fallocate,
+    PREPARE_STEP at a time, on a thread of its own beside the copies).  The fill's own pages are
+    allocated by its pwrites, which zero nothing they fill: fallocating them first would zero them,
+    and serialise with the pwrites on the file's lock, for nothing (measured: 8-9 s of a 8 GiB fill's
+    13-19 s here, against 4-5 s).  Allocations of an empty pool go from the start of the data region,
+    so the fill writes about its first `extent` bytes."""
+
+    def __init__(self, core: "Core", extent: int) -> None:
+        self.core = core
+        self.fd = core.seg.fd
+        self.reserve = bool(int(core.header[0]["flags"]) & FLAG_RESERVED)
+        self.end = core.geometry.data_off + core.geometry.data_size
+        self.start = min(self.end, core.geometry.data_off + extent)
+        self.failed: str | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cortex-fill-prepare", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cursor = self.start
+        while cursor < self.end and self.reserve and not self.stopping.is_set():
+            n = min(PREPARE_STEP, self.end - cursor)
+            try:
+                os.posix_fallocate(self.fd, cursor, n)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    self.failed = e.strerror or str(e)
+                return
+            cursor += n
+
+    def finish(self) -> None:
+        """Wait for it (the fill is done); say the truth in the header if the memory could not all be had."""
+        self.thread.join()
+        if self.failed:
+            self.core.locked(_unreserved, self.core)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+
+def _unreserved(core: "Core") -> None:
+    h = core.header[0]
+    h["flags"] = int(h["flags"]) & ~FLAG_RESERVED
+
+
+__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "busy_reason",
+           "manifest_items", "run"]

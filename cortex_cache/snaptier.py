@@ -1,0 +1,126 @@
+"""The snapshot a restored pool is being filled from, as a read-only tier below memory (lower.py, fill.py).
+
+While a pool's fill runs (or was interrupted: its mark says FILL_RUNNING), a
+get that misses memory looks the key up in the snapshot the mark names and,
+when the fill has not come to it yet, reads its value from its pack, checks
+it against its checksum and promotes it, as the disk tier's misses are: the
+entry an engine asks for is there at once instead of when the fill reaches
+it, and the fill then skips it as present.  An entry the fill has come to
+(loaded, then perhaps evicted or deleted since; or skipped) is never brought
+back from the snapshot: the fill's mark (fill_done, advanced in the lock hold
+that seals each batch) says where that line is.
+
+Each process that opens the pool while its fill runs builds its index of
+the snapshot (key -> place in the fill's order, which every process
+computes alike: fill.manifest_items) from the manifest alone, checked whole
+first, and drops it once the fill has ended.  With it, `in` and the
+lookups' leading runs (engines' prefix matches) count the entries the fill
+will still bring as there.  A snapshot that cannot be read, has changed since
+the fill began, or a record that fails its checksum is a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from . import fill
+from .errors import CortexCacheError
+from .layout import FILL_PRIVATE, FILL_RUNNING, SLOT_FLAG_STR_KEY
+from .lower import Fetched, Lower, too_small
+from .snapshot import Snapshot
+
+
+class SnapshotBelow(Lower):
+    """The filling snapshot of one pool, read only; `ended` once its fill is over (tiers.py drops it)."""
+
+    name = "snapshot"
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.ended = False
+        self._gen: int | None = None  # the fill generation the index is for
+        self._snap: Snapshot | None = None
+        self._index: dict[bytes, tuple[int, fill.Item]] = {}
+        self._lock = threading.Lock()
+        with self._lock:  # built now, outside every lock hold: `contains` answers from it
+            self._load(int(core.header[0]["fill_gen"]))
+
+    def fetch(self, kb: bytes, kh: int, found: Any, room: int | None) -> Fetched | None:
+        h = self.core.header[0]
+        with self._lock:  # one index build per process; and no close while a thread reads a pack's mapping
+            if int(h["fill_state"]) != FILL_RUNNING:
+                self.ended = True
+                self._close()
+                return None
+            gen = int(h["fill_gen"])
+            if gen != self._gen:
+                self._load(gen)
+            place = self._index.get(kb)
+            snap = self._snap
+            if place is None or snap is None:
+                return None
+            pos, it = place
+            if pos < int(h["fill_done"]):
+                return None  # the fill came to it: loaded (perhaps evicted or deleted since) or skipped
+            if 0 < it.meta[2] <= self.core.clock():
+                return None  # expired
+            too_small(room, it.length)
+            pack, off = it.where
+            try:
+                # Copied out of the pack's mapping, checked against the manifest's checksum.
+                value = bytes(snap.pack_reader(pack).value(off, it.key, it.length, it.checksum, snap.path, True))
+            except (CortexCacheError, OSError, ValueError):
+                return None  # a damaged record, or a pack gone: a miss, never wrong bytes
+        return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos))
+
+    def contains(self, kb: bytes, kh: int) -> bool:
+        """Lock held: does the snapshot still hold `kb` for this pool (the fill has not come to it)?  Answered
+        from the index built when the pool was opened (never built here, under the pool's lock)."""
+        h = self.core.header[0]
+        place = self._index.get(kb)
+        if place is None or int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
+            return False
+        pos, it = place
+        return pos >= int(h["fill_done"]) and not 0 < it.meta[2] <= self.core.clock()
+
+    def still(self, got: Fetched) -> bool:
+        """Lock held: the fill is still the same one and has not come to this entry (it would have loaded it,
+        or skipped it as deleted or put meanwhile)."""
+        h = self.core.header[0]
+        gen, pos = got.token
+        return int(h["fill_state"]) == FILL_RUNNING and int(h["fill_gen"]) == gen and pos >= int(h["fill_done"])
+
+    def _load(self, gen: int) -> None:
+        """The index of the snapshot the mark names, for fill generation `gen` (empty when it cannot be read)."""
+        self._close()
+        self._gen = gen
+        h = self.core.header[0]
+        path = bytes(h["fill_path"]).rstrip(b"\0").decode(errors="surrogateescape")
+        try:
+            snap = Snapshot(Path(path), verify=False, private=bool(int(h["fill_flags"]) & FILL_PRIVATE))
+        except (CortexCacheError, OSError):
+            return
+        try:
+            if snap.file_check != int(h["fill_check"]):
+                raise CortexCacheError("changed since the fill began")
+            self._index = {it.key: (n, it) for n, it in enumerate(fill.manifest_items(snap))}
+        except (CortexCacheError, OSError, ValueError):
+            snap.close()
+            self._index = {}
+            return
+        self._snap = snap
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        snap, self._snap = self._snap, None
+        self._index = {}
+        if snap is not None:
+            snap.close()
+
+
+__all__ = ["SnapshotBelow"]
