@@ -254,3 +254,96 @@ def test_a_damaged_value_the_snapshot_tier_would_bring_is_a_miss(persisted):
         q.close()
         for f in (w.stdin, w.stdout, w.stderr):
             f.close()
+
+
+# ---------------------------------------------------------------- queue policies and admission (issue 27)
+
+
+def _queued(q: Pool) -> None:
+    """Every sealed entry of queue pool `q` is in one queue, counted, with its own place in the queues' order."""
+    qs = q.core.queues
+    sealed = qs.cols["state"] == 2  # SEALED
+    qh = qs.header[0]
+    assert int(qh["q_count0"]) + int(qh["q_count1"]) == len(q) == int(sealed.sum())
+    order = qs.cols["qseq"][sealed]
+    assert order.min() > 0 and len(set(order.tolist())) == order.size and int(order.max()) <= int(qh["q_seq"])
+    rep = q.verify()
+    assert rep["ok"], rep["problems"]
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "auto"])
+def test_what_the_fill_seals_joins_a_queue_as_a_put_would(make_pool, snapshot_dir, restored, policy):
+    """Queue state is not in a snapshot: the fill queues each entry it seals (all new keys: queue 0), so the
+    evictions after it account for them as for any put's, and the pool stays consistent."""
+    p = make_pool("1M", block_size="4K", policy=policy)
+    for i in range(200):
+        p.put(f"k{i}", make_value(i, 0, 4096))
+    for i in range(0, 200, 3):
+        assert p.get(f"k{i}") is not None
+    snap.persist(p)
+    name = p.name
+    p.close()
+    Pool.unlink(name)
+    q, _ = snap.restore(None, name=name)
+    restored.append(q)
+    assert q.stats()["fill"]["state"] == "done" and len(q) == 200
+    _queued(q)
+    assert int(q.core.queues.header[0]["q_count0"]) == 200  # no ghosts yet: every key is new to the queues
+    for i in range(300):
+        q.put(f"n{i}", make_value(i, 1, 4096))
+    assert q.stats()["evictions"] >= 200
+    _queued(q)
+    assert all(q.get(f"n{i}") == make_value(i, 1, 4096) for i in range(280, 300))
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "auto"])
+def test_puts_beside_a_fill_evict_what_it_sealed_with_the_queues_in_step(make_pool, snapshot_dir, policy):
+    """Another process's puts, mid-fill, evict entries the fill sealed: the queue counts stay right through
+    it, and after the fill ends."""
+    p = make_pool("16M", policy=policy)
+    for i in range(12):
+        p.put(f"k{i}", make_value(i, 0, MIB))
+    snap.persist(p)
+    name = p.name
+    p.close()
+    Pool.unlink(name)
+    try:
+        w = _start(name)  # paused after its first batch
+        q = Pool.open(name)
+        try:
+            assert len(q) >= 1
+            for i in range(20):  # more than the pool holds: the fill's entries are evicted too
+                q.put(f"n{i}", make_value(i, 1, MIB))
+            assert q.stats()["evictions"] > 0
+            _queued(q)
+            report = _go_on(w)
+            assert report["ended"] in ("stopped", "done")
+            _queued(q)
+            for i in range(20, 40):
+                q.put(f"n{i}", make_value(i, 1, MIB))
+            _queued(q)
+        finally:
+            q.close()
+    finally:
+        if Pool.exists(name):
+            Pool.unlink(name)
+
+
+def test_a_restore_from_the_snapshot_directory_keeps_tier_admission(make_pool, snapshot_dir, restored, tmp_path):
+    """tier_admit 2 is configuration: the boot restore (published at once, filled after) keeps it, and the
+    restored pool admits below as the original did."""
+    p = make_pool("1M", block_size="4K", disk_path=tmp_path / "tier", disk_size="4M", tier_admit=2)
+    for i in range(8):
+        p.put(f"k{i}", make_value(i, 0, 4096))
+    snap.persist(p)
+    name = p.name
+    p.close()
+    Pool.unlink(name)  # its disk tier stays, and the restored pool takes it over
+    q, report = snap.restore(None, name=name)
+    restored.append(q)
+    assert q.stats()["fill"]["state"] == "done"  # restored by the fill (a pool published, then filled)
+    assert q.configuration()["tier_admit"] == 2 and q.stats()["tier_admit"] == 2 and q.tiers.admit
+    assert q.get("k0") == make_value(0, 0, 4096)  # read since it came back: admitted when evicted
+    assert q.evict(all=True) == (8, 8 * 4096)
+    st = q.stats()
+    assert st["tier_refused"] == 7 and st["disk"]["entries"] == 1 and q.get("k0") == make_value(0, 0, 4096)

@@ -372,3 +372,6 @@ def test_admission_writes_to_the_server_only_entries_seen_twice_when_evicted(mak
     assert st["remote"]["writes_done"] == 1 and st["tier_refused"] == 15
     assert sorted(server.client().keys("*")) == [f"cortex:1:{pool_name}:k0".encode()]
     assert check_value(p.get("k0")) == (0, 0)  # found on the server again
+    # Puts skip the server under admission, deletes do not: a deleted key never comes back from it.
+    assert p.delete("k0") and p.flush_remote(30)
+    assert server.client().keys("*") == [] and p.get("k0") is None
