@@ -414,6 +414,17 @@ def _align(n: int, a: int = PAGE) -> int:
     return ceil_div(n, a) * a
 
 
+def _queue_parts(qslots_off: int, n_slots: int, n_ghosts0: int, n_ghosts1: int) -> tuple[int, int, int, int]:
+    """Where the queue region's parts start after its header: (queue columns, ghost ring 0, ring 1, the end),
+    each on a page boundary; all 0 without a region."""
+    if not qslots_off:
+        return 0, 0, 0, 0
+    qcols = _align(qslots_off + QUEUE_HEADER_SIZE)
+    g0 = _align(qcols + columns_size(QSLOT_COLUMNS, n_slots))
+    g1 = _align(g0 + ghost_ring_size(n_ghosts0))
+    return qcols, g0, g1, _align(g1 + ghost_ring_size(n_ghosts1))
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Where each region lies, derived from the pool's size parameters."""
@@ -454,23 +465,18 @@ class Geometry:
     def dslot_columns(self) -> dict[str, int]:
         return column_offsets(DSLOT_COLUMNS, self.n_dslots, self.dslots_off)
 
-    # The queue region's parts after its header, derived (not stored): each on its own page boundary.
+    # The queue region's parts after its header, derived (not stored): _queue_parts.
     @property
     def qcols_off(self) -> int:
-        return _align(self.qslots_off + QUEUE_HEADER_SIZE) if self.qslots_off else 0
+        return _queue_parts(self.qslots_off, self.n_slots, self.n_ghosts0, self.n_ghosts1)[0]
 
     @property
     def ghosts0_off(self) -> int:
-        return _align(self.qcols_off + columns_size(QSLOT_COLUMNS, self.n_slots)) if self.qslots_off else 0
+        return _queue_parts(self.qslots_off, self.n_slots, self.n_ghosts0, self.n_ghosts1)[1]
 
     @property
     def ghosts1_off(self) -> int:
-        return _align(self.ghosts0_off + ghost_ring_size(self.n_ghosts0)) if self.qslots_off else 0
-
-    @property
-    def queue_end(self) -> int:
-        """Where the queue region ends (the data region starts at or after it, on a block boundary)."""
-        return _align(self.ghosts1_off + ghost_ring_size(self.n_ghosts1)) if self.qslots_off else 0
+        return _queue_parts(self.qslots_off, self.n_slots, self.n_ghosts0, self.n_ghosts1)[2]
 
     def qslot_columns(self) -> dict[str, int]:
         return column_offsets(QSLOT_COLUMNS, self.n_slots, self.qcols_off)
@@ -532,9 +538,7 @@ class Geometry:
             n_g0, n_g1 = ghosts[0] * n_slots, ghosts[1] * n_slots
             if max(n_g0, n_g1) >= 2**32:  # the header holds them as u32
                 raise UsageError(f"too many entries ({n_slots}) for a queue policy's ghost rings")
-            q = cls(block_size, n_blocks, n_slots, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                    qslots_off=qslots_off, n_ghosts0=n_g0, n_ghosts1=n_g1)
-            data_off = q.queue_end
+            data_off = _queue_parts(qslots_off, n_slots, n_g0, n_g1)[3]
         # The data region starts on a block boundary (and a page boundary), so
         # every value starts on one: blocks of 4 KiB and up are page-aligned.
         data_off = _align(data_off, max(PAGE, block_size))
