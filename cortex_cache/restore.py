@@ -448,7 +448,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
             DiskLog.destroy(tier_kw["disk_path"])  # the tier this restore made anew goes with it
         raise
     pool.close()
-    Pool.unlink(staging)
+    segment.unlink(staging)  # the second name of the published pool (not Pool.unlink: that marks it gone)
     report["tiers"] = tiers
     report["not_attached"] = not_attached
     report["published_seconds"] = None
@@ -509,7 +509,7 @@ def _restored_mode(snap: "Snapshot", mode: int) -> int:
 def _discard(Pool: "type[Pool]", pool: "Pool", staging: str) -> None:
     pool.close()
     try:
-        Pool.unlink(staging)
+        segment.unlink(staging)  # never published: nobody follows its name
     except PoolNotFound:
         pass
 
@@ -573,6 +573,8 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                     pool.close()
                     with interrupts.commit():  # swapped in: a signal now waits, and the restore reports success
                         segment.replace(staging, target)
+                        # Processes still on the old segment see it replaced and re-attach by name.
+                        old.core.locked(old.core.mark_superseded)
                 except BaseException:
                     _discard(Pool, pool, staging)
                     raise
