@@ -41,6 +41,7 @@ from .layout import (
     Geometry,
 )
 from .lock import RecordLock
+from .restore import resize as resize_pool
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
 from .tiers import Tiers
@@ -945,6 +946,16 @@ class Pool:
         """
         return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode,
                                 trust_tiers=trust_tiers, allow_other_owner=allow_other_owner)[0]
+
+    @classmethod
+    def resize(cls, name: str, size: int | str, *, allow_other_owner: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Grow or shrink live pool `name` to `size` bytes of data; its most recently used entries are kept
+        first (those that do not fit are left out).  Built beside it and swapped in whole: the processes
+        on it see it superseded and move (`superseded`, `reopen`).  Returns a report (entries, bytes,
+        left_out, old_size, size, seconds).  Raises PoolNotFound (66), PersistBusy (75: a persist, restore
+        or fill of it runs), NoSpace (73), UsageError (a pool with a disk tier; a bad size)."""
+        return resize_pool(cls, name, parse_size(size), allow_other_owner=allow_other_owner, progress=progress)
 
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).

@@ -118,3 +118,77 @@ def test_the_lmcache_adapter_follows_a_replace_a_delete_and_a_create(make_pool, 
     finally:
         if Pool.exists(name):
             Pool.unlink(name)
+
+
+def test_resize_keeps_the_most_recently_used_and_the_processes_on_it_move(make_pool):
+    p = make_pool("1M", block_size="64K")
+    name = p.name
+    for i in range(5):
+        p.put(f"k{i}", bytes([i]) * 150_000)  # three blocks each: five fill fifteen of sixteen
+    assert p.get("k0") is not None  # k0 is now the most recently used, k1 the least
+    child = spawn_py(HOLDER, name)
+    try:
+        assert child.stdout.readline() == b"open\n"
+        r = cli("cache", "resize", name, "--size", "512K", "--json")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert (report["entries"], report["left_out"], report["size"]) == (2, 3, 512 << 10)
+        assert p.superseded
+        with p.reopen() as q:
+            assert sorted(q.keys()) == ["k0", "k4"] and q.get("k0") == bytes([0]) * 150_000
+            assert q.verify()["ok"]
+        r = cli("cache", "resize", name, "--size", "2M")
+        assert r.returncode == 0 and b"resized" in r.stdout
+        with Pool.open(name) as q:
+            assert q.stats()["size_bytes"] == 2 << 20 and len(q) == 2
+            q.put("x", b"x" * 1_800_000)  # needs the room of one of them: the least recently used goes
+            assert "k4" not in q and "k0" in q
+    finally:
+        out = _stop(child)
+    assert out.split()[0] == b"superseded"
+
+
+def test_resize_brings_what_was_put_and_deleted_while_it_copied(make_pool, monkeypatch):
+    from cortex_cache import restore
+
+    p = make_pool("4M", block_size="4K")
+    name = p.name
+    for i in range(20):
+        p.put(f"k{i}", bytes([i]) * 30_000)
+    monkeypatch.setattr(restore, "RESIZE_BATCH_BYTES", 60_000)  # two entries per lock hold
+    seen = []
+
+    def meanwhile(done: int, total: int) -> None:  # between two batches, outside the lock: another writer
+        if not seen:
+            p.put("late", b"L" * 100)
+            p.put("k19", b"new")  # copied already (most recent first), then replaced
+            p.delete("k18")  # copied already, then deleted
+        seen.append(done)
+
+    report = Pool.resize(name, "8M", progress=meanwhile)
+    assert len(seen) > 2 and report["left_out"] == 0
+    with p.reopen() as q:
+        assert q.get("late") == b"L" * 100 and q.get("k19") == b"new" and "k18" not in q
+        assert len(q) == 20 and q.verify()["ok"]
+
+
+def test_resize_refusals_change_nothing(make_pool, tmp_path):
+    from cortex_cache.lock import PERSIST_BYTE, RecordLock
+
+    r = cli("cache", "resize", "no-such-pool", "--size", "1M")
+    assert r.returncode == 66 and len(r.stderr.splitlines()) == 1
+    p = make_pool("1M", tier="disk", disk_path=str(tmp_path / "tier"), disk_size="4M")
+    r = cli("cache", "resize", p.name, "--size", "2M")
+    assert r.returncode == 2 and b"disk tier" in r.stderr and len(r.stderr.splitlines()) == 1
+    q = make_pool("1M")
+    q.put("k", b"v")
+    r = cli("cache", "resize", q.name, "--size", "nonsense")
+    assert r.returncode == 2
+    lock = RecordLock(q.core.seg.fd, PERSIST_BYTE)  # a persist of it runs
+    assert lock.try_acquire()
+    try:
+        r = cli("cache", "resize", q.name, "--size", "2M")
+        assert r.returncode == 75, r.stderr
+    finally:
+        lock.release()
+    assert not q.superseded and q.get("k") == b"v" and q.stats()["size_bytes"] == 1 << 20
