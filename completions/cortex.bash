@@ -63,6 +63,7 @@ _cortex_options()
         verify) _cortex_words '--repair --no-checksums --json -q --quiet --help' ;;
         persist) _cortex_words '-o --output --keep --full --json -q --quiet --help' ;;
         restore) _cortex_words '-i --input --replace --if-missing --mode --allow-other-owner --trust-tiers --background --json -q --quiet --help' ;;
+        resize) _cortex_words '--size --allow-other-owner --json -q --quiet --help' ;;
         snapshots) _cortex_words '--verify --json -q --quiet --help' ;;
         doctor) _cortex_words '--json -q --quiet --help' ;;
     esac
@@ -130,7 +131,7 @@ _cortex()
     fi
     [[ $group == cache ]] || return 0
     if [[ -z $cmd ]]; then
-        [[ $cur == -* ]] && _cortex_words '-q --quiet --version --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore snapshots doctor'
+        [[ $cur == -* ]] && _cortex_words '-q --quiet --version --debug --help' || _cortex_words 'create list status delete put get keys evict verify persist restore resize snapshots doctor'
         return 0
     fi
     if (( !dashdash )) && [[ $cur == -* ]]; then
@@ -152,6 +153,7 @@ _cortex()
         verify:0) _cortex_words "$(_cortex_pools)" ;;
         persist:0) _cortex_words "$(_cortex_pools)" ;;
         restore:0) _cortex_words "$({ _cortex_pools; _cortex_snapshots; } | sort -u)" ;;
+        resize:0) _cortex_words "$(_cortex_pools)" ;;
         snapshots:0) _cortex_words "$({ _cortex_pools; _cortex_snapshots; } | sort -u)" ;;
         *) (( dashdash )) || _cortex_options "$cmd" ;;
     esac

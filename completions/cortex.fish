@@ -100,6 +100,7 @@ complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and rep
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
 complete -c cortex -n '__cortex_at group' -a restore -d 'Rebuild a pool from a snapshot'
+complete -c cortex -n '__cortex_at group' -a resize -d 'Grow or shrink a live pool, keeping its most recently used entries first'
 complete -c cortex -n '__cortex_at group' -a snapshots -d 'List every snapshot of a pool in the snapshot directory, oldest first'
 complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-up; exit 1 if something is wrong, each finding with what to do'
 
@@ -206,6 +207,13 @@ complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confir
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_snapshots)' -d snapshot
+
+complete -c cortex -n '__cortex_using resize' -l size -x -d 'The pool\'s new size (data bytes, e.g. 8G); larger or smaller than now'
+complete -c cortex -n '__cortex_using resize' -l allow-other-owner -d 'Accept a pool of another user (by default only your own or root\'s)'
+complete -c cortex -n '__cortex_using resize' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using resize' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using resize' -l help -d 'Show this message and exit'
+complete -c cortex -n '__cortex_using resize 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using snapshots' -l verify -d 'Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack'
 complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON document on stdout'

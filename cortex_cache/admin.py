@@ -16,7 +16,7 @@ from . import header, interrupts, procs, segment
 from . import persist as snap
 from .disklog import META_NAME, DiskLog
 from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt, UsageError
-from .pool import Pool, disk_tier_of
+from .pool import Pool, disk_tier_of, mark_superseded
 
 
 def status_word(e: CortexCacheError) -> str:
@@ -70,17 +70,30 @@ def others_attached(name: str, attached: dict[str, list[int]] | None = None) -> 
     return [p for p in pids if p != os.getpid()]
 
 
+def others_on_old_copies(name: str, old: dict[str, list[int]] | None = None) -> list[int]:
+    """Pids that still map a segment the name had before (replaced by restore --replace, or deleted): they
+    move to the pool now under the name at their next operation that checks (Pool.superseded), or hold the
+    old copy until they exit.  `old`: segment.mapped_generations()[1] read once for many pools."""
+    pids = old.get(name, []) if old is not None else segment.mapped_generations()[1].get(name, [])
+    return [p for p in pids if p != os.getpid()]
+
+
 def add_operating_facts(row: dict[str, Any], attached: dict[str, list[int]] | None = None,
-                        described: dict[int, dict[str, Any]] | None = None) -> None:
-    """What status adds to a pool's stats: who has it mapped, and its snapshots (`attached`, `described`:
-    what was read of /proc once for many pools)."""
+                        described: dict[int, dict[str, Any]] | None = None,
+                        old: dict[str, list[int]] | None = None) -> None:
+    """What status adds to a pool's stats: who has it mapped (and who still maps a copy it replaced), and its
+    snapshots (`attached`, `old`, `described`: what was read of /proc once for many pools)."""
+    if attached is None:
+        attached, old = segment.mapped_generations()
     row["attached_pids"] = others_attached(row["name"], attached)
+    row["attached_old_pids"] = others_on_old_copies(row["name"], old or {})
     if described is None:
         described = {}
-    for p in row["attached_pids"]:
+    for p in row["attached_pids"] + row["attached_old_pids"]:
         if p not in described:
             described[p] = procs.describe(p)
     row["attached"] = [dict(described[p]) for p in row["attached_pids"]]
+    row["attached_old"] = [dict(described[p]) for p in row["attached_old_pids"]]
     row["snapshots"] = snap.snapshot_usage(row["name"])
 
 
@@ -102,11 +115,11 @@ def pool_status(name: str, missing_ok: bool = False) -> dict[str, Any]:
 def all_pool_statuses() -> list[dict[str, Any]]:
     """What `status` shows of every pool: pool_summary, with the operating facts of those that could be read."""
     rows = all_pool_summaries()
-    attached = segment.attached_map()  # /proc read once, not once per pool
+    attached, old = segment.mapped_generations()  # /proc read once, not once per pool
     described: dict[int, dict[str, Any]] = {}
     for r in rows:
         if r["status"] == "ok":
-            add_operating_facts(r, attached, described)
+            add_operating_facts(r, attached, described, old)
     return rows
 
 
@@ -151,12 +164,17 @@ def delete_pool(name: str, force: bool = False, disk_path: str | None = None) ->
         if not force:
             raise SegmentCorrupt(f"{segment.shm_path(name)} is {squatter}, not a pool; `delete --force` removes it")
         return Deleted(squatter=segment.remove_squatter(name), disk_tier=None)
-    users = others_attached(name)
-    if users and not force:
-        raise PoolBusy(f"pool {name!r} is in use by pid {', '.join(map(str, users))}; use --force to delete it anyway")
+    live, old = segment.mapped_generations()
+    users = others_attached(name, live)
+    on_old = others_on_old_copies(name, old)
+    if (users or on_old) and not force:
+        also = f"{', ' if users else ''}and on a copy it replaced by pid {', '.join(map(str, on_old))}" if on_old else ""
+        raise PoolBusy(f"pool {name!r} is in use{' by pid ' + ', '.join(map(str, users)) if users else ''}"
+                       f"{also}; use --force to delete it anyway")
     tier = disk_tier_of(name)
     removed = force and tier is not None
     with interrupts.commit():
+        mark_superseded(name)  # processes still attached learn it is gone (Pool.superseded)
         if removed:
             DiskLog.destroy(tier)  # type: ignore[arg-type]
         segment.unlink(name)
@@ -213,6 +231,6 @@ def orphaned_tier(name: str) -> str | None:
     return path if found else None
 
 
-__all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "add_operating_facts",
+__all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "others_on_old_copies", "add_operating_facts",
            "pool_status", "all_pool_statuses", "listed_names", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier",
            "orphaned_tier"]

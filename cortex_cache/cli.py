@@ -584,7 +584,8 @@ def restore(
     records that check out are found again, the remote tier is used again)
     before any value is in, and the values come in afterwards, most recently
     used first, each checked against its checksum, while every process may
-    use the pool (an entry not loaded yet is a miss).  The command returns
+    use the pool (an entry not loaded yet is read from the snapshot when asked
+    for, checked).  The command returns
     when the fill is done, or at once with --background.  A restore killed
     while it fills leaves the pool with what it loaded: the next restore
     --if-missing (or restore NAME) finishes it; persist waits until then.
@@ -647,6 +648,37 @@ def restore(
             console(stderr=True).print(
                 f"cortex: warning: not attached: {what} ({left['why']}); restore --trust-tiers attaches them"
             )
+
+
+@cache.command()
+def resize(
+    name: str = NAME_ARG,
+    size: str = typer.Option(..., "--size", metavar="SIZE", help="The pool's new size (data bytes, e.g. 8G); larger or smaller than now."),
+    allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="Accept a pool of another user (by default only your own or root's)."),
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Grow or shrink a live pool, keeping its most recently used entries first.
+
+    A new pool of SIZE with the pool's configuration is filled while the old
+    one serves, then swapped in under the name in one lock hold that also
+    brings what was put or deleted meanwhile; entries that do not fit are the
+    least recently used, left out (and counted).  Processes attached to the
+    old pool see it replaced and move to the new one (the engine adapters at
+    their next call).  A pool with a disk tier is refused for now (exit 2);
+    a persist, restore or fill of the pool running exits 75.
+
+    Example: cortex cache resize llama --size 16G
+    """
+    from .pool import Pool
+
+    report = Pool.resize(name, size, allow_other_owner=allow_other_owner)
+    if as_json:
+        print_json(report)
+        return
+    left = f"; {entries(report['left_out'])} left out (least recently used)" if report["left_out"] else ""
+    say(f"resized {name} from {fmt_size(report['old_size'])} to {fmt_size(report['size'])}: "
+        f"{entries(report['entries'])}, {fmt_size(report['bytes'])} kept{left} in {report['seconds']:.2f}s")
 
 
 @cache.command()

@@ -211,6 +211,9 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         t.add_row("puts / deletes", f"{r['puts']} / {r['deletes']}")
         t.add_row("evictions", f"{r['evictions']} ({fmt_size(r['bytes_evicted'])}), expirations {r['expirations']}")
         t.add_row("attached", show_attached(r["attached"]))
+        if r.get("attached_old"):  # still on a segment the name had before (replaced or deleted)
+            t.add_row("on old copies", show_attached(r["attached_old"]) + " (they move here at their next "
+                      "operation that checks, or hold the old copy until they exit)")
         t.add_row("owner / mode", f"uid {r['uid']} gid {r['gid']}, {r['mode']}")
         t.add_row("created", fmt_time(r["created"]))
         t.add_row("last snapshot", fmt_time(r["last_snapshot"]) + (f" ({fmt_age(r['last_snapshot'])} ago)" if r["last_snapshot"] else ""))

@@ -46,12 +46,12 @@ from .errors import (
 from .eviction import VictimCache, policy_by_id
 from .layout import (
     HEADER_FIELDS, PIN_FIELDS,
-    CANDIDATES, FLAG_MULTI_THREADED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
+    CANDIDATES, FLAG_MULTI_THREADED, FLAG_SUPERSEDED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
     P32, P64, P_PID, P_SLOT, P_START, PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY,
     VICTIM_COLUMNS, WRITING, ZOMBIE,
     H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
     H_KEY_HINT, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ,
-    H_USED_BLOCKS, H_USED_KCELLS, H_GONE_SEQ,
+    H_USED_BLOCKS, H_USED_KCELLS, H_GONE_SEQ, H_FLAGS,
     Geometry, blocks_for, ghost_buckets, key_cells,
 )
 from .lock import METADATA_BYTE, PoolLock, default_timeout as default_lock_timeout
@@ -1164,6 +1164,18 @@ class Core:
                 self.unpin(*p)
             else:
                 self.unpin(p.pin, p.slot)
+
+    # ------------------------------------------------------------------ generations
+
+    @property
+    def superseded(self) -> bool:
+        """Was this segment replaced under its name, or deleted (one load of the header's flags word)?"""
+        return bool(self._hu32[H_FLAGS] & FLAG_SUPERSEDED)
+
+    def mark_superseded(self) -> None:
+        """Say in the segment that it no longer is the pool of its name (lock held): restore --replace after
+        the swap, delete before the unlink.  Never cleared."""
+        self._hu32[H_FLAGS] |= FLAG_SUPERSEDED
 
     # ------------------------------------------------------------------ dead processes
 

@@ -80,6 +80,8 @@ ZOMBIE = 3  # deleted/replaced/evicted while pinned; blocks freed at last unpin
 # Header flags.
 FLAG_MULTI_THREADED = 1 << 0  # default of Pool.open(multi_threaded=None)
 FLAG_RESERVED = 1 << 1  # memory reserved with posix_fallocate at create
+FLAG_SUPERSEDED = 1 << 2  # this segment was replaced under its name (restore --replace) or deleted: handles
+# still on it re-attach by name (Pool.superseded, Pool.reopen; the engine adapters follow by themselves)
 
 # Fill states (header field fill_state; fill.py).
 FILL_NONE = 0  # never filled from a snapshot (a created pool, a restore --replace)
@@ -647,6 +649,7 @@ def _word(fields: list[tuple[str, str, int]], name: str, width: int) -> int:
 P64, P32 = PIN_SIZE // 8, PIN_SIZE // 4
 P_PID, P_SLOT = _word(PIN_FIELDS, "pid", 4), _word(PIN_FIELDS, "slot", 4)
 P_START = _word(PIN_FIELDS, "start", 8)
+H_FLAGS = _word(HEADER_FIELDS, "flags", 4)
 H_DIRTY, H_CAND_VALID, H_CAND_COUNT, H_CAND_POS = (
     _word(HEADER_FIELDS, n, 4) for n in ("dirty", "cand_valid", "cand_count", "cand_pos")
 )

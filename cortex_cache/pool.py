@@ -41,6 +41,7 @@ from .layout import (
     Geometry,
 )
 from .lock import RecordLock
+from .restore import resize as resize_pool
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
 from .tiers import Tiers
@@ -75,6 +76,21 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 VERIFY_READS_ENV = "CORTEX_CACHE_VERIFY_READS"
 
 
+def mark_superseded(name: str) -> None:
+    """Before pool `name` is unlinked: mark it superseded, so the processes attached to it learn it is gone
+    (best effort: a segment that cannot be opened has no handle to tell)."""
+    try:
+        pool = Pool.open(name)
+    except (CortexCacheError, OSError):
+        return
+    try:
+        pool.core.locked(pool.core.mark_superseded)
+    except CortexCacheError:
+        pass
+    finally:
+        pool.close()
+
+
 class Pool:
     """A named KV-cache pool in POSIX shared memory.
 
@@ -104,6 +120,9 @@ class Pool:
         core = Core(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
                     repairer=_repair.analyse, verify_reads=verify_reads)
         self.core = core
+        # How this handle was opened: `reopen` opens the pool under its name again alike.
+        self._open_kw: dict[str, Any] = {"multi_threaded": multi_threaded, "clock": clock,
+                                         "lock_timeout": lock_timeout, "verify_reads": verify_reads}
         self._views: set[EntryView] = set()
         self._close_hooks: list[Callable[[], None]] = []
         self.name = core.name
@@ -433,11 +452,13 @@ class Pool:
         try:
             if require_owner:
                 segment.check_owner(seg)
-            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
+            pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
                        verify_reads=verify_reads)
         except BaseException:
             seg.close()
             raise
+        pool._open_kw["require_owner"] = require_owner
+        return pool
 
     @staticmethod
     def unlink(name: str) -> str | None:
@@ -447,6 +468,7 @@ class Pool:
         finds its entries): returns that tier's directory, or None without one.  Remove it with
         `cortex cache delete NAME --force --disk-path DIR`."""
         tier = disk_tier_of(name) if segment.exists(name) else None
+        mark_superseded(name)
         segment.unlink(name)
         return tier
 
@@ -458,6 +480,19 @@ class Pool:
     def list() -> list[str]:
         """Names of the segments under the current prefix (each may still fail to open)."""
         return segment.list_names()
+
+    @property
+    def superseded(self) -> bool:
+        """True once the pool this handle maps is no longer the pool of its name: it was replaced
+        (`restore --replace`) or deleted.  This handle still works on the old segment, which lives on,
+        nameless, until every process closes it; `reopen` gives a handle on the pool now under the name.
+        One load of a header word: cheap enough to ask on every operation that matters."""
+        return self.core.superseded
+
+    def reopen(self) -> "Pool":
+        """A new handle on the pool now named as this one, opened with the same options (PoolNotFound if
+        there is none).  This handle stays open: close it once its views are released."""
+        return Pool.open(self.name, **self._open_kw)
 
     def add_close_hook(self, fn: Callable[[], None]) -> None:
         """Run `fn()` when this handle closes, before the mapping goes (gpu.py unregisters CUDA memory there)."""
@@ -924,6 +959,16 @@ class Pool:
         return restore_snapshot(cls, path, name=name, replace=replace, progress=progress, mode=mode,
                                 trust_tiers=trust_tiers, allow_other_owner=allow_other_owner)[0]
 
+    @classmethod
+    def resize(cls, name: str, size: int | str, *, allow_other_owner: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Grow or shrink live pool `name` to `size` bytes of data; its most recently used entries are kept
+        first (those that do not fit are left out).  Built beside it and swapped in whole: the processes
+        on it see it superseded and move (`superseded`, `reopen`).  Returns a report (entries, bytes,
+        left_out, old_size, size, seconds).  Raises PoolNotFound (66), PersistBusy (75: a persist, restore
+        or fill of it runs), NoSpace (73), UsageError (a pool with a disk tier; a bad size)."""
+        return resize_pool(cls, name, parse_size(size), allow_other_owner=allow_other_owner, progress=progress)
+
     def verify(self, repair: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Check the pool's consistency (and fix it with `repair`).
 
@@ -940,4 +985,4 @@ def default_disk_path(name: str) -> str:
     return str(snapshot.snapshot_dir().parent / "disk" / snapshot.namespaced(name))
 
 
-__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path"]
+__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "mark_superseded"]

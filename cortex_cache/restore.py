@@ -16,7 +16,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import xxhash
 
@@ -32,12 +32,13 @@ from .errors import (
     PoolFull,
     PersistBusy,
     PoolNotFound,
+    SegmentCorrupt,
     ServiceUnavailable,
     SnapshotCorrupt,
     UsageError,
     ValueTooLarge,
 )
-from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY
+from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY, Geometry
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
 from .remote import redact, redis_missing
@@ -449,7 +450,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
             DiskLog.destroy(tier_kw["disk_path"])  # the tier this restore made anew goes with it
         raise
     pool.close()
-    Pool.unlink(staging)
+    segment.unlink(staging)  # the second name of the published pool (not Pool.unlink: that marks it gone)
     report["tiers"] = tiers
     report["not_attached"] = not_attached
     report["published_seconds"] = None
@@ -510,7 +511,7 @@ def _restored_mode(snap: "Snapshot", mode: int) -> int:
 def _discard(Pool: "type[Pool]", pool: "Pool", staging: str) -> None:
     pool.close()
     try:
-        Pool.unlink(staging)
+        segment.unlink(staging)  # never published: nobody follows its name
     except PoolNotFound:
         pass
 
@@ -574,6 +575,8 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                     pool.close()
                     with interrupts.commit():  # swapped in: a signal now waits, and the restore reports success
                         segment.replace(staging, target)
+                        # Processes still on the old segment see it replaced and re-attach by name.
+                        old.core.locked(old.core.mark_superseded)
                 except BaseException:
                     _discard(Pool, pool, staging)
                     raise
@@ -762,6 +765,192 @@ def _seal_restored(i: int, checksum: int, core: Core, kb: bytes, kh: int, priori
     core.restore_meta(i, *meta)
 
 
+# ---------------------------------------------------------------- resize
+
+class _Live(NamedTuple):
+    """One live entry of a pool being resized, as `_restore_entry` takes a snapshot record."""
+
+    key: bytes
+    value: memoryview  # a copy's
+    flags: int
+    created: float
+    last_access: float
+    expiry: float
+    insert_seq: int
+    access_seq: int
+    access_count: int
+    priority: int
+    checksum: int
+
+
+RESIZE_BATCH_BYTES = 8 << 20  # copied out of the old pool per lock hold
+
+
+def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], float] | None = None,
+           allow_other_owner: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Grow or shrink live pool `target` to `size` bytes of data: a new pool of that size and target's
+    configuration is built beside it, filled most recently used first (what does not fit is the least
+    recently used, left out), and renamed over target, which is marked superseded so the processes on it
+    move to the new one (Pool.superseded; the engine adapters do by themselves).
+
+    The copy runs while target serves; the last lock hold copies what was put meanwhile and drops what was
+    deleted, then swaps, so nothing written before the swap is lost.  Held meanwhile: target's persist
+    lock (no persist or restore of it runs).  A pool with a disk tier is refused (UsageError): its index
+    lives in the segment and is not carried over yet.  Returns a report: entries kept, left out, bytes,
+    the old and new sizes, seconds."""
+    t0 = time.perf_counter()
+    old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
+    try:
+        if old.disk_path is not None:
+            raise UsageError(f"pool {target!r} has a disk tier: resize carries over memory tiers only for now "
+                             "(persist it, delete it, create it again with the new --size and the same tier, "
+                             "then restore it)")
+        if fill.running(old.core):
+            raise PersistBusy(fill.busy_reason(old.core) or f"pool {target!r} is being filled")
+        lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
+        if not lock.take_soon():
+            raise busy(old.core.seg.fd, target, "resize")
+        running = RecordLock(old.core.seg.fd, RESTORE_BYTE)
+        running.try_acquire()
+        try:
+            return _resize_locked(Pool, old, target, size, clock, progress, t0)
+        finally:
+            running.release()
+            lock.release()
+    finally:
+        old.close()
+
+
+def _resize_locked(Pool: "type[Pool]", old: "Pool", target: str, size: int, clock, progress, t0: float) -> dict[str, Any]:
+    core = old.core
+    cfg = core.locked(pool_config, core)
+    keep = _tier_header(core)
+    st = core.seg.stat()
+    bs = cfg["block_size"]
+    # The entry limit follows the size unless it was set by hand (then it keeps its share of the blocks).
+    default_slots = Geometry.compute(cfg["size"], bs).n_slots
+    max_entries = None if cfg["max_entries"] == default_slots else max(16, cfg["max_entries"] * size // max(1, cfg["size"]))
+    _sweep_stale_staging()
+    staging = _staging_name()
+    new = _create_staging(
+        Pool, target, staging, size, block_size=bs, policy=POLICY_IDS[cfg["policy"]], max_entries=max_entries,
+        mode=cfg["mode"], multi_threaded=bool(cfg["flags"] & FLAG_MULTI_THREADED), lfu_period=cfg["lfu_period"],
+        clock=clock, prefault=False,
+    )
+    report: dict[str, Any] = {"pool": target, "old_size": cfg["size"], "size": new.geometry.data_size}
+    try:
+        if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+            try:
+                os.fchown(new.core.seg.fd, st.st_uid, st.st_gid)  # the pool's owners keep it
+            except PermissionError:
+                raise PermissionDenied(f"cannot give the resized pool the owner of {target!r} (uid {st.st_uid} "
+                                       f"gid {st.st_gid}); resize it as that user or as root") from None
+        start_seq = core.locked(lambda: int(core.fields.seq[0]))
+        order = [int(i) for i in core.locked(core.live_most_recent_first)]
+        copied: dict[bytes, int] = {}  # key -> its insert_seq in the old pool
+        full = _resize_copy(core, new.core, order, copied, progress)
+        with interrupts.commit():  # the last lock hold swaps: a signal now waits, and resize reports success
+            core.locked(_resize_finish, core, new, copied, start_seq, full, cfg["counters"], keep, target,
+                        staging, report)
+    except BaseException:
+        if segment.exists(staging):
+            _discard(Pool, new, staging)
+        else:
+            new.close()
+        raise
+    report["seconds"] = round(time.perf_counter() - t0, 6)
+    return report
+
+
+def _no_victim() -> None:
+    return None
+
+
+def _resize_copy(old: Core, new: Core, order: list[int], copied: dict[bytes, int],
+                 progress: Callable[[int, int], None] | None) -> bool:
+    """Copy the old pool's entries at `order` (most recent first) into `new`, never evicting there; True if
+    one found no room (the rest are older: left out)."""
+    total = sum(int(old.columns["value_len"][i]) for i in order) if order else 0
+    done = 0
+    pos = 0
+    while pos < len(order):
+        batch, nbytes = [], 0
+        while pos < len(order) and nbytes < RESIZE_BATCH_BYTES:
+            batch.append(order[pos])
+            nbytes += int(old.columns["value_len"][order[pos]])
+            pos += 1
+        for e in old.locked(_read_live, old, batch):
+            if e.key in copied:
+                continue
+            if not _put_live(new, e):
+                return True
+            copied[e.key] = e.insert_seq
+            done += len(e.value)
+        if progress is not None:
+            progress(done, total)
+    return False
+
+
+def _read_live(core: Core, slots: list[int]) -> list[_Live]:
+    """The still-live entries among `slots`, values copied (lock held)."""
+    out = []
+    c = core.columns
+    for i in slots:
+        if not core.is_sealed(i) or core.expired(i):
+            continue
+        try:
+            off, vlen = core.value_at(i)
+        except SegmentCorrupt:
+            continue
+        out.append(_Live(core.key_bytes(i), memoryview(bytes(core.mv[off : off + vlen])), int(c["flags"][i]),
+                         float(c["created"][i]), float(c["last_access"][i]), float(c["expiry"][i]),
+                         int(c["insert_seq"][i]), int(c["access_seq"][i]), int(c["access_count"][i]),
+                         int(c["priority"][i]), core.checksum(i)))
+    return out
+
+
+def _put_live(new: Core, e: _Live) -> bool:
+    """Put one entry into the new pool without evicting there; False if it has no room for it."""
+    new.evict_one = _no_victim  # type: ignore[method-assign]  # PoolFull instead of an eviction
+    try:
+        _restore_entry(new, e, 0)  # type: ignore[arg-type]
+        return True
+    except (PoolFull, ValueTooLarge):
+        return False
+    finally:
+        del new.evict_one
+
+
+def _resize_finish(core: Core, new: "Pool", copied: dict[bytes, int], start_seq: int, full: bool,
+                   counters: dict[str, int], keep: dict[str, Any], target: str, staging: str,
+                   report: dict[str, Any]) -> None:
+    """The old pool's lock held: bring what changed since the copy began, swap, mark the old one superseded."""
+    c = core.columns
+    live = [int(i) for i in core.live_most_recent_first()]
+    changed = [i for i in live if int(c["insert_seq"][i]) > start_seq]
+    for e in _read_live(core, changed):  # put (or put again) meanwhile: the newer value
+        if not _put_live(new.core, e):
+            full = True  # no room: left out, as the oldest would be
+            continue
+        copied[e.key] = e.insert_seq
+    for kb, iseq in list(copied.items()):  # deleted or replaced meanwhile (and not put again): gone here too
+        i = core.find(kb, xxhash.xxh3_64_intdigest(kb))
+        if i < 0 or int(c["insert_seq"][i]) != iseq:
+            new.core.locked(new.core.delete, kb, xxhash.xxh3_64_intdigest(kb), False)
+            del copied[kb]
+    new.core.locked(_restore_end, new.core, counters)
+    new.core.header["name"] = target.encode()
+    for field, value in keep.items():
+        new.core.header[field] = value
+    kept = new.stats()
+    report.update(entries=kept["entries"], bytes=kept["value_bytes"], left_out=max(0, len(live) - kept["entries"]),
+                  full=full)
+    new.close()
+    segment.replace(staging, target)
+    core.mark_superseded()
+
+
 def _restore_end(core: Core, counters: dict[str, int] | None) -> None:
     if counters:
         for c, v in counters.items():
@@ -770,4 +959,4 @@ def _restore_end(core: Core, counters: dict[str, int] | None) -> None:
     core.victims.invalidate()
 
 
-__all__ = ["restore", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]
+__all__ = ["restore", "resize", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]

@@ -355,8 +355,15 @@ def attached_pids(name: str) -> list[int]:
 def attached_map() -> dict[str, list[int]]:
     """{pool name: pids that have it mapped} for every segment under the current prefix, from one pass
     over /proc (a pass per pool would cost O(pools x processes x mappings))."""
+    return mapped_generations()[0]
+
+
+def mapped_generations() -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """({pool name: pids that have the segment now under the name mapped}, {pool name: pids that still map
+    a segment the name had before: replaced by restore --replace, or deleted}), from one pass over /proc."""
     needle = (SHM_DIR + "/" + prefix()).encode()
-    out: dict[str, set[int]] = {}
+    live: dict[str, set[int]] = {}
+    old: dict[str, set[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -372,11 +379,15 @@ def attached_map() -> dict[str, list[int]]:
             if end < 0:
                 end = len(data)
             rest = data[at + len(needle) : end].rstrip()
-            # A mapping of an unlinked segment ends " (deleted)": not the pool under that name now.
-            if data[at - 1 : at] == b" " and rest and b" " not in rest:
-                out.setdefault(rest.decode("utf-8", "replace"), set()).add(pid)
+            if data[at - 1 : at] == b" " and rest:
+                # A mapping of an unlinked segment ends " (deleted)": a generation the name had before.
+                name, _, tail = rest.partition(b" ")
+                if not tail:
+                    live.setdefault(name.decode("utf-8", "replace"), set()).add(pid)
+                elif tail == b"(deleted)":
+                    old.setdefault(name.decode("utf-8", "replace"), set()).add(pid)
             at = data.find(needle, end)
-    return {n: sorted(p) for n, p in out.items()}
+    return ({n: sorted(p) for n, p in live.items()}, {n: sorted(p) for n, p in old.items()})
 
 
 @dataclass(frozen=True)
@@ -481,4 +492,4 @@ def check_owner_of(name: str, allow_other_owner: bool = False) -> None:
 
 
 __all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids",
-           "attached_map", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of"]
+           "attached_map", "mapped_generations", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of"]

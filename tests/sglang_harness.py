@@ -63,10 +63,11 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+import cortex_cache.integrations.pools as cortex_pools  # noqa: E402
 import cortex_cache.integrations.sglang as cortex_sglang  # noqa: E402
 from cortex_cache import Pool  # noqa: E402
 
-cortex_sglang._REATTACH_EVERY = 0.0  # tests look again at once instead of waiting a second
+cortex_pools.REATTACH_EVERY = 0.0  # tests look again at once instead of waiting a second
 
 
 def make_host(kind: str, layout: str = "page_first", pages: int = 16, layers: int = LAYERS, heads: int = 2,

@@ -202,7 +202,7 @@ def test_help_loads_neither_numpy_nor_torch():
         """
     )
     doc = json.loads(out.stdout)
-    assert len(doc["helps"]) == 15, doc
+    assert len(doc["helps"]) == 16, doc
     for argv, (rc, n) in doc["helps"].items():
         assert rc == 0 and n > 100, (argv, rc, n)
     assert doc["loaded"] == []
@@ -313,7 +313,7 @@ def bash_complete(lines: list[str], env: dict | None = None) -> list[list[str]]:
 
 
 POLICIES = ["arc", "auto", "fifo", "lfu", "lru", "priority", "s3fifo", "size", "ttl"]
-COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore",
+COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore", "resize",
                    "snapshots", "doctor"])
 
 # (command line as typed, the candidates offered: exactly these)

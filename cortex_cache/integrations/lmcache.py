@@ -58,9 +58,9 @@ import numpy as np
 from ..batch import encoded
 from ..copyhash import copy_hash
 from ..core import READ_COUNTED, READ_HITS, SLOW
-from ..errors import UsageError
+from ..errors import PoolNotFound, UsageError
 from .copiers import Copiers
-from .pools import POOL_PARAMS, open_or_create
+from .pools import POOL_PARAMS, Attachment, open_or_create
 
 HEADER = struct.Struct("<4sHH16sQ")
 HEADER_SIZE = HEADER.size
@@ -103,6 +103,9 @@ class CortexConnector:
         if not isinstance(workers, int) or workers < 1:
             raise UsageError(f'adapter_params "workers" must be a positive integer, not {workers!r}')
         self.pool = open_or_create(pool, params)  # multi-threaded: the workers share the handle
+        # Followed by name: a pool replaced (restore --replace) or deleted under the engine is let go, and the
+        # one then under the name attached, at the next batch (integrations/pools.py).
+        self._attachment = Attachment(pool, params, self.pool)
         self.stats = {"stored": 0, "store_failed": 0, "hits": 0, "misses": 0, "foreign": 0, "corrupt": 0,
                       "deleted": 0}
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -148,7 +151,7 @@ class CortexConnector:
         self._jobs.put(None)
         self._worker.join()
         self._copiers.close()
-        self.pool.close()
+        self._attachment.close()
         os.close(self._efd)
         self._efd = -1
 
@@ -178,10 +181,15 @@ class CortexConnector:
             if job is None:
                 return
             fid, fn, keys, mvs = job
-            try:
-                ok, err, per_key = fn(keys, mvs)
-            except Exception as e:  # a batch that breaks is reported, never raised in LMCache's thread
-                ok, err, per_key = False, f"{type(e).__name__}: {e}", [False] * len(keys)
+            with self._attachment.use() as pool:  # batches run one at a time: each on the pool of its time
+                try:
+                    if pool is None:
+                        raise PoolNotFound(f"pool {self._attachment.name!r} is not there: "
+                                           f"{self._attachment.last_error or 'it was deleted'}")
+                    self.pool = pool
+                    ok, err, per_key = fn(keys, mvs)
+                except Exception as e:  # a batch that breaks is reported, never raised in LMCache's thread
+                    ok, err, per_key = False, f"{type(e).__name__}: {e}", [False] * len(keys)
             with self._lock:
                 self._done.append((fid, ok, err, per_key))
             os.eventfd_write(self._efd, 1)

@@ -1,11 +1,17 @@
-"""Opening the pool an engine adapter names: attach, or create it from the adapter's parameters."""
+"""Opening the pool an engine adapter names: attach, or create it from the adapter's parameters; and
+following the name when the pool is replaced or deleted under the engine (`Attachment`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..errors import PoolExists, UsageError
 from ..pool import Pool
+
+REATTACH_EVERY = 1.0  # seconds between tries to attach a pool that is missing
 
 # The parameters every adapter takes for its pool (see the README).
 POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write",
@@ -53,4 +59,79 @@ def attach(name: str, allow_other_owner: bool = False) -> Pool:
     return pool
 
 
-__all__ = ["POOL_PARAMS", "open_or_create"]
+class Attachment:
+    """The pool of one name, followed: when the pool an engine uses is replaced under its name (restore
+    --replace) or deleted, the segment says so (Pool.superseded, one header word read per call), and the
+    next call lets the old copy go and attaches to the pool now under the name, or to none until one exists
+    (tried again every REATTACH_EVERY seconds; `last_error` says why not).
+
+    Every data-path call holds a lease on the handle it uses (`use`); a handle let go is closed once its
+    last lease ends (other threads may still be copying out of its mapping).  `pool`: a handle already
+    open (the adapter's first attach, whose errors it reports at start).
+    """
+
+    def __init__(self, name: str, params: dict, pool: Pool | None = None) -> None:
+        self.name = name
+        self._params = params
+        self._lock = threading.Lock()
+        self._pool: Pool | None = pool
+        self._leases: dict[int, int] = {}  # id(pool) -> calls using it
+        self._retired: dict[int, Pool] = {}
+        self._next_try = 0.0
+        self.last_error = ""
+        self.moves = 0  # how many times it let a replaced or deleted pool go
+
+    def _current(self) -> Pool | None:
+        if self._pool is not None and self._pool.superseded:
+            self._retire(self._pool)  # replaced or deleted under us
+            self.moves += 1
+            self._next_try = 0.0  # look for the new one at once
+        if self._pool is None and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + REATTACH_EVERY
+            try:
+                pool = open_or_create(self.name, self._params)
+            except Exception as e:  # missing, damaged, no permission: tried again later
+                self.last_error = f"{type(e).__name__}: {e}"
+                return None
+            if pool.superseded:  # a delete marked it and has not unlinked it yet (or was killed in between)
+                pool.close()
+                self.last_error = "the pool was being replaced or deleted"
+                return None
+            self._pool, self.last_error = pool, ""
+        return self._pool
+
+    def _retire(self, pool: Pool) -> None:
+        self._pool = None
+        if self._leases.get(id(pool), 0):
+            self._retired[id(pool)] = pool
+        else:
+            pool.close()
+
+    @contextmanager
+    def use(self) -> Iterator[Pool | None]:
+        """The pool to use for one call (None while there is none), held open until the call ends."""
+        with self._lock:
+            pool = self._current()
+            if pool is not None:
+                self._leases[id(pool)] = self._leases.get(id(pool), 0) + 1
+        try:
+            yield pool
+        finally:
+            if pool is not None:
+                with self._lock:
+                    left = self._leases[id(pool)] - 1
+                    if left:
+                        self._leases[id(pool)] = left
+                    else:
+                        del self._leases[id(pool)]
+                        if self._retired.pop(id(pool), None) is not None:
+                            pool.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._retire(self._pool)
+            self._next_try = float("inf")
+
+
+__all__ = ["POOL_PARAMS", "REATTACH_EVERY", "open_or_create", "Attachment"]

@@ -81,8 +81,7 @@ import os
 import struct
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +90,7 @@ from ..copyhash import copy_hash_many
 from ..errors import UsageError
 from ..pool import Pool
 from .copiers import Copiers
-from .pools import POOL_PARAMS, open_or_create
+from .pools import POOL_PARAMS, Attachment
 
 logger = logging.getLogger(__name__)
 
@@ -106,90 +105,11 @@ _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the calling thread al
 # Keys of the extra config that SGLang itself reads (or pops before we see them).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
                 "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
-_REATTACH_EVERY = 1.0  # seconds between tries to attach a missing pool
 _GEOMETRY = ("layer_num", "start_layer", "end_layer", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
              "qk_rope_head_dim", "kv_cache_dim", "dcp_size", "dcp_rank")
 _HOST_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
 _COUNTERS = ("stored", "already_stored", "store_failed", "hits", "misses", "foreign", "corrupt", "unavailable",
              "errors")
-
-
-class _Attachment:
-    """The pool of one name, let go when it is deleted and attached again once it exists.
-
-    Every data-path call holds a lease on the handle it uses; a handle whose
-    pool was deleted is closed once its last lease ends (other threads may
-    still be copying out of its mapping).
-    """
-
-    def __init__(self, name: str, params: dict) -> None:
-        self.name = name
-        self._params = params
-        self._lock = threading.Lock()
-        self._pool: Pool | None = None
-        self._ino = 0
-        self._leases: dict[int, int] = {}  # id(pool) -> calls using it
-        self._retired: dict[int, Pool] = {}
-        self._next_try = 0.0
-        self.last_error = ""
-
-    def _segment_ino(self) -> int:
-        try:
-            return os.stat(segment.shm_path(self.name)).st_ino
-        except OSError:
-            return 0
-
-    def _current(self) -> Pool | None:
-        if self._pool is not None and self._segment_ino() != self._ino:
-            self._retire(self._pool)  # deleted (or deleted and made again) under us
-        if self._pool is None and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + _REATTACH_EVERY
-            before = self._segment_ino()
-            try:
-                pool = open_or_create(self.name, self._params)
-            except Exception as e:  # missing, damaged, no permission: tried again later
-                self.last_error = f"{type(e).__name__}: {e}"
-                return None
-            after = self._segment_ino()
-            if not after or (before and before != after):  # replaced while we opened it: look again later
-                pool.close()
-                self.last_error = "the pool was being replaced"
-                return None
-            self._pool, self._ino, self.last_error = pool, after, ""
-        return self._pool
-
-    def _retire(self, pool: Pool) -> None:
-        self._pool = None
-        if self._leases.get(id(pool), 0):
-            self._retired[id(pool)] = pool
-        else:
-            pool.close()
-
-    @contextmanager
-    def use(self) -> Iterator[Pool | None]:
-        """The pool to use for one call (None while there is none), held open until the call ends."""
-        with self._lock:
-            pool = self._current()
-            if pool is not None:
-                self._leases[id(pool)] = self._leases.get(id(pool), 0) + 1
-        try:
-            yield pool
-        finally:
-            if pool is not None:
-                with self._lock:
-                    left = self._leases[id(pool)] - 1
-                    if left:
-                        self._leases[id(pool)] = left
-                    else:
-                        del self._leases[id(pool)]
-                        if self._retired.pop(id(pool), None) is not None:
-                            pool.close()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._retire(self._pool)
-            self._next_try = float("inf")
 
 
 class _Layout:
@@ -251,7 +171,7 @@ class CortexHiCache:
         self._v1: _Layout | None = None
         self._flat: _Layout | None = None
         self._ranges: list[tuple[int, int]] = []
-        self._attachment = _Attachment(name, extra)
+        self._attachment = Attachment(name, extra)
         with self._attachment.use() as pool:
             if pool is None:
                 self._log_once("unavailable", f"cortex pool {name!r} is not available yet "
