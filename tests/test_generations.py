@@ -192,3 +192,27 @@ def test_resize_refusals_change_nothing(make_pool, tmp_path):
     finally:
         lock.release()
     assert not q.superseded and q.get("k") == b"v" and q.stats()["size_bytes"] == 1 << 20
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "auto"])
+def test_resize_of_a_queue_pool_keeps_its_policy_admission_and_queues_in_step(make_pool, policy):
+    """Resize builds the new pool with the old one's configuration: its queue policy (the new segment gets
+    a queue region of its own size) and tier_admit 2; each entry copied joins a queue as a put's would, so
+    the evictions after it keep the queue counts right."""
+    p = make_pool("1M", block_size="4K", policy=policy, tier_admit=2)
+    name = p.name
+    for i in range(200):
+        p.put(f"k{i}", bytes([i % 251]) * 4096)
+    report = Pool.resize(name, "512K")
+    assert report["entries"] == 128 and p.superseded
+    with p.reopen() as q:
+        st = q.stats()
+        assert st["policy"] == policy and st["tier_admit"] == 2 and q.configuration()["tier_admit"] == 2
+        g = q.core.geometry
+        assert g.n_slots < p.core.geometry.n_slots and (g.n_ghosts0, g.n_ghosts1) == tuple(
+            f * g.n_slots for f in q.core.queues.policy.ghosts)
+        for i in range(200, 400):
+            q.put(f"k{i}", bytes([i % 251]) * 4096)
+        qh = q.core.queues.header[0]
+        assert int(qh["q_count0"]) + int(qh["q_count1"]) == len(q) == 128
+        assert q.verify()["ok"] and q.stats()["evictions"] >= 200
