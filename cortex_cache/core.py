@@ -204,18 +204,13 @@ class Core:
         hdr_views = (self._hu32, self._hu64, self._hf64)
         # A queue policy's two queues (queues.py), or None: the hooks below cost one test for the others.
         self.queues: queues.QueueVictims | None = None
-        if pol.queues and g.qslots_off:
-            if (g.n_ghosts0, g.n_ghosts1) != tuple(f * g.n_slots for f in pol.ghosts):  # type: ignore[attr-defined]
-                raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: ghost rings of the wrong size "
-                                     f"for policy {pol.name}")
+        # header.py checked that a queue policy's pool has its queue region (and rings of its sizes), and
+        # that no other pool has one: nothing here may raise with views of the mapping made.
+        if pol.queues:
             self.queues = queues.build(pol, mv, g, hdr, self.columns, views, hdr_views, victims, self.clock,
                                        self._typed_views)
             self.victims = self.queues  # type: ignore[assignment]  # the same interface, over two lists
             self.repair_hooks.append(self.queues.repair)
-        elif pol.queues:
-            raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: policy {pol.name} without its queues")
-        elif g.qslots_off:
-            raise SegmentCorrupt(f"pool {self.name!r} has a damaged header: a queue region for policy {pol.name}")
         else:
             self.victims = VictimCache(pol, hdr, self.columns, victims, self.clock, hdr_views, views)
         self.fast = self._fast_path(offs) if clock is None else None  # it reads the real clock

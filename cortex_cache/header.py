@@ -150,8 +150,19 @@ def _validate(seg: segment.Segment) -> None:
     why = Geometry.from_header(hdr).check(seg.size)
     if why:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: {why}")
-    if policy_by_id(int(h["policy"])) is None:
+    pol = policy_by_id(int(h["policy"]))
+    if pol is None:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: unknown policy {int(h['policy'])}")
+    # A queue policy's pool carries its queue region, with rings of its policy's sizes; no other pool does.
+    n_slots, qslots_off = int(h["n_slots"]), int(h["qslots_off"])
+    if pol.queues and not qslots_off:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: policy {pol.name} without its queues")
+    if pol.queues and (int(h["n_ghosts0"]), int(h["n_ghosts1"])) != tuple(
+            f * n_slots for f in pol.ghosts):  # type: ignore[attr-defined]
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: ghost rings of the wrong size for "
+                             f"policy {pol.name}")
+    if not pol.queues and qslots_off:
+        raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: a queue region for policy {pol.name}")
     if int(h["disk_flags"]) & DISK_ON and int(h["n_dslots"]) == 0:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: a disk tier without a disk index")
 

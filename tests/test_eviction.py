@@ -1067,3 +1067,32 @@ def test_damaged_queue_state_is_found_and_repaired(small, policy):
     for i in range(20):
         p.put(f"after{i}", V)
     assert p.verify()["ok"] and len(p) == NBLOCKS
+
+
+@pytest.mark.parametrize("damage", ["queue policy, no region", "region, other policy", "ring size", "region offset"])
+def test_a_header_that_lies_about_the_queue_region_is_refused(make_pool, damage):
+    """The queue region is described by the pool header alone (qslots_off, n_ghosts0/1; the rings' offsets are
+    derived): a header whose policy and region disagree, or whose rings or region are misplaced, is refused
+    at open (SegmentCorrupt, 65) before anything maps it, and leaves no segment behind."""
+    from cortex_cache import SegmentCorrupt
+    from cortex_cache.eviction import POLICY_IDS
+    from cortex_cache.layout import HEADER_FIELDS
+    from cortex_cache.segment import shm_path
+
+    off = {n: (o, f) for n, f, o in HEADER_FIELDS}
+    p = make_pool("1M", block_size="4K", policy="lru" if damage == "queue policy, no region" else "s3fifo")
+    g = p.core.geometry
+    name = p.name
+    p.close()
+    field, value = {
+        "queue policy, no region": ("policy", POLICY_IDS.index("s3fifo")),
+        "region, other policy": ("policy", POLICY_IDS.index("lru")),
+        "ring size": ("n_ghosts0", g.n_ghosts0 + g.n_slots),
+        "region offset": ("qslots_off", g.qslots_off + 4096),
+    }[damage]
+    o, fmt = off[field]
+    with open(shm_path(name), "r+b") as f:
+        f.seek(o)
+        f.write(np.array([value], dtype=fmt).tobytes())
+    with pytest.raises(SegmentCorrupt, match="damaged header"):
+        Pool.open(name)
