@@ -167,6 +167,28 @@ def test_a_missing_or_full_pool_is_a_counted_miss_and_the_engine_serves(models, 
     assert len(tiny) == 0
 
 
+HYBRID = """
+from types import SimpleNamespace as NS
+from cortex_cache.errors import UsageError
+from cortex_cache.integrations.vllm.connector import _Layout
+group = NS(kv_cache_spec=NS(), layer_names=["l0"])
+cfg = NS(cache_config=NS(block_size=16), parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+         model_config=NS(served_model_name="m", model="m"))
+try:
+    _Layout(cfg, NS(kv_cache_groups=[group, group], num_blocks=8), {"pool": "p"})
+except UsageError as e:
+    print("REFUSED", e)
+"""
+
+
+@needs_vllm
+def test_a_hybrid_model_is_refused_at_start_naming_vllms_flag():
+    r = subprocess.run([VLLM_PY, "-c", HYBRID], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REFUSED ")), "")
+    assert "2 (a hybrid model)" in line and "--disable-hybrid-kv-cache-manager" in line, r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------------- the pool side, without vLLM
 
 torch = pytest.importorskip("torch")

@@ -191,7 +191,9 @@ class CortexConnector(KVConnectorBase_V1):
         value_bytes = self._layout.value_bytes
         if params.get("create") and params.get("block_size") is None and value_bytes:
             params = {**params, "block_size": fit_block_size(value_bytes)}  # a pool made for these blocks
-        self._pool = PoolRef(str(params["pool"]), params, self.faults, on_open=self._check_fit)
+        # The scheduler says it (one per engine; its workers open the same pool).
+        self._pool = PoolRef(str(params["pool"]), params, self.faults,
+                             on_open=self._check_fit if role == KVConnectorRole.SCHEDULER else None)
         self._namespace = str(params.get("namespace", "vllm/"))
         self._verify = bool(params.get("verify", True))
         self._reqs: dict[str, _Request] = {}
