@@ -2,6 +2,7 @@
 
     CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python CORTEX_BENCH_TRACE=PATH.jsonl \\
         python benchmarks/bench_vllm.py [--quick] [--requests N] [--start S] [--json PATH]
+    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python python benchmarks/bench_vllm.py --overhead [--pairs N]
 
 Replays N requests (default 300; --quick 60; from the first, or the S-th) of a Mooncake
 conversation trace (JSON lines with `hash_ids`, one id per 512-token prefix
@@ -19,6 +20,14 @@ prompt tokens, prefill tokens computed (prompt minus cached), the share of
 prompt tokens served from the engine's own cache and from the pool
 (external), and seconds per request (median and mean).  The ratio is the
 prefill computed with the connector against without, same requests.
+
+`--overhead` measures what the connector costs when there is nothing to
+hit: 40 distinct 480-token prompts (15 blocks each, all stored, none
+found) through an engine process without a connector and one with it on a
+fresh pool, both fresh each run, taking the prompts in turn (see
+`overhead`), N runs (default 3); reported: the seconds the 40 `generate`
+calls took in each engine and the median of the runs' ratios (no trace
+needed).
 
 Needs vLLM's CPU build (scripts/vllm_venv.sh) and the trace; the engines
 run in-process (no engine subprocesses).  On a CPU with a tiny model,
@@ -140,12 +149,88 @@ def replay(py: str, model: str, prompts: list[list[int]], connector: dict | None
             "seconds_median": statistics.median(secs), "seconds_mean": statistics.mean(secs)}
 
 
+def overhead_prompts(n: int = 41, tokens: int = 480) -> list[list[int]]:
+    import random
+
+    r = random.Random(30)
+    return [[r.randrange(1, 1000) for _ in range(tokens)] for _ in range(n)]
+
+
+def _start(py: str, model: str, connector: dict | None) -> subprocess.Popen:
+    e = subprocess.Popen([py, __file__, "--serve", model, json.dumps(connector)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    while (line := e.stdout.readline()) and line.strip() != "READY":
+        pass
+    if not line:
+        raise SystemExit("an engine did not start (run it by hand to see why)")
+    return e
+
+
+def _ask(e: subprocess.Popen, prompt: list[int]) -> dict:
+    e.stdin.write(json.dumps(prompt) + "\n")
+    e.stdin.flush()
+    while not (line := e.stdout.readline()).startswith("RESULT "):
+        if not line:
+            raise SystemExit("an engine stopped")
+    return json.loads(line[len("RESULT "):])
+
+
+def overhead(py: str, pairs: int) -> dict:
+    """Nothing to hit: per run, a fresh engine without a connector and one with it on a fresh pool, both
+    up at once, taking the same 40 prompts in turn (request i to one, then to the other; the first
+    of each run goes first to the other engine than in the run before), so noise from other work on
+    the machine falls on both alike.  Each engine first serves one other prompt, not timed (its
+    first request pays for warming up)."""
+    from cortex_cache import Pool
+
+    warm, *prompts = overhead_prompts()
+    runs: dict[str, list[float]] = {"baseline": [], "cortex": []}
+    with tempfile.TemporaryDirectory(prefix="ccbench-vllm-") as d:
+        model = os.path.join(d, "model")
+        subprocess.run([py, __file__, "--make-model", model], check=True, capture_output=True)
+        for i in range(pairs):
+            name = f"bench-vllm-oh-{os.getpid()}"
+            pool = Pool.create(name, "64M")
+            engines = {}
+            try:
+                engines = {"baseline": _start(py, model, None), "cortex": _start(py, model, {"pool": name})}
+                for e in engines.values():
+                    _ask(e, warm)
+                order = ("baseline", "cortex") if i % 2 == 0 else ("cortex", "baseline")
+                secs: dict[str, list[float]] = {k: [] for k in order}
+                for p in prompts:
+                    for k in order:
+                        secs[k].append(_ask(engines[k], p)["seconds"])
+            finally:
+                for e in engines.values():
+                    e.stdin.close()
+                    e.wait(timeout=120)
+                entries = pool.stats()["entries"]
+                pool.close()
+                Pool.unlink(name)
+            if entries != 41 * 15:  # every whole block, saved by the time the engine exited
+                raise SystemExit(f"the connector stored {entries} blocks, not {41 * 15}")
+            for k in order:
+                runs[k].append(secs[k])
+    # Per run: the 40 calls' total, and their median (which a burst of other work on the machine moves less).
+    total = {k: [sum(x) for x in v] for k, v in runs.items()}
+    median = {k: [statistics.median(x) for x in v] for k, v in runs.items()}
+    ratios = [c / b for b, c in zip(total["baseline"], total["cortex"])]
+    mratios = [c / b for b, c in zip(median["baseline"], median["cortex"])]
+    return {"pairs": pairs, "seconds": runs, "total": total, "median": median, "ratios": ratios,
+            "ratio_median": statistics.median(ratios), "median_ratios": mratios,
+            "median_ratio_median": statistics.median(mratios)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--start", type=int, default=0, help="skip this many requests of the trace first")
     ap.add_argument("--json")
+    ap.add_argument("--overhead", action="store_true", help="nothing to hit: the connector's cost (no trace)")
+    ap.add_argument("--pairs", type=int, default=3, help="with --overhead: runs of each, alternating")
     ap.add_argument("--serve", nargs=2, metavar=("MODEL", "CONNECTOR_JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--make-model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -154,6 +239,21 @@ def main() -> None:
     if args.make_model:
         return make_model(args.make_model)
     py = os.environ.get("CORTEX_BENCH_VLLM_PYTHON")
+    if args.overhead:
+        if not py:
+            raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh)")
+        sys.path.insert(0, str(REPO))
+        r = overhead(py, args.pairs)
+        print(f"nothing to hit: 40 distinct 480-token prompts, {args.pairs} pairs, a fresh engine and pool each run")
+        for b, c, x, mb, mc, mx in zip(r["total"]["baseline"], r["total"]["cortex"], r["ratios"],
+                                       r["median"]["baseline"], r["median"]["cortex"], r["median_ratios"]):
+            print(f"  40 calls without connector {b:.3f} s, with {c:.3f} s: {x:.2f}x;"
+                  f" per call, median {mb * 1e3:.1f} ms and {mc * 1e3:.1f} ms: {mx:.2f}x")
+        print(f"connector / none, median of {args.pairs} runs: {r['ratio_median']:.3f}x (40 calls),"
+              f" {r['median_ratio_median']:.3f}x (per call, median)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=2))
+        return
     trace = os.environ.get("CORTEX_BENCH_TRACE")
     if not py or not trace:
         raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh) and CORTEX_BENCH_TRACE "

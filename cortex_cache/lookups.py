@@ -50,7 +50,7 @@ from xxhash import xxh3_64_intdigest
 
 from .core import Core
 from .errors import UsageError
-from .layout import H_GONE_SEQ, MAX_KEY_BYTES
+from .layout import H_GONE_SEQ, H_HITS, H_MISSES, MAX_KEY_BYTES
 from .tiers import Tiers
 from .values import key_bytes
 
@@ -126,6 +126,22 @@ def leading(core: Core, tiers: Tiers, keys: Sequence[Any]) -> int:
     the first that is not (a bad key is not there)."""
     enc = encode(keys)
     return core.locked(probe_locked, core, tiers, enc, 0, len(enc))[1]
+
+
+def count_lookups(pool: "Pool", hits: int, misses: int) -> None:
+    """Add `hits` and `misses` to the pool's own counters (one lock hold), for a lookup that went through
+    `leading` or a `LookupMemo`: those only probe the index and count nothing, so an engine's lookups
+    would otherwise be missing from the pool's hit ratio (`cortex cache stats`, `--watch`, the exporter).
+    Raises UsageError for a negative count."""
+    if hits < 0 or misses < 0:
+        raise UsageError(f"hits and misses are counts, not {hits} and {misses}")
+    counters = pool.core.counters
+
+    def add() -> None:
+        counters[H_HITS] += hits
+        counters[H_MISSES] += misses
+
+    pool.core.locked(add)
 
 
 class _Request:
@@ -246,4 +262,4 @@ def _unchanged(core: Core, seq: int) -> bool:
     return not core.fields.dirty[0] and int(core.counters[H_GONE_SEQ]) == seq
 
 
-__all__ = ["DEFAULT_CAPACITY", "LookupMemo", "encode", "leading", "probe_locked"]
+__all__ = ["DEFAULT_CAPACITY", "LookupMemo", "count_lookups", "encode", "leading", "probe_locked"]

@@ -76,7 +76,8 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     # The referee: a connector that never hits (its pool is absent) and no prefix cache.  Any configured
     # KV connector changes how vLLM schedules the decode enough to flip an exact tie between two tokens
     # (one prompt in 60, measured), so an engine without one is not the referee of exact tokens.
-    pool = make_pool("64M")
+    # 128 KiB blocks hold this model's 32,832-byte values (2 layers x 16 KiB, our 64-byte header) at 25%.
+    pool = make_pool("64M", block_size="128K")
     ref = engine(small, [A, B], {"pool": pool.name + "-absent"}, prefix_caching=False)
     assert ref["cached"] == [0, 0] and ref["stats"]["hit_blocks"] == 0
     name = pool.name
@@ -84,15 +85,27 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
 
     first = engine(small, [A], conn)
     assert first["outputs"] == ref["outputs"][:1] and first["cached"] == [0]
-    assert first["stats"]["stored"] == len(A) // BLOCK  # every whole block of A's prompt
+    assert first["stats"]["stored"] == len(A) // BLOCK  # every whole block of A's prompt, saved after the steps
     keys = pool.keys(prefix="vllm/")
     assert len(keys) == 9 and all("/pp0tp0/" in k for k in keys)
+    assert first["log"].count("--block-size 4096") == 1  # the pool wastes 3/4: said once, with the fit
+    assert pool.stats()["misses"] == 9  # A's lookup, in the pool's own counters (9 blocks asked, none there)
 
-    second = engine(small, [B], conn)
+    # vLLM's own metrics (its Prometheus registry) carry the connector's counters.
+    second = engine(small, [B], conn, metrics=True)
     assert second["cached"] == [256]  # the shared prefix came from the pool (a fresh engine has no cache)
     assert second["outputs"] == ref["outputs"][1:]  # and the tokens are the referee's
     assert second["stats"]["loaded"] == 8 and second["stats"]["stored"] == 1  # B's own 9th block
+    assert second["stats"]["loaded_bytes"] == 8 * 32768 and second["stats"]["stored_bytes"] == 32768
     assert sum(second["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
+    m = second["metrics"]
+    assert m["vllm:cortex_lookups"] == second["stats"]["lookups"] >= 1
+    assert m["vllm:cortex_hit_blocks"] == m["vllm:cortex_loaded_blocks"] == 8
+    assert m["vllm:cortex_loaded_bytes"] == 8 * 32768
+    # A save that ends after the engine's last step is counted by the connector, and reaches vLLM's
+    # metrics only with a later step: at most B's one block here.
+    assert m.get("vllm:cortex_stored_blocks", 0) <= 1 and not any(k.startswith("vllm:cortex_faults") for k in m)
+    assert pool.stats()["misses"] == 10  # and B's lookup: 8 of its 9 blocks there
 
     # Another layout (3 layers) under the same model name: never a hit, never an error.
     other = engine(models["other"], [B], {"pool": name, "model": keys[0].split("/")[1]})
@@ -130,7 +143,18 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
 @pytest.mark.timeout(900)
 def test_a_missing_or_full_pool_is_a_counted_miss_and_the_engine_serves(models, make_pool, pool_name):
     small = models["small"]
-    ref = engine(small, [A], {"pool": pool_name + "-never"}, prefix_caching=False)  # a connector that never hits
+    # A connector that never hits: its pool, made by the connector, is empty when A is looked up.  It
+    # sizes the pool's blocks for the engine's: 4 KiB blocks hold a 32,832-byte value at 89%.
+    made = pool_name + "-made"
+    try:
+        ref = engine(small, [A], {"pool": made, "create": True, "size": "8M"}, prefix_caching=False)
+        with Pool.open(made) as p:
+            assert p.geometry.block_size == 4096 and len(p) == len(A) // BLOCK
+    finally:
+        if Pool.exists(made):
+            Pool.unlink(made)
+    assert ref["stats"]["hit_blocks"] == 0 and ref["stats"]["stored"] == len(A) // BLOCK
+    assert "block-size" not in ref["log"]
     missing = engine(small, [A], {"pool": pool_name + "-absent"})
     assert missing["outputs"] == ref["outputs"] and missing["cached"] == [0]
     assert missing["stats"]["unavailable"] >= 1 and missing["stats"]["stored"] == 0
@@ -141,6 +165,28 @@ def test_a_missing_or_full_pool_is_a_counted_miss_and_the_engine_serves(models, 
     assert full["outputs"] == ref["outputs"] * 2
     assert full["stats"]["store_failed"] >= 9 and full["stats"]["stored"] == 0
     assert len(tiny) == 0
+
+
+HYBRID = """
+from types import SimpleNamespace as NS
+from cortex_cache.errors import UsageError
+from cortex_cache.integrations.vllm.connector import _Layout
+group = NS(kv_cache_spec=NS(), layer_names=["l0"])
+cfg = NS(cache_config=NS(block_size=16), parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+         model_config=NS(served_model_name="m", model="m"))
+try:
+    _Layout(cfg, NS(kv_cache_groups=[group, group], num_blocks=8), {"pool": "p"})
+except UsageError as e:
+    print("REFUSED", e)
+"""
+
+
+@needs_vllm
+def test_a_hybrid_model_is_refused_at_start_naming_vllms_flag():
+    r = subprocess.run([VLLM_PY, "-c", HYBRID], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REFUSED ")), "")
+    assert "2 (a hybrid model)" in line and "--disable-hybrid-kv-cache-manager" in line, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------- the pool side, without vLLM
@@ -248,6 +294,57 @@ def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, poo
     assert small.save(d, small.staging(2, "cpu")) == 0 and sf.stats["store_failed"] == 2 and len(tiny) == 0
     store.pool.close()
     assert pool.stats()["entries"] == 2
+
+
+def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool, pool_name):
+    from cortex_cache.integrations.vllm.blocks import Saver, prefix_digests
+
+    pool = make_pool("8M")
+    caches, paged = _paged()
+    store, faults = _store(pool.name, payload=paged.payload_bytes)
+    d = prefix_digests(list(range(32 * 4)), 32, b"tag")
+    saver = Saver(store, paged, faults)
+    assert saver.submit("a", d[:3], [5, 0, 2]) and saver.submit("b", d[3:], [1])
+    assert saver.wait(["a", "b"], timeout=60) and not saver.pending("a") and not saver.busy()
+    assert store.present(d) == 4 and faults.stats["stored"] == 4
+    assert faults.stats["stored_bytes"] == 4 * paged.payload_bytes
+    out = store.staging(4, "cpu")[:, 64:]
+    assert store.load(d, out) == 4
+    fresh, fpaged = _paged()
+    fpaged.scatter([0, 1, 2, 3], out)
+    for c, f in zip(caches, fresh):  # the bytes of the blocks named, in the order given
+        assert torch.equal(f[0], c[5]) and torch.equal(f[1], c[0]) and torch.equal(f[2], c[2])
+        assert torch.equal(f[3], c[1])
+    saver.close()
+    saver.close()  # twice is fine
+    assert not saver.submit("c", d[:1], [0]) and faults.stats["store_failed"] == 1  # closed: counted, not queued
+    # A pool that is missing: the save is a counted failure, and the request is reported done all the same.
+    lost, lf = _store(pool_name + "-absent", payload=paged.payload_bytes)
+    s2 = Saver(lost, paged, lf)
+    assert s2.submit("x", d, [0, 1, 2, 3]) and s2.wait(timeout=60) and not s2.pending("x")
+    assert lf.stats["stored"] == 0 and lf.stats["unavailable"] >= 1
+    s2.close()
+    store.pool.close()
+    lost.pool.close()
+
+
+def test_block_sizes_fit_the_engines_values_and_lookups_count_as_misses(make_pool):
+    from cortex_cache.integrations.vllm.blocks import block_fill, fit_block_size, prefix_digests
+
+    assert fit_block_size(32768 + 64) == 4096 and round(block_fill(4096, 32768 + 64), 2) == 0.89
+    assert fit_block_size(16384 + 64) == 4096 and block_fill(65536, 16384 + 64) < 0.26  # the issue's 25%
+    assert fit_block_size(65536) == 65536  # whole blocks at any size: the largest
+    assert fit_block_size(3 * 8192) == 8192
+    pool = make_pool("8M")
+    store, faults = _store(pool.name)
+    d = prefix_digests(list(range(32 * 4)), 32, b"tag")
+    before = pool.stats()
+    store.count_lookup(0, 3)
+    store.count_lookup(2, 0)
+    after = pool.stats()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (2, 3)
+    assert store.present(d) == 0 and pool.stats()["misses"] == after["misses"]  # a probe counts nothing
+    store.pool.close()
 
 
 KILLED_MID_SAVE = """

@@ -11,7 +11,12 @@ request, and the counters of every CortexConnector in the process (its
 scheduler side and its worker side, summed).  REQUEST_JSON:
 
     {"prompts": [[ids...], ...], "max_tokens": 8, "connector": {...extra config} | null,
-     "sequential": false, "block_size": 32}
+     "sequential": false, "block_size": 32, "metrics": false}
+
+With "metrics", vLLM's own statistics are on and the result has "metrics":
+every `vllm:cortex_*` counter of vLLM's Prometheus registry, summed over
+its labels (faults by kind, as "vllm:cortex_faults:KIND").  Saves still in
+flight when the prompts are done are waited for before the counters are read.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def run(model: str, req: dict) -> dict:
     llm = LLM(model=model, skip_tokenizer_init=True, block_size=req.get("block_size", 32),
               max_model_len=req.get("max_model_len", 2048), dtype="float32", enforce_eager=True,
               distributed_executor_backend="uni", kv_cache_memory_bytes=req.get("kv_cache_bytes", 64 << 20),
-              enable_prefix_caching=req.get("prefix_caching", True), kv_transfer_config=kv, seed=0)
+              enable_prefix_caching=req.get("prefix_caching", True), kv_transfer_config=kv, seed=0,
+              disable_log_stats=not req.get("metrics", False))
     params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
     outs, seconds = [], []
@@ -57,14 +63,23 @@ def run(model: str, req: dict) -> dict:
         outs += llm.generate([p], params, use_tqdm=False)
         seconds.append(time.perf_counter() - t)
     stats: dict[str, int] = {}
+    metrics: dict[str, int] = {}
     if kv is not None:
         from cortex_cache.integrations.vllm import CortexConnector
 
         for c in list(CortexConnector.instances):
+            assert c.wait_for_saves(timeout=120), "saves did not finish"
+        if req.get("metrics"):
+            for m in llm.get_metrics():
+                if m.name.startswith("vllm:cortex_"):
+                    name = m.name + (":" + m.labels["kind"] if "kind" in m.labels else "")
+                    metrics[name] = metrics.get(name, 0) + int(m.value)
+        for c in list(CortexConnector.instances):
             for k, v in c.stats.items():
                 stats[k] = stats.get(k, 0) + v
     return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats}
+            "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
+            "metrics": metrics}
 
 
 if __name__ == "__main__":

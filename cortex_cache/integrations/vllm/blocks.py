@@ -35,7 +35,10 @@ nothing raises into the engine.
 
 Copies go through cortex_cache.gpu (`store`, `load`): on CUDA they are
 asynchronous copies between the device and pinned pool memory; on the CPU
-the same calls are plain copies.  The code does not branch on the device.
+the same calls are plain copies.  One exception: `Saver`, the connector's
+save thread, copies a CPU cache with numpy (`PagedLayers.gather_host`,
+`BlockStore.save_host`), since torch's CPU copies from a second thread run
+on the thread pool the engine's forward pass uses.
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import numpy as np
 
 from ... import gpu
 from ...errors import CortexCacheError
 from ...kv import chunk_digests
-from ...lookups import LookupMemo
+from ...lookups import LookupMemo, count_lookups
 from ..pools import open_or_create
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,8 +72,13 @@ VERSION = 1
 
 logger = logging.getLogger("cortex_cache.integrations.vllm")
 
-STAT_NAMES = ("lookups", "hit_blocks", "loaded", "stored", "missing", "foreign", "corrupt", "store_failed",
-              "unavailable", "error")
+STAT_NAMES = ("lookups", "hit_blocks", "loaded", "stored", "loaded_bytes", "stored_bytes", "missing", "foreign",
+              "corrupt", "store_failed", "unavailable", "error")
+FAULT_NAMES = ("missing", "foreign", "corrupt", "store_failed", "unavailable", "error")
+
+# Pool block sizes an adapter picks from for its values: page-sized and up (values start on a page,
+# which pinned copies like), at most the pool's default.
+FIT_BLOCK_SIZES = tuple(4096 << i for i in range(5))  # 4 KiB .. 64 KiB
 
 
 def prefix_digests(tokens: Any, block_tokens: int, tag: bytes) -> list[bytes]:
@@ -81,16 +91,42 @@ def fingerprint(*parts: object) -> bytes:
     return hashlib.sha256(b"\0".join(str(p).encode() for p in parts)).digest()[:16]
 
 
+def block_fill(block_size: int, value_bytes: int) -> float:
+    """The share of the pool blocks a value of `value_bytes` occupies that holds its bytes."""
+    return value_bytes / (-(-value_bytes // block_size) * block_size)
+
+
+def fit_block_size(value_bytes: int) -> int:
+    """The pool block size for values of `value_bytes`: of FIT_BLOCK_SIZES the one they fill best
+    (the largest of those within 1% of the best: fewer, larger blocks cost the pool less)."""
+    best = max(block_fill(b, value_bytes) for b in FIT_BLOCK_SIZES)
+    return max(b for b in FIT_BLOCK_SIZES if block_fill(b, value_bytes) >= best - 0.01)
+
+
 class Faults:
-    """Counters of what went wrong (each one a miss for the engine); each kind is logged once."""
+    """Counters of what went wrong (each one a miss for the engine); each kind is logged once.
+
+    Counted from the engine's thread and the saver's (`count` is locked)."""
 
     def __init__(self, who: str) -> None:
         self.who = who
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         self._logged: set[str] = set()
+        self._lock = threading.Lock()
 
     def count(self, kind: str, n: int = 1) -> None:
-        self.stats[kind] = self.stats.get(kind, 0) + n
+        with self._lock:
+            self.stats[kind] = self.stats.get(kind, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.stats)
+
+    def once(self, kind: str, message: str, *args: object) -> None:
+        """Log `message` the first time `kind` is given (a note, not a fault: nothing is counted)."""
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("%s: " + message, self.who, *args)
 
     def fault(self, kind: str, detail: object, n: int = 1) -> None:
         self.count(kind, n)
@@ -109,12 +145,14 @@ class PoolRef:
     """
 
     def __init__(self, name: str, params: dict[str, Any], faults: Faults, retry_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_open: "Callable[[Pool], None] | None" = None) -> None:
         self.name = name
         self._params = params
         self._faults = faults
         self._retry_s = retry_s
         self._clock = clock
+        self._on_open = on_open
         self._pool: "Pool | None" = None
         self._next_try = 0.0
 
@@ -129,6 +167,11 @@ class PoolRef:
             self._pool = open_or_create(self.name, self._params)
         except CortexCacheError as e:
             self._faults.fault("unavailable", e)
+        if self._pool is not None and self._on_open is not None:
+            try:
+                self._on_open(self._pool)
+            except Exception as e:  # a note about the pool must not cost the pool
+                self._faults.fault("error", e)
         return self._pool
 
     def close(self) -> None:
@@ -195,7 +238,19 @@ class BlockStore:
     def forget(self, request_id: Any) -> None:
         self.memo.forget(request_id)
 
-    def save(self, digests: Sequence[bytes], rows: "torch.Tensor") -> int:
+    def count_lookup(self, hits: int, misses: int) -> None:
+        """Add a lookup's outcome to the pool's own hit and miss counters (what `cortex cache stats`,
+        `--watch` and the exporter show): `present` only probes the index, which counts nothing.
+        (A block's load counts as a hit by itself: the pool's reads count.)"""
+        pool = self.pool.get()
+        if pool is None or not (hits or misses):
+            return
+        try:
+            count_lookups(pool, hits, misses)
+        except Exception as e:
+            self.faults.fault("error", e)
+
+    def save(self, digests: Sequence[bytes], rows: "torch.Tensor", stream: Any = None) -> int:
         """Store `rows` (from `staging`, payload filled) under `digests`' keys; how many were stored.
 
         The headers are written here.  The entries become visible together,
@@ -214,11 +269,43 @@ class BlockStore:
         heads = np.frombuffer(bytearray(b"".join(self.header(d) for d in digests)), np.uint8).reshape(n, HEADER_SIZE)
         try:
             rows[:, :HEADER_SIZE].copy_(torch.from_numpy(heads))
-            gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0))).wait()
+            gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0)), stream=stream).wait()
         except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
             self.faults.fault("store_failed", e, n)
             return 0
         self.faults.count("stored", n)
+        self.faults.count("stored_bytes", n * self.payload_bytes)
+        return n
+
+    def save_host(self, digests: Sequence[bytes], rows: np.ndarray) -> int:
+        """`save` for rows in host memory (`[n, HEADER_SIZE + payload_bytes]` uint8, payload filled), with
+        numpy copies only: for a thread beside the engine's, where torch's copies would run on the
+        engine's own thread pool.  The same contract: visible together, checksummed, or none."""
+        n = len(digests)
+        if n == 0:
+            return 0
+        pool = self.pool.get()
+        if pool is None:
+            self.faults.count("store_failed", n)
+            return 0
+        writers: list = []
+        try:
+            rows[:, :HEADER_SIZE] = np.frombuffer(b"".join(self.header(d) for d in digests), np.uint8).reshape(n, -1)
+            writers = pool.reserve_write_many([(self.key(d), rows.shape[1]) for d in digests])  # one lock hold
+            gpu.raise_first(pool, writers, writers)
+            for w, row in zip(writers, rows):
+                np.frombuffer(w.memoryview, np.uint8)[:] = row
+            gpu.raise_first(pool, pool.commit_many(writers), writers)  # visible together, one lock hold
+        except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
+            if writers:
+                try:
+                    pool.abort_many(writers)
+                except Exception:
+                    pass  # a pool gone under us: its space went with it
+            self.faults.fault("store_failed", e, n)
+            return 0
+        self.faults.count("stored", n)
+        self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
 
     def _check(self, ev: Any, digest: bytes) -> str:
@@ -230,7 +317,8 @@ class BlockStore:
             return "corrupt"
         return ""
 
-    def load(self, digests: Sequence[bytes], out: "torch.Tensor") -> int:
+    def load(self, digests: Sequence[bytes], out: "torch.Tensor", stream: Any = None,
+             keep: "list | None" = None) -> int:
         """Copy the leading blocks of `digests` that are there and sound into `out[:k]`; return k.
 
         `out`: `[len(digests), payload_bytes]` uint8 on any device.  Stops
@@ -263,14 +351,19 @@ class BlockStore:
                     break
                 keys.append(key)
             if keys:
-                gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
-                         out=out[: len(keys)], offset=HEADER_SIZE).wait()
+                t = gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
+                             out=out[: len(keys)], offset=HEADER_SIZE, stream=stream)
+                if keep is not None and t.event is not None:
+                    keep.append(t)  # the caller waits (and unpins) once its stream is past the copies
+                else:
+                    t.wait()
         except Exception as e:
             self.faults.fault("error", e)
             return 0
         finally:
             pool.release_many(views)
         self.faults.count("loaded", len(keys))
+        self.faults.count("loaded_bytes", len(keys) * self.payload_bytes)
         return len(keys)
 
 
@@ -297,6 +390,29 @@ class PagedLayers:
         self.payload_bytes = self.layer_bytes * len(layers)
         self.shape = f"{str(self.dtype).removeprefix('torch.')}:{len(layers)}x{tuple(self.views[0].shape[1:])}"
 
+    def host_layers(self) -> "list[np.ndarray] | None":
+        """Each layer as `[num_blocks, bytes of a block]` uint8 numpy (no copy), when the cache is in host
+        memory and contiguous; else None."""
+        if getattr(self, "_host", False) is False:
+            import torch
+
+            host = None
+            if self.device.type == "cpu" and all(v.is_contiguous() for v in self.views):
+                host = [v.reshape(v.shape[0], -1).view(torch.uint8).numpy() for v in self.views]
+            self._host = host
+        return self._host
+
+    def gather_host(self, block_ids: Sequence[int], rows: np.ndarray, offset: int = HEADER_SIZE) -> bool:
+        """`gather` with numpy copies, into host rows; False (nothing copied) where `host_layers` is None."""
+        layers = self.host_layers()
+        if layers is None:
+            return False
+        ids, lb = np.asarray(block_ids, dtype=np.intp), self.layer_bytes
+        for i, layer in enumerate(layers):
+            a = offset + i * lb
+            rows[:, a : a + lb] = layer[ids]
+        return True
+
     def _ids(self, block_ids: Sequence[int]) -> "torch.Tensor":
         import torch
 
@@ -319,4 +435,130 @@ class PagedLayers:
             v.index_copy_(0, ids, data[:, i * lb : (i + 1) * lb].view(self.dtype).unflatten(1, v.shape[1:]))
 
 
-__all__ = ["BlockStore", "PagedLayers", "Faults", "PoolRef", "HEADER_SIZE", "prefix_digests", "fingerprint"]
+class Saver:
+    """Saves of one worker on a thread of its own, so the engine's step does not wait for them.
+
+    `submit` queues one request's blocks (digests and the engine's block ids);
+    the thread gathers them out of the paged cache, asks which the pool lacks,
+    and stores those (`BlockStore.save`).  The engine must not reuse those
+    blocks until `pending(req_id)` is False: the connector keeps them through
+    vLLM's `request_finished` / `get_finished` contract, and waits here for a
+    preempted request's saves (`wait`) before its blocks can be handed out again.
+
+    On CUDA each job carries an event recorded on the engine's stream when it
+    was queued (after the forward pass that wrote the blocks); the thread's
+    own stream waits for that event, gathers and copies, so the copies to the
+    pool overlap the engine's next steps.  On the CPU the job is plain copies.
+    Every fault is a counted store failure, never raised.  The thread is a
+    daemon: a process that exits without `close` loses the queued saves, and
+    a save cut short leaves nothing visible (the pool's reserve/commit).
+    """
+
+    def __init__(self, store: BlockStore, paged: "PagedLayers", faults: Faults, name: str = "cortex-vllm-save") -> None:
+        self.store, self.paged, self.faults = store, paged, faults
+        self._name = name
+        self._cond = threading.Condition()
+        self._jobs: deque = deque()
+        self._pending: dict[Any, int] = {}  # req id -> jobs queued or running
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._stream: Any = None
+
+    def submit(self, req_id: Any, digests: Sequence[bytes], block_ids: Sequence[int]) -> bool:
+        """Queue a save; False (nothing queued, counted as failed) once closed."""
+        event = None
+        if self.paged.device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.paged.device))
+        with self._cond:
+            if self._closed:
+                self.faults.count("store_failed", len(digests))
+                return False
+            self._jobs.append((req_id, list(digests), list(block_ids), event))
+            self._pending[req_id] = self._pending.get(req_id, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def pending(self, req_id: Any) -> bool:
+        with self._cond:
+            return req_id in self._pending
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._pending)
+
+    def wait(self, req_ids: "Collection[Any] | None" = None, timeout: float | None = None) -> bool:
+        """Until no save of `req_ids` (None: any) is queued or running; False if `timeout` passed first."""
+        def idle() -> bool:
+            return not self._pending if req_ids is None else not any(r in self._pending for r in req_ids)
+
+        with self._cond:
+            return self._cond.wait_for(idle, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the saves already queued (for at most `timeout` seconds), then stop the thread.
+        Safe to call twice; what is left after `timeout` is dropped with the process."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                self.faults.once("save-drain", "saves still running after %.0f s at shutdown: dropped", timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return  # closed and drained
+                req_id, digests, block_ids, event = self._jobs.popleft()
+            try:
+                self._save(digests, block_ids, event)
+            except BaseException as e:  # never out of this thread: a save is only a future hit
+                self.faults.fault("store_failed", e, len(digests))
+            finally:
+                with self._cond:
+                    left = self._pending.get(req_id, 1) - 1
+                    if left > 0:
+                        self._pending[req_id] = left
+                    else:
+                        self._pending.pop(req_id, None)
+                    self._cond.notify_all()
+
+    def _save(self, digests: list[bytes], block_ids: list[int], event: Any) -> None:
+        store, paged = self.store, self.paged
+        todo = store.absent(digests)  # another process may have stored them meanwhile
+        if not todo:
+            return
+        if event is None:
+            ids = [block_ids[i] for i in todo]
+            host = np.empty((len(todo), HEADER_SIZE + store.payload_bytes), np.uint8)
+            if paged.gather_host(ids, host):
+                # numpy, not torch: torch's copies would run on the engine's thread pool, whose threads
+                # the CPU backend binds to its cores (measured: a third of the engine's speed).
+                store.save_host([digests[i] for i in todo], host)
+                return
+            rows = store.staging(len(todo), paged.device)
+            paged.gather(ids, rows)
+            store.save([digests[i] for i in todo], rows)
+            return
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(paged.device)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(event)  # the forward pass that wrote these blocks
+            rows = store.staging(len(todo), paged.device)
+            paged.gather([block_ids[i] for i in todo], rows)
+            store.save([digests[i] for i in todo], rows, stream=self._stream)
+
+
+__all__ = ["BlockStore", "PagedLayers", "Faults", "PoolRef", "Saver", "HEADER_SIZE", "block_fill", "fit_block_size",
+           "prefix_digests", "fingerprint"]

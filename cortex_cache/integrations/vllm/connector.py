@@ -16,16 +16,26 @@ completes and the pool does not have yet).
 
 Worker side: `start_load_kv` loads each request's blocks into the paged KV
 cache before the forward pass (one batched copy per request), checking each
-block's header and checksum; `wait_for_save` saves the blocks the step
-completed, after the forward pass, one batched store per request.  A block
-that cannot be loaded is reported to vLLM as a load error and recomputed:
-the connector sets `kv_load_failure_policy` to "recompute", since a cache
-miss must never fail a request.
+block's header and checksum (on CUDA the copies run on a stream of their
+own, which the forward pass waits for on the device).  `wait_for_save`
+queues the blocks the step completed and returns: a thread of the worker's
+(blocks.Saver) gathers them and stores them, one batched store per request.
+vLLM must not reuse those blocks meanwhile, so `request_finished` answers
+True for a request with saves, vLLM keeps its blocks, and the workers name
+it in `get_finished` once its saves are done; a preempted request's saves
+are waited for in `handle_preemptions`, before its blocks can be written.
+A block that cannot be loaded is reported to vLLM as a load error and
+recomputed: the connector sets `kv_load_failure_policy` to "recompute",
+since a cache miss must never fail a request.
+
+Both sides hand their counters to vLLM's own metrics (stats.py):
+`get_kv_connector_stats`, `build_kv_connector_stats`, `build_prom_metrics`.
 
 kv_connector_extra_config:
   pool        pool name (required)
   create      create the pool if missing (default false); then size (required),
-              block_size (default 64K), policy (default lru),
+              block_size (default: the one the engine's KV blocks fill best,
+              blocks.fit_block_size), policy (default lru),
               disk_path / disk_size / disk_write (a disk tier)
   namespace   key prefix (default "vllm/")
   model       the model's name in keys (default: the served model name);
@@ -48,7 +58,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...errors import UsageError
 from ..pools import POOL_PARAMS
-from .blocks import BlockStore, Faults, PagedLayers, PoolRef, fingerprint, prefix_digests
+from .blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
+                     fit_block_size, prefix_digests)
+from .stats import CortexConnectorStats, CortexPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -57,8 +69,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from ...pool import Pool
 
 PARAMS = (*POOL_PARAMS, "namespace", "model", "verify")
 _TAG_RE = re.compile(r"[^A-Za-z0-9._:@+-]+")
@@ -77,6 +93,7 @@ class Transfer:
 class CortexConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # their blocks may be reused this step
 
 
 @dataclass
@@ -87,6 +104,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     done: int = 0  # leading blocks loaded, cached or saved already
     load: tuple[int, int] | None = None  # blocks [a, b) to load at its next schedule
+    saved: bool = False  # a save of its blocks was planned: the workers report when it is done
+    counted: bool = False  # its lookup is in the pool's hit/miss counters
 
 
 def _params(vllm_config: "VllmConfig") -> dict[str, Any]:
@@ -112,11 +131,21 @@ class _Layout:
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", params: dict[str, Any]) -> None:
         groups = kv_cache_config.kv_cache_groups
+        if len(groups) > 1:
+            # Blocks of several groups (full and sliding-window attention, mamba state) are not one chain.
+            raise UsageError(f"CortexConnector supports one KV cache group, and this model has {len(groups)} "
+                             "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager")
         self.usable = len(groups) == 1
         spec = groups[0].kv_cache_spec if groups else None
+        # Only full attention keeps every block of a running request: with another spec (a sliding
+        # window frees blocks that leave it) a save is finished within the step that queued it.
+        self.keeps_blocks = type(spec).__name__ == "FullAttentionSpec"
         self.block_tokens = int(vllm_config.cache_config.block_size)
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(groups[0].layer_names) if groups else []
+        page = getattr(spec, "page_size_bytes", 0) if spec is not None else 0
+        # What one block takes in the pool: our header and every layer's page of it.
+        self.value_bytes = HEADER_SIZE + int(page) * len(self.layer_names) if page else 0
         par = vllm_config.parallel_config
         self.tp, self.pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
         served = vllm_config.model_config.served_model_name
@@ -148,6 +177,9 @@ class CortexConnector(KVConnectorBase_V1):
     """vLLM KV connector over a cortex pool (see the module doc)."""
 
     instances: "weakref.WeakSet[CortexConnector]" = weakref.WeakSet()  # this process's, for tests and tools
+    # What shutdown touches, for one whose __init__ failed half-way (a hybrid model, bad parameters).
+    _pool: PoolRef | None = None
+    _saver: Saver | None = None
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -155,17 +187,26 @@ class CortexConnector(KVConnectorBase_V1):
         params = _params(vllm_config)
         self.faults = Faults(f"CortexConnector({role.name.lower()}, pool {params['pool']!r})")
         self.stats = self.faults.stats
-        self._pool = PoolRef(str(params["pool"]), params, self.faults)
+        self._layout = _Layout(vllm_config, kv_cache_config, params)
+        value_bytes = self._layout.value_bytes
+        if params.get("create") and params.get("block_size") is None and value_bytes:
+            params = {**params, "block_size": fit_block_size(value_bytes)}  # a pool made for these blocks
+        # The scheduler says it (one per engine; its workers open the same pool).
+        self._pool = PoolRef(str(params["pool"]), params, self.faults,
+                             on_open=self._check_fit if role == KVConnectorRole.SCHEDULER else None)
         self._namespace = str(params.get("namespace", "vllm/"))
         self._verify = bool(params.get("verify", True))
-        self._layout = _Layout(vllm_config, kv_cache_config, params)
         self._reqs: dict[str, _Request] = {}
         self._matched: dict[str, tuple[int, int]] = {}
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the workers' saves end
         self._store: BlockStore | None = None
         self._paged: PagedLayers | None = None
+        self._saver: Saver | None = None
+        self._saving: set[str] = set()  # requests the workers were asked to save
+        self._finishing: set[str] = set()  # of those, finished ones not yet reported
+        self._loading: list = []  # CUDA loads queued this step (their pins go at the step's end)
         self._load_errors: set[int] = set()
-        if not self._layout.usable:
-            self.faults.fault("unavailable", "more than one KV cache group (a hybrid model): connector idle")
+        self._reported = dict.fromkeys(self.stats, 0)  # the counters as get_kv_connector_stats last gave them
         if role == KVConnectorRole.SCHEDULER:
             # A block that cannot be loaded (evicted meanwhile, corrupt) is a
             # cache miss: recompute it, never fail the request.  The scheduler
@@ -174,6 +215,17 @@ class CortexConnector(KVConnectorBase_V1):
             # One lookup store per rank: the scheduler needs every rank's block.
             self._rank_stores = [self._block_store(rank, b"", 0) for rank in self._layout.ranks()]
         CortexConnector.instances.add(self)
+
+    def _check_fit(self, pool: "Pool") -> None:
+        """Once per pool opened: say so when its blocks hold ours at less than half their size."""
+        value_bytes = self._layout.value_bytes
+        bs = pool.geometry.block_size
+        if value_bytes and block_fill(bs, value_bytes) < 0.5:
+            fit = fit_block_size(value_bytes)
+            self.faults.once("block-fit", "pool %r has blocks of %d bytes, which hold this engine's KV blocks of %d "
+                             "bytes at %.0f%% fill; a pool made with --block-size %d holds them at %.0f%%",
+                             pool.name, bs, value_bytes, 100 * block_fill(bs, value_bytes), fit,
+                             100 * block_fill(fit, value_bytes))
 
     def _block_store(self, rank: str, fp: bytes, payload_bytes: int) -> BlockStore:
         return BlockStore(self._pool, self.faults, namespace=self._namespace, model=self._layout.model, rank=rank,
@@ -206,6 +258,12 @@ class CortexConnector(KVConnectorBase_V1):
         # Remembered per request: a request waiting for several steps costs one probe a rank a step.
         n = min((s.present(digests, start, limit, request.request_id) for s in self._rank_stores), default=0)
         self.faults.count("hit_blocks", n)
+        st = self._reqs[request.request_id]
+        if not st.counted and self._rank_stores:
+            # The blocks asked for and not found are misses in the pool's own counters, once a request
+            # (vLLM asks again each step it waits); those found count as hits when they are loaded.
+            st.counted = True
+            self._rank_stores[0].count_lookup(0, limit - start - n)
         if n == 0:
             return 0, False
         self._matched[request.request_id] = (start, start + n)
@@ -242,6 +300,7 @@ class CortexConnector(KVConnectorBase_V1):
                 st.block_ids.extend(new_ids[0])
             self._plan(meta, req_id, st, cached.num_computed_tokens[i] + n_sched.get(req_id, 0))
         self._matched.clear()
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
     def _plan(self, meta: CortexConnectorMetadata, req_id: str, st: _Request, computed_after: int) -> None:
@@ -255,13 +314,30 @@ class CortexConnector(KVConnectorBase_V1):
         if end > st.done:
             meta.saves.append(Transfer(req_id, st.digests[st.done : end], st.block_ids[st.done : end]))
             st.done = end
+            st.saved = True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        """True when the workers were asked to save some of its blocks: vLLM keeps them until every worker
+        reports the saves done (`get_finished`), since the workers copy them out after the step."""
+        st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         for s in getattr(self, "_rank_stores", ()):
             s.forget(request.request_id)
+        if st is not None and st.saved:
+            self._held.add(request.request_id)
+            return True, None
         return False, None
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._held.difference_update(connector_output.finished_sending or ())
+
+    def has_pending_block_frees(self) -> bool:
+        # Blocks a finished request holds come back when its saves end: wait for them rather than preempt.
+        return bool(self._held)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save dropped is a future miss, never a request to recompute
 
     # ------------------------------------------------------------------ worker side
 
@@ -279,6 +355,7 @@ class CortexConnector(KVConnectorBase_V1):
         fp = fingerprint(self._layout.tag, paged.shape, rank)
         self._paged = paged
         self._store = self._block_store(rank, fp, paged.payload_bytes)
+        self._saver = Saver(self._store, paged, self.faults, name=f"cortex-vllm-save-{rank}")
         # Copies between the pool and a CUDA cache run at full speed from pinned
         # memory; without CUDA this does nothing.  Registered in pieces on a
         # thread of its own (~0.1 s a GiB): the engine starts without waiting,
@@ -292,6 +369,13 @@ class CortexConnector(KVConnectorBase_V1):
             except Exception as e:
                 self.faults.fault("error", f"pinning pool memory for the device: {e}")
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are free again and may be written in this very step: its
+        # saves still reading them finish first (rare: a request is preempted only when memory is short).
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if preempted and self._saver is not None:
+            self._saver.wait(preempted)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         store, paged = self._store, self._paged
@@ -299,47 +383,124 @@ class CortexConnector(KVConnectorBase_V1):
             for t in getattr(meta, "loads", ()):
                 self._load_errors.update(t.block_ids)
             return
+        stream = None
+        if meta.loads and paged.device.type == "cuda":
+            import torch
+
+            stream = self._load_stream(torch)
+            stream.wait_stream(torch.cuda.current_stream(paged.device))
         for t in meta.loads:
             n = 0
             try:
-                out = store.staging(len(t.digests), paged.device)[:, : store.payload_bytes]
-                n = store.load(t.digests, out)
-                if n:
-                    paged.scatter(t.block_ids[:n], out[:n])
+                if stream is None:
+                    out = store.staging(len(t.digests), paged.device)[:, : store.payload_bytes]
+                    n = store.load(t.digests, out)
+                    if n:
+                        paged.scatter(t.block_ids[:n], out[:n])
+                else:
+                    n = self._load_cuda(t, stream)
             except Exception as e:
                 self.faults.fault("error", e)
                 n = 0
             self._load_errors.update(t.block_ids[n:])
+        if stream is not None:
+            import torch
+
+            # The forward pass waits for the copies on the device, not here: the host goes on launching it.
+            torch.cuda.current_stream(paged.device).wait_stream(stream)
+
+    def _load_stream(self, torch: Any) -> Any:
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self._paged.device)
+        return self._stream
+
+    def _load_cuda(self, t: Transfer, stream: Any) -> int:
+        """Queue one request's loads on `stream`: the pool -> a staging tensor -> the paged cache."""
+        import torch
+
+        store, paged = self._store, self._paged
+        with torch.cuda.stream(stream):
+            out = store.staging(len(t.digests), paged.device)[:, : store.payload_bytes]
+            n = store.load(t.digests, out, stream=stream, keep=self._loading)
+            if n:
+                paged.scatter(t.block_ids[:n], out[:n])
+            self._loading.append(out)  # lives until the step is over (the copies read and write it)
+        return n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has loaded every layer already
+        return  # start_load_kv ordered the forward pass after every layer's copies
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return  # saved whole, per request, in wait_for_save
+        return  # saved whole, per request, after the step (wait_for_save)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        store, paged = self._store, self._paged
-        if not isinstance(meta, CortexConnectorMetadata) or store is None or paged is None:
+        loading, self._loading = self._loading, []
+        for x in loading:  # this step's CUDA loads: the forward pass is queued after them; unpin the entries
+            if hasattr(x, "wait"):
+                try:
+                    x.wait()
+                except Exception as e:
+                    self.faults.fault("error", e)
+        if not isinstance(meta, CortexConnectorMetadata):
             return
+        saver = self._saver
         for t in meta.saves:
-            try:
-                todo = store.absent(t.digests)  # another process may have stored them meanwhile
-                if not todo:
-                    continue
-                rows = store.staging(len(todo), paged.device)
-                paged.gather([t.block_ids[i] for i in todo], rows)
-                store.save([t.digests[i] for i in todo], rows)
-            except Exception as e:
-                self.faults.fault("store_failed", e, len(t.digests))
+            self._saving.add(t.req_id)  # reported in get_finished, queued or not: the scheduler waits for it
+            if saver is not None:
+                saver.submit(t.req_id, t.digests, t.block_ids)
+        if saver is not None and meta.saves and not self._layout.keeps_blocks:
+            saver.wait()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose saves are done: vLLM frees their blocks now."""
+        self._finishing.update(r for r in finished_req_ids if r in self._saving)
+        if not self._finishing:
+            return None, None
+        saver = self._saver
+        done = {r for r in self._finishing if saver is None or not saver.pending(r)}
+        self._finishing -= done
+        self._saving -= done
+        return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        """Until every save queued so far is done (stored, or counted as failed); False if `timeout`
+        passed first.  For tests and tools: the engine never waits for saves (vLLM keeps their blocks)."""
+        return self._saver is None or self._saver.wait(timeout=timeout)
+
+    # ------------------------------------------------------------------ vLLM's metrics
+
+    def get_kv_connector_stats(self) -> CortexConnectorStats | None:
+        """What this side counted since the last call (vLLM sums the workers' and the scheduler's)."""
+        now = self.faults.snapshot()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        if not delta:
+            return None
+        self._reported = now
+        return CortexConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CortexConnectorStats:
+        return CortexConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: "dict[type[PromMetric], type[PromMetricT]]",
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics":
+        return CortexPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
-        self._pool.close()
+        """Finish the saves already queued (30 s at most), then close the pool.  Safe to call twice."""
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()
+        if self._pool is not None:
+            self._pool.close()
 
 
 __all__ = ["CortexConnector", "CortexConnectorMetadata"]
