@@ -296,6 +296,33 @@ def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, poo
     assert pool.stats()["entries"] == 2
 
 
+def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_pool, pool_name, tmp_path):
+    """The connector's pool handle (PoolRef) moves to the pool now under the name (issue: engines stayed on the
+    nameless copy restore --replace left, and never found the pool created again after a delete)."""
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    pool = make_pool("8M", name=pool_name)
+    store, faults = _store(pool_name)
+    d = prefix_digests(list(range(96)), 32, b"t")
+    rows = store.staging(3, "cpu")
+    assert store.save(d[:1], rows[:1]) == 1
+    snap = tmp_path / "s.ccsnap"
+    assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+    assert store.save(d[1:2], rows[:1]) == 1
+    assert cli("cache", "restore", pool_name, "-i", str(snap), "--replace").returncode == 0
+    assert store.present(d) == 1  # the restored pool: the block saved after the snapshot is not in it
+    assert store.save(d[1:3], rows[:2]) == 2
+    pool.close()
+    with Pool.open(pool_name) as now:
+        assert len(now) == 3
+    assert cli("cache", "delete", pool_name, "--force").returncode == 0
+    assert store.present(d) == 0 and faults.stats["unavailable"] >= 1
+    with Pool.create(pool_name, "8M") as again:
+        assert store.save(d[:1], rows[:1]) == 1 and len(again) == 1
+        store.pool.close()
+    Pool.unlink(pool_name)
+
+
 def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool, pool_name):
     from cortex_cache.integrations.vllm.blocks import Saver, prefix_digests
 

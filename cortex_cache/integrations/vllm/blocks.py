@@ -140,8 +140,12 @@ class PoolRef:
     """The pool an adapter names: opened on first use, and again after it failed (at most every `retry_s`).
 
     A pool that is missing when the engine starts is a miss until someone
-    creates it; one deleted under a running engine keeps serving from the
-    mapping this process holds (that is how shared memory works).
+    creates it.  One replaced (restore --replace, resize) or deleted under a
+    running engine says so in its segment (Pool.superseded): the next `get`
+    opens the pool now under the name, or none until one is created again.
+    The old handle is kept open until `close` (engine shutdown), since a save
+    or load on another thread may still be copying through it; it holds only
+    the old mapping, which `status` lists under "on old copies".
     """
 
     def __init__(self, name: str, params: dict[str, Any], faults: Faults, retry_s: float = 5.0,
@@ -154,11 +158,17 @@ class PoolRef:
         self._clock = clock
         self._on_open = on_open
         self._pool: "Pool | None" = None
+        self._retired: list["Pool"] = []
         self._next_try = 0.0
 
     def get(self) -> "Pool | None":
-        if self._pool is not None:
-            return self._pool
+        pool = self._pool
+        if pool is not None:
+            if not pool.superseded:
+                return pool
+            self._retired.append(pool)  # replaced or deleted under us: follow the name
+            self._pool = None
+            self._next_try = 0.0
         now = self._clock()
         if now < self._next_try:
             return None
@@ -167,6 +177,9 @@ class PoolRef:
             self._pool = open_or_create(self.name, self._params)
         except CortexCacheError as e:
             self._faults.fault("unavailable", e)
+        if self._pool is not None and self._pool.superseded:  # a delete marked it, not unlinked yet
+            self._retired.append(self._pool)
+            self._pool = None
         if self._pool is not None and self._on_open is not None:
             try:
                 self._on_open(self._pool)
@@ -176,8 +189,9 @@ class PoolRef:
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        retired, self._retired = self._retired, []
+        for p in ([pool] if pool is not None else []) + retired:
+            p.close()
 
 
 class BlockStore:
