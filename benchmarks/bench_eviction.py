@@ -295,14 +295,13 @@ def replay_ordereddict(reqs: list[list[int]], cap: float) -> tuple[int, int]:
     return hits, total
 
 
-def replay_pool(p: Pool, reqs: list[list[int]]) -> tuple[int, int]:
-    """The same through a pool: get every block (a hit refreshes it), put it on a miss.
+def replay_pool(p: Pool, reqs: list[list[int]], value: bytes = b"\x00" * 32) -> tuple[int, int]:
+    """The same through a pool: get every block (a hit refreshes it), put `value` under it on a miss.
 
     A put of a key already cached is avoided: a get refreshes it just as well,
     and a replacing put reserves room for the new copy before dropping the old.
     """
     get, put = p.get, p.put
-    value = b"\x00" * 32
     hits = total = 0
     for ids in reqs:
         matching = True

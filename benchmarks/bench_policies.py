@@ -216,21 +216,9 @@ def replay_tiers(reqs: list[list[int]], cap: int, policy: str, admit: int, workd
     tier = workdir / f"tier-{policy}-{admit}"
     p = _pool(f"adm-{policy}-{admit}", cap * 4096, block_size=4096, max_entries=cap, policy=policy,
               disk_path=tier, disk_size=4 * cap * 4096, tier_admit=admit)
-    value = bytes(4000)
     try:
         t = time.perf_counter()
-        get, put = p.get, p.put
-        hits = total = 0
-        for ids in reqs:
-            matching = True
-            for b in ids:
-                total += 1
-                kb = b"%d" % b
-                if get(kb) is not None:
-                    hits += matching
-                else:
-                    matching = False
-                    put(kb, value)
+        hits, total = bench_eviction.replay_pool(p, reqs, bytes(4000))
         secs = time.perf_counter() - t
         st = p.stats()
     finally:

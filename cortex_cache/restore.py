@@ -16,7 +16,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 
 import xxhash
 
@@ -767,22 +767,6 @@ def _seal_restored(i: int, checksum: int, core: Core, kb: bytes, kh: int, priori
 
 # ---------------------------------------------------------------- resize
 
-class _Live(NamedTuple):
-    """One live entry of a pool being resized, as `_restore_entry` takes a snapshot record."""
-
-    key: bytes
-    value: memoryview  # a copy's
-    flags: int
-    created: float
-    last_access: float
-    expiry: float
-    insert_seq: int
-    access_seq: int
-    access_count: int
-    priority: int
-    checksum: int
-
-
 RESIZE_BATCH_BYTES = 8 << 20  # copied out of the old pool per lock hold
 
 
@@ -892,8 +876,8 @@ def _resize_copy(old: Core, new: Core, order: list[int], copied: dict[bytes, int
     return False
 
 
-def _read_live(core: Core, slots: list[int]) -> list[_Live]:
-    """The still-live entries among `slots`, values copied (lock held)."""
+def _read_live(core: Core, slots: list[int]) -> list[Record]:
+    """The still-live entries among `slots`, as snapshot records with their values copied (lock held)."""
     out = []
     c = core.columns
     for i in slots:
@@ -903,18 +887,18 @@ def _read_live(core: Core, slots: list[int]) -> list[_Live]:
             off, vlen = core.value_at(i)
         except SegmentCorrupt:
             continue
-        out.append(_Live(core.key_bytes(i), memoryview(bytes(core.mv[off : off + vlen])), int(c["flags"][i]),
-                         float(c["created"][i]), float(c["last_access"][i]), float(c["expiry"][i]),
-                         int(c["insert_seq"][i]), int(c["access_seq"][i]), int(c["access_count"][i]),
-                         int(c["priority"][i]), core.checksum(i)))
+        out.append(Record(core.key_bytes(i), int(c["flags"][i]), memoryview(bytes(core.mv[off : off + vlen])),
+                          float(c["created"][i]), float(c["last_access"][i]), float(c["expiry"][i]),
+                          int(c["insert_seq"][i]), int(c["access_seq"][i]), int(c["access_count"][i]),
+                          int(c["priority"][i]), core.checksum(i)))
     return out
 
 
-def _put_live(new: Core, e: _Live) -> bool:
+def _put_live(new: Core, e: Record) -> bool:
     """Put one entry into the new pool without evicting there; False if it has no room for it."""
     new.evict_one = _no_victim  # type: ignore[method-assign]  # PoolFull instead of an eviction
     try:
-        _restore_entry(new, e, 0)  # type: ignore[arg-type]
+        _restore_entry(new, e, 0)
         return True
     except (PoolFull, ValueTooLarge):
         return False

@@ -264,6 +264,15 @@ class BlockStore:
         except Exception as e:
             self.faults.fault("error", e)
 
+    def _store_target(self, n: int) -> "Pool | None":
+        """The pool to store `n` blocks into; None (counted as `n` failed stores when n > 0) without one."""
+        if n == 0:
+            return None
+        pool = self.pool.get()
+        if pool is None:
+            self.faults.count("store_failed", n)
+        return pool
+
     def save(self, digests: Sequence[bytes], rows: "torch.Tensor", stream: Any = None) -> int:
         """Store `rows` (from `staging`, payload filled) under `digests`' keys; how many were stored.
 
@@ -272,11 +281,8 @@ class BlockStore:
         leaves nothing visible.  A full pool (or any fault) stores none of them.
         """
         n = len(digests)
-        if n == 0:
-            return 0
-        pool = self.pool.get()
+        pool = self._store_target(n)
         if pool is None:
-            self.faults.count("store_failed", n)
             return 0
         import torch
 
@@ -296,11 +302,8 @@ class BlockStore:
         numpy copies only: for a thread beside the engine's, where torch's copies would run on the
         engine's own thread pool.  The same contract: visible together, checksummed, or none."""
         n = len(digests)
-        if n == 0:
-            return 0
-        pool = self.pool.get()
+        pool = self._store_target(n)
         if pool is None:
-            self.faults.count("store_failed", n)
             return 0
         writers: list = []
         try:
