@@ -2,11 +2,27 @@
 
 `optional=True`: where no C compiler is found, the install goes on without it and
 the pool uses its pure-Python path (docs/internals.md, "The fast path").
+
+It also puts the man page and the shell completions (pyproject's data-files) into
+editable installs, which setuptools leaves them out of: its editable wheel asks the
+distribution for `has_data`, a method it does not have (it is `has_data_files`), so
+`pip install -e .` after `pip install .` removed `man cortex`.
 """
 
 from setuptools import Extension, setup
+from setuptools.command.editable_wheel import editable_wheel
+
+
+class EditableWheelWithData(editable_wheel):
+    def _run_install(self, category: str) -> None:
+        super()._run_install(category)
+        dist = self.distribution
+        if category == "data" and not hasattr(dist, "has_data") and dist.has_data_files():
+            self.run_command("install_data")  # into the wheel's .data/data, as a regular wheel has it
+
 
 setup(
+    cmdclass={"editable_wheel": EditableWheelWithData},
     ext_modules=[
         Extension(
             "cortex_cache._fastpath",

@@ -32,8 +32,8 @@ benchmark's full output.
             (only with CORTEX_BENCH_LMCACHE_PYTHON: scripts/lmcache_venv.sh)
   sglang    the SGLang HiCache backend against SGLang's `file` backend, and the
             Mooncake trace's hit rate through it (only with
-            CORTEX_BENCH_SGLANG_PYTHON: scripts/sglang_venv.sh; the trace from
-            CORTEX_BENCH_MOONCAKE_TRACE)
+            CORTEX_BENCH_SGLANG_PYTHON: scripts/sglang_venv.sh; the trace in
+            benchmarks/traces, or CORTEX_BENCH_MOONCAKE_TRACE)
   gpu       host<->device staging (only where CUDA is available)
 
   startup   `cortex --help` and friends against `python -c pass`

@@ -6,14 +6,14 @@
    the ratio full/empty.  Targets: p99 <= 1 ms, full >= 50 % of empty.
 2. Hit rate of every policy on a skewed Zipf trace with sequential scans
    mixed in (numpy, fixed seed), beside an exact LRU (OrderedDict).
-3. Replay of the Mooncake traces (../shared/data) through a pool LRU of
+3. Replay of the Mooncake traces (benchmarks/traces) through a pool LRU of
    2,000 / 6,000 / 20,000 blocks, beside the README's exact-LRU reference
    and our own OrderedDict replay of it.
 
 Usage:  python benchmarks/bench_eviction.py [--quick] [--json PATH] [--data DIR]
 
 Machines are noisy: compare the ratios within one run, not absolute times
-across runs (DESIGN §4).
+across runs (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from cortex_cache import Pool, PoolNotFound  # noqa: E402
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_DATA = Path(__file__).resolve().parent / "traces"  # the Mooncake traces (traces/README.md)
 P99_TARGET_US = 1000.0
 RATIO_TARGET = 0.5
 
@@ -247,7 +247,7 @@ def bench_zipf(policies: list[str], n_ops: int, cap: int, universe: int) -> dict
 
 # --------------------------------------------------------------------------- 3. Mooncake replay
 
-REFERENCE_FALLBACK = {  # README of ../shared/data, used if its table cannot be read
+REFERENCE_FALLBACK = {  # traces/README.md's table, used if it cannot be read
     "conversation": {2000: 0.054, 6000: 0.139, 20000: 0.287, "unbounded": 0.366},
     "synthetic": {2000: 0.144, 6000: 0.311, 20000: 0.571, "unbounded": 0.640},
 }

@@ -3,7 +3,7 @@
 
     python benchmarks/bench_policies.py [--quick] [--json PATH] [--data DIR]
 
-1. hit rate   Both traces (../shared/data) replayed through a pool of 2,000 / 6,000 / 20,000 one-block
+1. hit rate   Both traces (benchmarks/traces) replayed through a pool of 2,000 / 6,000 / 20,000 one-block
               entries (64-byte blocks: values scaled down) for every policy, each beside the exact LRU
               (OrderedDict) of the same run and the policy's own simulation (benchmarks/sim_eviction.py,
               which the pool must match exactly).  Block hit rate as in the data README: every block of a

@@ -25,7 +25,7 @@ throughput  Pages of 64 tokens of a Qwen2.5-0.5B-sized model's KV, all 24
             itself copies each page out (get_data_page), allocates a page per
             load and scatters it back, the same for every backend; the v1
             path has none of that.
-hit rate    The Mooncake multi-turn trace (--trace, or CORTEX_BENCH_MOONCAKE_TRACE;
+hit rate    The Mooncake multi-turn trace (benchmarks/traces; --trace or CORTEX_BENCH_MOONCAKE_TRACE for another;
             its blocks of 512 tokens are SGLang pages here) replayed through
             the backend as SGLang's controller drives it: batch_exists over
             the request's pages (in batches of 128, stopping at the first
@@ -269,7 +269,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 rounds, the first 1,000 requests of the trace")
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--trace", type=Path, default=os.environ.get("CORTEX_BENCH_MOONCAKE_TRACE"),
+    ap.add_argument("--trace", type=Path, default=os.environ.get("CORTEX_BENCH_MOONCAKE_TRACE")
+                    or Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl",
                     help="the Mooncake multi-turn trace (mooncake_synthetic_trace.jsonl)")
     args = ap.parse_args()
     out: dict = {"throughput": throughput(3 if args.quick else 8)}

@@ -14,7 +14,7 @@ alike, and prints the median wall time of:
     cortex cache list           a real command (loads numpy), for contrast
 
 and, from `python -X importtime`, whether `cortex --help` loaded numpy or
-torch (it must not: DESIGN §3; exit 1 if it did), how many modules it
+torch (it must not: docs/design.md, "Layers"; exit 1 if it did), how many modules it
 imported, and whether pydantic came in (Typer's value coercion does that for
 every command below the top level: most of the gap between `cortex --help`
 and `cortex cache --help`).

@@ -11,7 +11,7 @@ the memory (write-back), at the same memory size:
              turn, and after 8-40 chunks the user starts a new conversation;
              which session speaks next is Zipf(0.8) by popularity.
              M = 1,000 chunks.  30,000 requests (--quick 6,000).
-  mooncake   ../shared/data/mooncake_synthetic_trace.jsonl: real multi-turn
+  mooncake   benchmarks/traces/mooncake_synthetic_trace.jsonl: real multi-turn
              conversations (Mooncake, FAST'25), 512-token blocks. M = 2,000.
              (or the file CORTEX_BENCH_MOONCAKE_TRACE names)
 
@@ -63,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_persist import _free, drop_from_cache, pick_parent, plain_read, plain_write  # noqa: E402
 
-# CORTEX_BENCH_MOONCAKE_TRACE (as for bench_sglang.py) finds it from a checkout elsewhere, e.g. a git worktree.
+# CORTEX_BENCH_MOONCAKE_TRACE (as for bench_sglang.py) names another copy of the trace.
 MOONCAKE = Path(os.environ.get("CORTEX_BENCH_MOONCAKE_TRACE")
-                or Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl")
+                or Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl")
 CHUNK_VALUE = 4000
 TARGET = 0.6
 MIB = 1 << 20

@@ -3,7 +3,7 @@
 
     python benchmarks/sim_eviction.py [--data DIR] [--policies lru,s3fifo,arc,auto] [--caps 2000,6000,20000]
 
-Block hit rate as in ../shared/data/README.md: requests replayed in order, each block looked up in
+Block hit rate as in benchmarks/traces/README.md: requests replayed in order, each block looked up in
 turn (a cached block is a hit for the policy, counted only while the request's leading blocks all
 hit), and every block missing is inserted.  Capacity is in blocks.  Each policy is a small class
 with `get(key) -> bool` (a hit also refreshes the key) and `put(key)` (a miss: insert, evicting as
@@ -19,7 +19,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_DATA = Path(__file__).resolve().parent / "traces"
 
 
 class LRU:

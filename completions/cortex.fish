@@ -82,12 +82,12 @@ end
 complete -c cortex -f
 complete -c cortex -n '__cortex_at root' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_at root' -l version -d 'Print the version and exit'
-complete -c cortex -n '__cortex_at root' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
+complete -c cortex -n '__cortex_at root' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_at root' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at root' -a cache -d 'Create, inspect, use and remove KV-cache pools'
 complete -c cortex -n '__cortex_at group' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_at group' -l version -d 'Print the version and exit'
-complete -c cortex -n '__cortex_at group' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1)'
+complete -c cortex -n '__cortex_at group' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_at group' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_at group' -a create -d 'Create a pool'
 complete -c cortex -n '__cortex_at group' -a list -d 'List every pool under the current prefix (CORTEX_CACHE_SHM_PREFIX)'
@@ -96,6 +96,7 @@ complete -c cortex -n '__cortex_at group' -a delete -d 'Remove a pool'
 complete -c cortex -n '__cortex_at group' -a put -d 'Store a value under a key'
 complete -c cortex -n '__cortex_at group' -a get -d 'Write a value to stdout (or a file)'
 complete -c cortex -n '__cortex_at group' -a keys -d 'List keys of live entries, oldest first, one a line'
+complete -c cortex -n '__cortex_at group' -a info -d 'Show one entry: its tier, size and blocks, times, accesses, priority, TTL, checksum and pins'
 complete -c cortex -n '__cortex_at group' -a evict -d 'Evict entries now and report what was freed'
 complete -c cortex -n '__cortex_at group' -a verify -d 'Check a pool\'s consistency; exit 1 if a problem was found (even if --repair fixed it)'
 complete -c cortex -n '__cortex_at group' -a persist -d 'Write an atomic, checksummed snapshot of a pool\'s live entries'
@@ -125,10 +126,12 @@ complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool
 complete -c cortex -n '__cortex_using create' -l allow-other-owner -d 'With --if-missing: accept an existing pool of another user (by default only your own or root\'s: another user may have taken the name first)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using create' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using create' -l help -d 'Show this message and exit'
 
 complete -c cortex -n '__cortex_using list' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using list' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using list' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using list' -l help -d 'Show this message and exit'
 
 complete -c cortex -n '__cortex_using status' -l json -d 'Print one JSON document on stdout'
@@ -136,26 +139,31 @@ complete -c cortex -n '__cortex_using status' -l format -x -a 'table json promet
 complete -c cortex -n '__cortex_using status' -l watch -x -d 'Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME'
 complete -c cortex -n '__cortex_using status' -l count -x -d 'With --watch: stop after N lines'
 complete -c cortex -n '__cortex_using status' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using status' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using status' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using status 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using delete' -s f -l force -d 'Delete even while other processes have the pool mapped, and remove its disk tier too'
 complete -c cortex -n '__cortex_using delete' -l disk-path -x -d 'With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)'
 complete -c cortex -n '__cortex_using delete' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using delete' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using delete' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using delete 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using put' -l ttl -x -d 'Seconds until the entry expires'
 complete -c cortex -n '__cortex_using put' -l priority -x -d 'Priority (the priority policy evicts lowest first)'
 complete -c cortex -n '__cortex_using put' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using put' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using put' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using put 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using put 2' -F
 
-complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this new file (mode 0600) instead of stdout (\'-\': stdout)'
+complete -c cortex -n '__cortex_using get' -s o -l output -r -F -d 'Write the value to this file (mode 0600) instead of stdout (\'-\': stdout); an existing file is refused unless --force'
+complete -c cortex -n '__cortex_using get' -s f -l force -d 'With -o: replace an existing file (atomically: the old one stays whole until the new one is)'
 complete -c cortex -n '__cortex_using get' -l peek -d 'Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)'
 complete -c cortex -n '__cortex_using get' -l verify -d 'Check the value against the checksum taken at put; exit 65 (and write nothing) if it does not match'
 complete -c cortex -n '__cortex_using get' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using get' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using get' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using get 0' -a '(__cortex_pools)' -d pool
 
@@ -165,8 +173,15 @@ complete -c cortex -n '__cortex_using keys' -s l -l long -d 'Show size, age, TTL
 complete -c cortex -n '__cortex_using keys' -l tier -x -a 'memory disk all remote' -d 'memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool\'s keys on the remote server, in key order)'
 complete -c cortex -n '__cortex_using keys' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using keys' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using keys' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using keys' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using keys 0' -a '(__cortex_pools)' -d pool
+
+complete -c cortex -n '__cortex_using info' -l json -d 'Print one JSON document on stdout'
+complete -c cortex -n '__cortex_using info' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using info' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
+complete -c cortex -n '__cortex_using info' -l help -d 'Show this message and exit'
+complete -c cortex -n '__cortex_using info 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using evict' -l percent -x -d 'Evict this percentage of the stored bytes, by policy'
 complete -c cortex -n '__cortex_using evict' -l bytes -x -d 'Evict at least this many value bytes, by policy (e.g. 1G)'
@@ -177,6 +192,7 @@ complete -c cortex -n '__cortex_using evict' -l all -d 'Evict everything'
 complete -c cortex -n '__cortex_using evict' -l tier -x -a 'memory disk all remote' -d 'memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)'
 complete -c cortex -n '__cortex_using evict' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using evict' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using evict' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using evict' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using evict 0' -a '(__cortex_pools)' -d pool
 
@@ -184,14 +200,17 @@ complete -c cortex -n '__cortex_using verify' -l repair -d 'Fix what is found (d
 complete -c cortex -n '__cortex_using verify' -l no-checksums -d 'Check metadata only, not every value\'s checksum'
 complete -c cortex -n '__cortex_using verify' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using verify' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using verify' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using verify' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using verify 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using persist' -s o -l output -r -F -d 'Write the snapshot to this file instead of the snapshot directory'
 complete -c cortex -n '__cortex_using persist' -l keep -x -d 'Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)'
 complete -c cortex -n '__cortex_using persist' -l full -d 'Write every value again, sharing nothing with the snapshots kept (in the snapshot directory; --output always writes a whole file)'
+complete -c cortex -n '__cortex_using persist' -s f -l force -d 'With --output: replace an existing file (atomically: the old one stays whole until the new one is)'
 complete -c cortex -n '__cortex_using persist' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using persist' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using persist' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using persist' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using persist 0' -a '(__cortex_pools)' -d pool
 
@@ -204,6 +223,7 @@ complete -c cortex -n '__cortex_using restore' -l trust-tiers -d 'Attach the sna
 complete -c cortex -n '__cortex_using restore' -l background -d 'Return as soon as the pool is published; a process of its own fills it (status shows how far it got)'
 complete -c cortex -n '__cortex_using restore' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using restore' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using restore' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using restore' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using restore 0' -a '(__cortex_snapshots)' -d snapshot
@@ -212,16 +232,21 @@ complete -c cortex -n '__cortex_using resize' -l size -x -d 'The pool\'s new siz
 complete -c cortex -n '__cortex_using resize' -l allow-other-owner -d 'Accept a pool of another user (by default only your own or root\'s)'
 complete -c cortex -n '__cortex_using resize' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using resize' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using resize' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using resize' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using resize 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using snapshots' -l verify -d 'Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack'
+complete -c cortex -n '__cortex_using snapshots' -l prune -d 'Remove all but the newest --keep snapshots (and the packs only they used), then list what is left'
+complete -c cortex -n '__cortex_using snapshots' -l keep -x -d 'With --prune: how many to keep (default: as many as the pool keeps, 3 for a pool that is gone; 0 removes every one, NAME.ccsnap too)'
 complete -c cortex -n '__cortex_using snapshots' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using snapshots' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using snapshots' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using snapshots' -l help -d 'Show this message and exit'
 complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_pools)' -d pool
 complete -c cortex -n '__cortex_using snapshots 0' -a '(__cortex_snapshots)' -d snapshot
 
 complete -c cortex -n '__cortex_using doctor' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using doctor' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
+complete -c cortex -n '__cortex_using doctor' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
 complete -c cortex -n '__cortex_using doctor' -l help -d 'Show this message and exit'

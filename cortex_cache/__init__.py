@@ -29,6 +29,7 @@ _EXPORTS = {
     "PoolExists": ".errors",
     "NoSpace": ".errors",
     "CannotCreate": ".errors",
+    "OutputExists": ".errors",
     "PoolFull": ".errors",
     "ValueTooLarge": ".errors",
     "BufferTooSmall": ".errors",

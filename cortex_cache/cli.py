@@ -19,12 +19,13 @@ import typer
 
 from . import cli_io, interrupts
 from .cli_render import (
-    WATCH_HEADER, Output, console, fmt_size, json_key, keys_table, pools_table, print_json, print_status,
+    WATCH_HEADER, Output, console, fmt_rate, fmt_size, json_key, key_table, keys_table, pools_table, print_json, print_status,
     print_table, prometheus, run_with_progress, say, say_created, say_published, say_restored, show_key,
     snapshots_table,
+    warn,
     watch_line,
 )
-from .errors import EX_PROBLEM, KeyNotFound, SnapshotCorrupt, UsageError
+from .errors import EX_PROBLEM, KeyNotFound, PoolNotFound, SnapshotCorrupt, UsageError
 from .policy_names import DEFAULT_POLICY, POLICY_HELP, POLICY_IDS
 from .units import entries, plural
 
@@ -46,6 +47,10 @@ def _set_quiet(value: bool) -> bool:
 
 QUIET_HELP = "Print no confirmations or progress bars; data, --json output, warnings and errors still appear."
 QUIET_OPT = typer.Option(False, "--quiet", "-q", help=QUIET_HELP, callback=_set_quiet)
+# main() takes --debug off the line wherever it stands (before a "--") before Typer parses it; the
+# option is declared on every command so that each --help, the man page and the completions show it.
+DEBUG_OPT = typer.Option(False, "--debug", help="Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument.")
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
 
 app = typer.Typer(
@@ -55,12 +60,14 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings=HELP_OPTIONS,
 )
 cache = typer.Typer(
     name="cache",
     help="Create, inspect, use and remove KV-cache pools.\n\n" + EXIT_CODES_HELP,
     no_args_is_help=True,
     rich_markup_mode=None,
+    context_settings=HELP_OPTIONS,
 )
 app.add_typer(cache, name="cache")
 
@@ -93,12 +100,12 @@ VERSION_OPT = typer.Option(False, "--version", help="Print the version and exit.
 
 
 @app.callback()
-def _root(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
+def _root(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT, debug: bool = DEBUG_OPT) -> None:
     pass
 
 
 @cache.callback()
-def _cache(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT) -> None:
+def _cache(quiet: bool = QUIET_OPT, version: bool = VERSION_OPT, debug: bool = DEBUG_OPT) -> None:
     pass
 
 
@@ -181,6 +188,7 @@ def create(
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Create a pool.
 
@@ -220,16 +228,37 @@ def create(
     )
     with p:
         st = p.stats()
+    if not existed:
+        _warn_on_create(size, parse_size(size), st, no_reserve)
     if as_json:
-        print_json({**st, "created": not existed} if if_missing else st)
+        # `created` stays the pool's creation time (as in status --json); whether this run made it is `existed`.
+        print_json({**st, "existed": existed})
     elif existed:
         say(f"pool {name} exists with this configuration; nothing to do")
     else:
         say_created(name, st)
 
 
+def _warn_on_create(asked_text: str, asked: int, st: dict, no_reserve: bool) -> None:
+    """What a new pool's settings do that its creator may not have meant; the pool is made all the same."""
+    from . import segment
+
+    if st["size_bytes"] != asked:
+        warn(f"--size {asked_text} is not a whole number of {fmt_size(st['block_size'])} blocks: the pool holds "
+             f"{fmt_size(st['size_bytes'])} ({plural(st['blocks_total'], 'block', 'blocks')})")
+    mode = int(st["mode"], 8)
+    if mode & 0o006:
+        warn(f"mode {st['mode']} lets every user of this host read{' and write' if mode & 0o002 else ''} the "
+             "pool's values (users' prompts); 0600, or 0660 with a group, keeps them private")
+    if no_reserve:
+        free = segment.shm_free_bytes()
+        if st["segment_bytes"] > free:
+            warn(f"with --no-reserve the pool's {fmt_size(st['segment_bytes'])} segment is larger than the "
+                 f"{fmt_size(free)} free in /dev/shm: puts fail once /dev/shm is full")
+
+
 @cache.command("list")
-def list_(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT) -> None:
+def list_(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT, debug: bool = DEBUG_OPT) -> None:
     """List every pool under the current prefix (CORTEX_CACHE_SHM_PREFIX).
 
     Segments that are damaged, of another format version, or not readable by
@@ -257,6 +286,7 @@ def status(
     watch: Optional[float] = typer.Option(None, "--watch", metavar="SECONDS", help="Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME."),
     count: Optional[int] = typer.Option(None, "--count", min=1, metavar="N", help="With --watch: stop after N lines."),
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Show usage, entries, counters and policy of one pool or all pools.
 
@@ -302,20 +332,31 @@ def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None
     from . import watch as w
     from .pool import Pool
 
-    n = 0
-    with Pool.open(name, lock_timeout=5) as p:
+    def sample() -> dict:
+        # Attached only while it reads: between samples nothing is mapped, so `delete` does not count
+        # the watch as a user, and a pool replaced under the name is the one watched next.  A pool
+        # deleted ends the watch as PoolNotFound (66).
         try:
-            for r in w.watch(p, interval, count):
-                if as_json:
-                    print_json({"pool": name, **r})
-                else:
-                    if n % 20 == 0:
-                        sys.stdout.write(WATCH_HEADER + "\n")
-                    sys.stdout.write(watch_line(r))
-                sys.stdout.flush()
-                n += 1
-        except (KeyboardInterrupt, interrupts.Interrupted):  # the way to stop it (Ctrl-C, SIGTERM): not an error
-            pass
+            with Pool.open(name, lock_timeout=5) as p:
+                return p.stats()
+        except PoolNotFound:
+            if n == 0:
+                raise
+            raise PoolNotFound(f"pool {name!r} is gone: it was deleted while watched") from None
+
+    n = 0
+    try:
+        for r in w.watch(sample, interval, count):
+            if as_json:
+                print_json({"pool": name, **r})
+            else:
+                if n % 20 == 0:
+                    sys.stdout.write(WATCH_HEADER + "\n")
+                sys.stdout.write(watch_line(r))
+            sys.stdout.flush()
+            n += 1
+    except (KeyboardInterrupt, interrupts.Interrupted):  # the way to stop it (Ctrl-C, SIGTERM): not an error
+        pass
 
 
 @cache.command()
@@ -324,6 +365,7 @@ def delete(
     force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped, and remove its disk tier too."),
     disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)."),
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Remove a pool.
 
@@ -364,6 +406,7 @@ def put(
     ttl: Optional[float] = typer.Option(None, "--ttl", metavar="SECONDS", help="Seconds until the entry expires."),
     priority: int = typer.Option(0, "--priority", metavar="N", help="Priority (the priority policy evicts lowest first)."),
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Store a value under a key.
 
@@ -383,16 +426,19 @@ def put(
 def get(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
-    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this new file (mode 0600) instead of stdout ('-': stdout)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this file (mode 0600) instead of stdout ('-': stdout); an existing file is refused unless --force."),
+    force: bool = typer.Option(False, "--force", "-f", help="With -o: replace an existing file (atomically: the old one stays whole until the new one is)."),
     peek: bool = typer.Option(False, "--peek", help="Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)."),
     verify: bool = typer.Option(False, "--verify", help="Check the value against the checksum taken at put; exit 65 (and write nothing) if it does not match. CORTEX_CACHE_VERIFY_READS=1 turns it on too."),
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Write a value to stdout (or a file).  Exit 66 if the key is absent.
 
-    Output that cannot be written (a full disk, /dev/full) exits 74, and
-    with -o the file is removed rather than left short.  An entry whose
-    metadata is impossible (damaged, or changed by another writer) exits 65.
+    With -o the file appears whole or not at all: an existing one exits 73
+    (--force replaces it), output that cannot be written (a full disk)
+    exits 74 and leaves nothing.  An entry whose metadata is impossible
+    (damaged, or changed by another writer) exits 65.
 
     Example: cortex cache get llama greeting -o greeting.bin
     """
@@ -400,17 +446,22 @@ def get(
 
     if output == "-":
         output = None
-    fd = cli_io.create_output(output) if output is not None else -1
+    if force and output is None:
+        raise UsageError("--force replaces the file -o names; there is none")
+    out = cli_io.OutputFile(output, replace=force) if output is not None else None
     try:
         with Pool.open(name, lock_timeout=10, verify_reads=verify or None) as p:
             value = p.peek(key) if peek else p.get(key)
         if value is None:
             raise KeyNotFound(f"no key {key!r} in pool {name!r}")
     except BaseException:
-        if fd >= 0:
-            cli_io.discard_output(fd, output)  # type: ignore[arg-type]
+        if out is not None:
+            out.discard()
         raise
-    cli_io.write_value(value, fd, output)
+    if out is None:
+        cli_io.write_stdout(value)
+    else:
+        out.write(value)
 
 
 @cache.command()
@@ -422,6 +473,7 @@ def keys(
     tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool's keys on the remote server, in key order)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """List keys of live entries, oldest first, one a line.
 
@@ -458,6 +510,31 @@ def keys(
 
 
 @cache.command()
+def info(
+    name: str = NAME_ARG,
+    key: str = typer.Argument(..., metavar="KEY", help="Key to describe.", show_default=False),
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
+) -> None:
+    """Show one entry: its tier, size and blocks, times, accesses, priority, TTL, checksum and pins.
+
+    Counts no access and changes no eviction order.  Exit 66 if the key is
+    in no tier of the pool.
+
+    Example: cortex cache info llama greeting
+    """
+    from .pool import Pool
+
+    with Pool.open(name, lock_timeout=10) as p:
+        doc = p.info(key)
+    if as_json:
+        print_json({"pool": name, **json_key(doc)})
+    else:
+        print_table(key_table(doc))
+
+
+@cache.command()
 def evict(
     name: str = NAME_ARG,
     percent: Optional[float] = typer.Option(None, "--percent", metavar="PERCENT", help="Evict this percentage of the stored bytes, by policy."),
@@ -469,6 +546,7 @@ def evict(
     tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Evict entries now and report what was freed.  Give exactly one selector.
 
@@ -499,8 +577,13 @@ def verify(
     no_checksums: bool = typer.Option(False, "--no-checksums", help="Check metadata only, not every value's checksum."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Check a pool's consistency; exit 1 if a problem was found (even if --repair fixed it).
+
+    Without --repair it only reports: nothing in the pool changes (pins of
+    dead processes, say, stay until --repair or the next write that needs
+    their room).
 
     Example: cortex cache verify llama --repair
     """
@@ -516,7 +599,9 @@ def verify(
             disk = f", {report['disk_checked']} disk records verified" if "disk_checked" in report else ""
             say(f"pool {name}: ok ({entries(report['entries'])}, {plural(report['checked'], 'checksum', 'checksums')} verified{disk})")
         for prob in report["problems"]:
-            con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""))
+            con.print(f"pool {name}: {prob}" + (" [repaired]" if report["repaired"] else ""), markup=False)
+        if report["problems"] and not report["repaired"]:
+            say(f"nothing was changed; `cortex cache verify {name} --repair` fixes these")
     if not report["ok"]:
         raise typer.Exit(EX_PROBLEM)
 
@@ -527,8 +612,10 @@ def persist(
     output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
     keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)."),
     full: bool = typer.Option(False, "--full", help="Write every value again, sharing nothing with the snapshots kept (in the snapshot directory; --output always writes a whole file)."),
+    force: bool = typer.Option(False, "--force", "-f", help="With --output: replace an existing file (atomically: the old one stays whole until the new one is)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Write an atomic, checksummed snapshot of a pool's live entries.
 
@@ -537,17 +624,25 @@ def persist(
     always names the newest.  It is incremental: only the values that no
     kept snapshot holds are written, into a pack file beside it
     (NAME-<UTC time>.ccpack); packs no kept snapshot needs are deleted.
-    --output writes one self-contained file (to copy to another host).  A
-    second persist of the same pool while one runs exits 75 at once.
+    --output writes one self-contained file (to copy to another host); an
+    existing file is refused (73) unless --force, as with get -o.  A second
+    persist of the same pool while one runs exits 75 at once.
 
     Example: cortex cache persist llama --keep 5
     """
     from . import persist as snap
     from .pool import Pool
 
+    if force and output is None:
+        raise UsageError("--force replaces the file --output names; there is none (the snapshot directory's "
+                         "snapshots are never replaced)")
+    if output is not None:
+        from . import safefs
+
+        safefs.refuse_existing(output, force)  # before the pool is opened; persist checks again at the end
     with Pool.open(name, lock_timeout=10) as p:
-        result = run_with_progress(f"persist {name}",
-                                   lambda cb: snap.persist(p, output, keep=keep, progress=cb, full=full))
+        result = run_with_progress(f"persist {name}", lambda cb: snap.persist(p, output, keep=keep, progress=cb,
+                                                                               full=full, replace=force))
     doc = {"pool": name, **result.as_dict()}
     if as_json:
         print_json(doc)
@@ -555,7 +650,7 @@ def persist(
         wrote = f", {fmt_size(doc['written_bytes'])} of it written" if doc["incremental"] else ""
         say(
             f"persisted {entries(doc['entries'])}, {fmt_size(doc['bytes'])} of {name}{wrote} to {doc['path']} "
-            f"in {doc['seconds']:.2f}s ({doc['gbps']:.2f} GB/s)"
+            f"in {doc['seconds']:.2f}s ({fmt_rate(doc['bytes'], doc['seconds'])})"
         )
         if result.skipped_corrupt:
             console(stderr=True).print(
@@ -575,6 +670,7 @@ def restore(
     background: bool = typer.Option(False, "--background", help="Return as soon as the pool is published; a process of its own fills it (status shows how far it got). What the boot line and the systemd unit use."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Rebuild a pool from a snapshot.
 
@@ -657,6 +753,7 @@ def resize(
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="Accept a pool of another user (by default only your own or root's)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Grow or shrink a live pool, keeping its most recently used entries first.
 
@@ -685,8 +782,11 @@ def resize(
 def snapshots(
     name: str = NAME_ARG,
     verify: bool = typer.Option(False, "--verify", help="Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack."),
+    prune: bool = typer.Option(False, "--prune", help="Remove all but the newest --keep snapshots (and the packs only they used), then list what is left."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=0, metavar="N", help="With --prune: how many to keep (default: as many as the pool keeps, 3 for a pool that is gone; 0 removes every one, NAME.ccsnap too)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """List every snapshot of a pool in the snapshot directory, oldest first.
 
@@ -694,18 +794,29 @@ def snapshots(
     are its own and those it shares with the others (the packs of
     incremental snapshots), and which one NAME.ccsnap (what restore reads by
     default) names; then what they take on disk together.  Reads the
-    snapshot files, not the values, unless --verify.
+    snapshot files, not the values, unless --verify.  --prune removes the
+    older ones first, as persist's retention does (the pool need not
+    exist; while it does, a persist, restore or fill running exits 75).
 
-    Example: cortex cache snapshots llama --verify
+    Example: cortex cache snapshots llama --prune --keep 2
     """
     from . import persist as snap
     from . import segment
 
     segment.validate_name(name)
+    if keep is not None and not prune:
+        raise UsageError("--keep goes with --prune (persist --keep sets what a pool keeps)")
+    pruned = None
+    if prune:
+        pruned = _prune_snapshots(name, keep)
+        say(f"removed {plural(len(pruned['removed']), 'file', 'files')} of {name}'s snapshots, "
+            f"{fmt_size(pruned['freed_bytes'])}; {plural(pruned['kept'], 'snapshot', 'snapshots')} kept",
+            stderr=True)
     rows, space = snap.snapshots_and_space(name, verify=verify)
     bad = [r for r in rows if "error" in r]
     if as_json:
-        print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows, "space": space})
+        print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows, "space": space,
+                    **({"pruned": pruned} if pruned is not None else {})})
     elif not rows:
         say(f"no snapshots of {name} in {snap.snapshot_dir()}", stderr=True)
     else:
@@ -717,10 +828,22 @@ def snapshots(
         raise typer.Exit(SnapshotCorrupt.exit_code)
 
 
+def _prune_snapshots(name: str, keep: int | None) -> dict:
+    from . import persist as snap
+    from . import segment
+    from .pool import Pool
+
+    if not segment.exists(name):
+        return snap.prune(name, snap.DEFAULT_KEEP if keep is None else keep)
+    with Pool.open(name, lock_timeout=10) as p:
+        return snap.prune(name, (p.snapshot_keep or snap.DEFAULT_KEEP) if keep is None else keep, core=p.core)
+
+
 @cache.command()
 def doctor(
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
+    debug: bool = DEBUG_OPT,
 ) -> None:
     """Check this host's set-up; exit 1 if something is wrong, each finding with what to do.
 

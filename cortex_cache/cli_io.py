@@ -15,12 +15,13 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 from typing import Any, Callable, Optional
 
 import typer
 
-from . import interrupts
+from . import interrupts, safefs
 from .cli_render import now_iso
 from .errors import EX_IOERR, EX_SOFTWARE, EX_USAGE, CortexCacheError, UsageError
 from .interrupts import Interrupted
@@ -58,48 +59,85 @@ def read_value(source: Optional[str], limit: int) -> bytes:
         raise PermissionDenied(f"permission denied reading {source!r}") from None
 
 
-def create_output(output: str) -> int:
-    """A new file (mode 0600) for a value, opened for writing: made before the pool is read, so a bad
-    path changes nothing in the pool."""
+class OutputFile:
+    """The file `-o FILE` names, written whole or not at all: the value goes into a temporary file
+    beside it (mode 0600), synced, then takes the name in one step.  The one rule of every `-o`
+    (get, persist): an existing file is refused (OutputExists, 73) unless `replace` (--force), and
+    then replaced atomically, never left short.  Made before the pool is read, so a bad path changes
+    nothing in the pool."""
+
+    def __init__(self, path: str, replace: bool = False) -> None:
+        self.path, self.replace, self.tmp, self.fd = path, replace, None, -1
+        if _stream(path):  # /dev/null, /dev/stdout, a FIFO: written into, as a shell's > would
+            self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            return
+        safefs.refuse_existing(path, replace)
+        directory = os.path.dirname(path) or "."
+        try:
+            self.fd, self.tmp = _temp_beside(path)
+        except FileNotFoundError:
+            from .errors import CannotCreate
+
+            raise CannotCreate(f"cannot create {path!r}: no directory {directory!r}") from None
+        except OSError as e:
+            raise safefs.os_error(e, f"cannot create {path!r}") from None
+
+    def write(self, value: bytes) -> None:
+        """Write `value`, sync it and give it the name; a full disk removes it (StorageIOError)."""
+        try:
+            with os.fdopen(self.fd, "wb") as f:
+                self.fd = -1
+                f.write(value)
+                f.flush()
+                if self.tmp is not None:
+                    os.fsync(f.fileno())  # a full disk shows here, not later as a short file
+        except OSError as e:
+            self.discard()
+            from .errors import StorageIOError
+
+            raise StorageIOError(f"cannot write {self.path!r}: {e.strerror or e}; nothing was written") from None
+        if self.tmp is None:  # a device or FIFO, written into
+            return
+        with interrupts.commit():  # named: a signal now waits, and the command reports success
+            try:
+                safefs.publish(self.tmp, self.path, self.replace)  # type: ignore[arg-type]
+            except BaseException:
+                self.discard()
+                raise
+            self.tmp = None
+
+    def discard(self) -> None:
+        """Remove the temporary file (a value that will not come, an error): the name is untouched."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+            self.tmp = None
+
+
+def _stream(path: str) -> bool:
     try:
-        return os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        from .errors import PoolExists
-
-        raise PoolExists(f"{output!r} already exists; remove it first") from None
-    except FileNotFoundError:
-        from .errors import CannotCreate
-
-        raise CannotCreate(f"cannot create {output!r}: no such directory") from None
-    except OSError as e:
-        from .errors import StorageIOError
-
-        raise StorageIOError(f"cannot create {output!r}: {e.strerror}") from None
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
-def discard_output(fd: int, output: str) -> None:
-    """Close and remove a file from create_output that will not get its value."""
-    os.close(fd)
-    os.unlink(output)
+def _temp_beside(path: str) -> tuple[int, str]:
+    import secrets
+
+    directory, base = os.path.split(path)
+    tmp = os.path.join(directory, f".{base}.tmp-{secrets.token_hex(6)}")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600), tmp
 
 
-def write_value(value: bytes, fd: int = -1, output: str | None = None) -> None:
-    """Write `value` to stdout (fd < 0) or into the file create_output opened, synced: a full disk
-    removes the file (never a truncated one left behind) and is StorageIOError."""
-    if fd < 0:
-        sys.stdout.buffer.write(value)
-        sys.stdout.flush()
-        return
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(value)
-            f.flush()
-            os.fsync(f.fileno())  # a full disk shows here, not later as a short file
-    except OSError as e:
-        os.unlink(output)  # type: ignore[arg-type]  # never a truncated file left behind
-        from .errors import StorageIOError
-
-        raise StorageIOError(f"cannot write {output!r}: {e.strerror or e}; nothing was written") from None
+def write_stdout(value: bytes) -> None:
+    sys.stdout.buffer.write(value)
+    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------- errors and exit codes
@@ -215,6 +253,6 @@ def run_guarded(command: Callable[[], Any], debug: bool, as_json: bool) -> int:
 
 
 __all__ = [
-    "read_value", "create_output", "discard_output", "write_value", "one_line", "error", "usage_words",
+    "read_value", "OutputFile", "write_stdout", "one_line", "error", "usage_words",
     "is_usage_error", "IO_ERRNOS", "drop_stdout", "run_guarded",
 ]

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .units import entries
+from .units import entries, plural
 
 
 class Output:
@@ -65,6 +65,11 @@ def say(msg: str, stderr: bool = False) -> None:
         console(stderr=stderr).print(msg)
 
 
+def warn(msg: str) -> None:
+    """A warning: one line on stderr, shown even with -q/--quiet and --json (what was asked is done anyway)."""
+    console(stderr=True).print(f"cortex: warning: {msg}", markup=False, highlight=False, soft_wrap=True)
+
+
 def fmt_size(n: int | float) -> str:
     from .units import format_size
 
@@ -80,11 +85,22 @@ def fmt_time(ts: float | None) -> str:
 def fmt_age(ts: float | None) -> str:
     if not ts:
         return "-"
-    s = max(0.0, time.time() - ts)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s / n:.1f}{unit}"
-    return f"{s:.0f}s"
+    return fmt_duration(time.time() - ts)
+
+
+def fmt_duration(seconds: float) -> str:
+    """A span as a person reads it: `42s`, `12.5m`, `3.2h`, `6.0d`, `31.7y` (a year of 365.25 days)."""
+    s = max(0.0, seconds)
+    units = (("y", 365.25 * 86400), ("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0))
+    for i, (unit, n) in enumerate(units):
+        if s < n and unit != "s":
+            continue
+        shown = f"{s:.0f}" if unit == "s" else f"{s / n:.1f}"
+        if i and float(shown) * n >= units[i - 1][1]:  # 3599.9 s rounds to 60.0m: say 1.0h
+            unit, n = units[i - 1]
+            shown = f"{s / n:.1f}"
+        return shown + unit
+    return "0s"  # pragma: no cover - the loop always returns
 
 
 def show_key(k: str | bytes) -> str:
@@ -120,7 +136,7 @@ def json_key(doc: dict[str, Any]) -> dict[str, Any]:
 def say_created(name: str, st: dict[str, Any]) -> None:
     """`create`'s confirmation: the new pool's geometry and its tiers."""
     say(
-        f"created pool {name}: {fmt_size(st['size_bytes'])} in {st['blocks_total']} blocks of "
+        f"created pool {name}: {fmt_size(st['size_bytes'])} in {plural(st['blocks_total'], 'block', 'blocks')} of "
         f"{fmt_size(st['block_size'])}, policy {st['policy']}, mode {st['mode']}"
     )
     d = st["disk"]
@@ -289,10 +305,40 @@ def keys_table(infos: list[dict[str, Any]]):
     for col in ("KEY", "TIER", "SIZE", "AGE", "TTL", "ACCESSES", "PRIORITY"):
         t.add_column(col, justify="left" if col in ("KEY", "TIER") else "right")
     for inf in infos:
-        ttl = "-" if inf["ttl_remaining"] is None else f"{inf['ttl_remaining']:.0f}s"
+        ttl = "-" if inf["ttl_remaining"] is None else fmt_duration(inf["ttl_remaining"])
         age = fmt_age(inf.get("created") or inf.get("spilled"))
         prio = "-" if inf["priority"] is None else str(inf["priority"])
         t.add_row(escape(show_key(inf["key"])), inf["tier"], str(inf["size"]), age, ttl, str(inf.get("access_count", "-")), prio)
+    return t
+
+
+def key_table(inf: dict[str, Any]):
+    """`info NAME KEY`: one entry, a field a line."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False, show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    size = f"{fmt_size(inf['size'])} ({inf['size']} bytes)"
+    if inf.get("blocks") is not None:
+        size += f" in {plural(inf['blocks'], 'block', 'blocks')} from block {inf['first_block']}"
+    rows = [("key", escape(show_key(inf["key"]))), ("tier", inf["tier"]), ("size", size)]
+    if inf.get("created") is not None:
+        rows.append(("created", f"{fmt_time(inf['created'])} ({fmt_age(inf['created'])} ago)"))
+    if inf.get("last_access") is not None:
+        rows.append(("last access", f"{fmt_time(inf['last_access'])} ({fmt_age(inf['last_access'])} ago)"))
+    if inf.get("access_count") is not None:
+        rows.append(("accesses", str(inf["access_count"])))
+    if inf.get("priority") is not None:
+        rows.append(("priority", str(inf["priority"])))
+    ttl = inf.get("ttl_remaining")
+    rows.append(("expires", "never" if ttl is None else f"{fmt_time(inf['expires'])} (in {fmt_duration(ttl)})"))
+    for field in ("checksum", "pins"):
+        if inf.get(field) is not None:
+            rows.append((field, str(inf[field])))
+    for k, v in rows:
+        t.add_row(k, v)
     return t
 
 
@@ -433,14 +479,17 @@ def progress_bar(description: str):
     """A rich progress bar on stderr when it is a terminal; else None (silent)."""
     if Output.quiet or not sys.stderr.isatty():
         return None
-    from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     return Progress(
-        TextColumn(description), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+        TextColumn(description), BarColumn(), DownloadColumn(binary_units=True), TextColumn("{task.fields[rate]}"),
         TimeRemainingColumn(), console=console(stderr=True), transient=True,
     )
+
+
+def fmt_rate(nbytes: int | float, seconds: float) -> str:
+    """A transfer rate in the units sizes are shown in (binary: `1.2GiB/s`), never MB/s beside MiB."""
+    return f"{fmt_size(nbytes / seconds)}/s" if seconds > 0 else "-"
 
 
 def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
@@ -448,16 +497,17 @@ def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
     if bar is None:
         return fn(None)
     with bar:
-        task = bar.add_task(description, total=None)
+        task = bar.add_task(description, total=None, rate="")
+        t0 = time.monotonic()
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, rate=fmt_rate(done, time.monotonic() - t0))
 
         return fn(update)
 
 
 __all__ = [
     "Output", "console", "print_table", "now_iso", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
-    "show_key", "json_key", "say_created", "say_restored", "say_published", "pools_table", "show_attached", "print_status",
+    "show_key", "json_key", "warn", "fmt_rate", "key_table", "say_created", "say_restored", "say_published", "pools_table", "show_attached", "print_status",
     "WATCH_HEADER", "watch_line", "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
 ]

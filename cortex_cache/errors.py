@@ -1,7 +1,8 @@
 """One exception hierarchy for the whole library.
 
 Every error a user can meet derives from :class:`CortexCacheError` and carries
-the exit code the CLI uses for it (sysexits, see DESIGN §2).  Library code
+the exit code the CLI uses for it (sysexits; the table is in docs/cli.md,
+"Exit status", and in `cortex --help`).  Library code
 raises these; only the CLI turns them into messages and exit codes.
 """
 
@@ -73,6 +74,10 @@ class CannotCreate(CortexCacheError):
     """An output file cannot be created where asked (missing directory)."""
 
     exit_code = EX_CANTCREAT
+
+
+class OutputExists(CannotCreate, FileExistsError):
+    """An output file (`-o FILE`) exists already and replacing it was not asked for (`--force`)."""
 
 
 class NoSpace(CortexCacheError):
@@ -192,6 +197,7 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "PoolExists",
     "NoSpace",
     "CannotCreate",
+    "OutputExists",
     "PoolFull",
     "ValueTooLarge",
     "SegmentCorrupt",

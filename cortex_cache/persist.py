@@ -33,6 +33,7 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
     latest_path,
     list_snapshots,
     namespaced,
+    prune,
     snapshot_dir,
     snapshot_space,
     snapshot_usage,
@@ -48,18 +49,20 @@ def persist(
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     full: bool = False,
+    replace: bool = True,
 ) -> PersistResult:
     """Write a snapshot of `pool`'s live entries and its whole configuration (snapshot.write has the details).
 
     Into the snapshot directory it is incremental: only the values no kept
     snapshot holds are written (`full`: every value, sharing nothing); with
-    `path`, one self-contained file.
+    `path`, one self-contained file (an existing one replaced atomically, or
+    with `replace=False` refused: OutputExists, 73).
 
     Retention: as many snapshots as the pool keeps (`Pool.snapshot_keep`,
     default 3); a `keep` given here is stored with the pool first, which
     only the pool's owner (or root) may do: PermissionDenied (77) for
     anyone else, before anything is written."""
-    return write(pool.core, pool.configuration, path, keep, progress, full)
+    return write(pool.core, pool.configuration, path, keep, progress, full, replace)
 
 
 def restore(

@@ -919,6 +919,7 @@ class Pool:
         progress: Callable[[int, int], None] | None = None,
         keep: int | None = None,
         full: bool = False,
+        replace: bool = True,
     ) -> "os.PathLike":
         """Write an atomic, checksummed snapshot of the live entries; return its path.
 
@@ -927,10 +928,12 @@ class Pool:
         the pool keeps (`snapshot_keep`, default 3) are kept; a `keep` given
         here is stored with the pool first.  There it is incremental: only the
         values that no kept snapshot holds are written, into a pack beside it
-        (`full`: all of them).  With `path`, one self-contained file.  Raises
-        PersistBusy if one is already running.
+        (`full`: all of them).  With `path`, one self-contained file, which
+        replaces one there atomically (`replace=False`: OutputExists, 73,
+        instead).  Raises PersistBusy if one is already running.
         """
-        return snapshot.write(self.core, self.configuration, path, keep=keep, progress=progress, full=full).path
+        return snapshot.write(self.core, self.configuration, path, keep=keep, progress=progress, full=full,
+                              replace=replace).path
 
     @classmethod
     def restore(

@@ -325,7 +325,7 @@ class QueueVictims:
         t = qf64[Q_TARGET]
         limit = float(self.cols["state"].size) if self.policy.adapt == "arc" else 1.0
         if not 0.0 <= t <= limit:  # NaN too
-            problems.append("queue target out of range reset")
+            problems.append("queue target out of range")
         for g in self.ghosts:
             problems += g.repair(fix)
         if fix:

@@ -59,7 +59,7 @@ def analyse(core: "Core", fix: bool) -> list[str]:
     nk = np.uint64(n_kcells)
     ok &= (klen >= 1) & (klen <= MAX_KEY_BYTES) & (kcell <= nk - np.minimum(kn, nk))
     if not ok.all():
-        problems.append(f"{int((~ok).sum())} entr(y/ies) with impossible size or position dropped")
+        problems.append(f"{int((~ok).sum())} entr(y/ies) with impossible size or position")
         state[used[~ok]] = FREE
 
     # Pin records: keep those of live processes on entries that can be pinned.
@@ -72,7 +72,7 @@ def analyse(core: "Core", fix: bool) -> list[str]:
             keep_pin[j] = True
     dead_pins = int(np.count_nonzero((ppid != 0) & ~keep_pin))
     if dead_pins:
-        problems.append(f"{dead_pins} pin(s) held by dead processes released")
+        problems.append(f"{dead_pins} pin(s) held by dead processes")
     pins = np.bincount(pslot[keep_pin].astype(np.int64), minlength=n)[:n].astype(np.uint32)
     if not dead_pins and (pins != s["pins"]).any():
         problems.append("pin counts did not match the pin records")
@@ -80,11 +80,11 @@ def analyse(core: "Core", fix: bool) -> list[str]:
     writing = np.flatnonzero(state == WRITING)
     dead_writers = [int(i) for i in writing if not alive(int(s["owner_pid"][i]), int(s["owner_start"][i]))]
     if dead_writers:
-        problems.append(f"{len(dead_writers)} unfinished write(s) of dead processes dropped")
+        problems.append(f"{len(dead_writers)} unfinished write(s) of dead processes")
         state[dead_writers] = FREE
     zombies = np.flatnonzero((state == ZOMBIE) & (pins == 0))
     if zombies.size:
-        problems.append(f"{zombies.size} deleted entr(y/ies) whose readers are gone freed")
+        problems.append(f"{zombies.size} deleted entr(y/ies) whose readers are gone")
         state[zombies] = FREE
 
     # Overlapping runs of blocks or of key cells: keep the most recently inserted entry of each clash.
@@ -93,7 +93,7 @@ def analyse(core: "Core", fix: bool) -> list[str]:
     clash = _drop_overlaps(state, s["first_block"].astype(np.int64), s["n_blocks"].astype(np.int64), s["insert_seq"])
     clash += _drop_overlaps(state, s["key_cell"].astype(np.int64), kcells, s["insert_seq"])
     if clash:
-        problems.append(f"{clash} entr(y/ies) overlapping another dropped")
+        problems.append(f"{clash} entr(y/ies) overlapping another")
 
     # Duplicate keys among sealed entries: keep the newest.
     sealed = np.flatnonzero(state == SEALED)
@@ -116,7 +116,7 @@ def analyse(core: "Core", fix: bool) -> list[str]:
             seen[k] = j if loser == i else i
             dups += 1
     if dups:
-        problems.append(f"{dups} duplicate entr(y/ies) of one key dropped")
+        problems.append(f"{dups} duplicate entr(y/ies) of one key")
 
     # Derived structures, rebuilt from the surviving slots.
     used = np.flatnonzero(state != FREE)
@@ -182,7 +182,7 @@ def _header_sanity(core: "Core", fix: bool) -> list[str]:
             hdr["lfu_period"] = max(1024, core.geometry.n_slots)
     wild = [c for c in _COUNTERS if int(hdr[c]) >= _IMPOSSIBLE]
     if wild:
-        problems.append(f"counter(s) {', '.join(wild)} out of range reset")
+        problems.append(f"counter(s) {', '.join(wild)} out of range")
         if fix:
             for c in wild:
                 if c == "seq":
@@ -194,7 +194,7 @@ def _header_sanity(core: "Core", fix: bool) -> list[str]:
     ahead = s["lfu_epoch"] > np.uint64(epoch)
     huge = s["access_count"] >= np.uint64(_IMPOSSIBLE)
     if ahead.any() or huge.any():
-        problems.append(f"{int((ahead | huge).sum())} entr(y/ies) with impossible access counts reset")
+        problems.append(f"{int((ahead | huge).sum())} entr(y/ies) with impossible access counts")
         if fix:
             s["lfu_epoch"][ahead] = epoch
             s["access_count"][huge] = 1

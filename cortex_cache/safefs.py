@@ -16,7 +16,9 @@ import errno
 import os
 import stat
 
-from .errors import OUT_OF_FILES, CannotCreate, PermissionDenied, StorageIOError, too_many_open_files
+from .errors import (
+    OUT_OF_FILES, CannotCreate, OutputExists, PermissionDenied, StorageIOError, UsageError, too_many_open_files,
+)
 
 
 def dir_mode(mode: int) -> int:
@@ -266,4 +268,42 @@ def os_error(e: OSError, what: str) -> Exception:
     return StorageIOError(f"{what}: {e.strerror}")
 
 
-__all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs", "open_file", "check_fd", "dir_mode", "os_error"]
+def refuse_existing(path: str, replace: bool) -> None:
+    """OutputExists (73) for a name that is taken, unless `replace`.  A directory, a device or a FIFO is
+    never replaced (UsageError): a rename over /dev/null would replace the device itself."""
+    try:
+        st = os.stat(path)  # what a write would reach, through a symbolic link
+    except FileNotFoundError:  # nothing there, or a dangling link (which `replace` replaces)
+        st = None
+    except OSError as e:
+        raise os_error(e, f"cannot inspect {path!r}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path!r} is a directory; give a file name")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path!r} is not a regular file; give a file name")
+    if not replace and os.path.lexists(path):
+        raise OutputExists(f"{path!r} already exists; remove it first or give --force to replace it")
+
+
+def publish(tmp: str, path: str, replace: bool) -> None:
+    """Give the complete file `tmp` the name `path`: rename over it with `replace`, else a hard link that
+    fails if the name was taken meanwhile (no window in which a file made by someone else is replaced)."""
+    if replace:
+        os.rename(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise OutputExists(f"{path!r} already exists; remove it first or give --force to replace it") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # A filesystem without hard links (vfat, some FUSE): checked just now, then renamed.
+        refuse_existing(path, False)
+        os.rename(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+__all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs",
+           "open_file", "check_fd", "dir_mode", "os_error", "refuse_existing", "publish"]

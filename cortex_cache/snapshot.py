@@ -97,6 +97,7 @@ from .errors import (
 from .layout import FLAG_MULTI_THREADED, MAX_KEY_BYTES, Geometry
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
+from .units import plural
 
 MAGIC = b"CRTXSNAP"
 VERSION = 2  # a self-contained file (persist --output)
@@ -252,6 +253,7 @@ def write(
     keep: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     full: bool = False,
+    replace: bool = True,
 ) -> PersistResult:
     """Write a snapshot of the live entries of the pool of `core`.
 
@@ -264,7 +266,9 @@ def write(
     sharing nothing), point `<name>.ccsnap` at it and keep the newest
     timestamped snapshots of the pool: as many as the pool keeps (its
     header's `snapshot_keep`, default 3), with the packs they refer to.  A `keep` given here is stored with the pool first, so every
-    later persist keeps as many.  Raises PersistBusy
+    later persist keeps as many.  A `path` that exists is replaced
+    atomically, or with `replace=False` refused (OutputExists, 73: the
+    CLI's rule for -o).  Raises PersistBusy
     (exit 75) if another persist of this pool is running, PermissionDenied,
     StorageIOError (disk full, I/O error); on any error the previous snapshot
     is untouched and no temp file is left.
@@ -292,7 +296,7 @@ def write(
                 raise PersistBusy(waiting)
             if keep is not None:
                 core.fields.snapshot_keep[0] = keep
-            return _persist_locked(core, configuration, path, progress, full)
+            return _persist_locked(core, configuration, path, progress, full, replace)
         finally:
             lock.release()
     finally:
@@ -336,7 +340,8 @@ def check_settings_owner(core: Core, what: str, instead: str) -> None:
         )
 
 
-def _persist_locked(core: Core, configuration, path, progress, full: bool = False) -> PersistResult:
+def _persist_locked(core: Core, configuration, path, progress, full: bool = False,
+                    replace: bool = True) -> PersistResult:
     t0 = time.perf_counter()
     now = time.time()
     if path is None:
@@ -345,8 +350,7 @@ def _persist_locked(core: Core, configuration, path, progress, full: bool = Fals
     else:
         target = Path(path)
         directory = target.parent if str(target.parent) else Path(".")
-        if target.is_dir():
-            raise UsageError(f"{str(target)!r} is a directory; give a file name")
+        safefs.refuse_existing(str(target), replace)  # a directory, or a file not to be replaced
     pool_mode = core.seg.stat().st_mode & 0o777
     if path is None:  # our own directory: make it (private), and refuse one others could plant files in
         checked_snapshot_dir(pool_mode, make=True)
@@ -382,7 +386,10 @@ def _persist_locked(core: Core, configuration, path, progress, full: bool = Fals
             f.finish()
             os.fsync(raw.fileno())
         with interrupts.commit():  # renamed into place: a signal now waits, and the persist reports success
-            os.rename(tmp, target)
+            if path is None:
+                os.rename(tmp, target)
+            else:
+                safefs.publish(str(tmp), str(target), replace)
             if path is None:
                 _link_latest(target, latest_path(core.name, directory))
             _fsync_dir(directory)
@@ -992,6 +999,61 @@ def snapshot_usage(name: str, directory: Path | None = None) -> dict[str, Any]:
             "latest_bytes": last_bytes}
 
 
+def prune(name: str, keep: int, core: Core | None = None) -> dict[str, Any]:
+    """Remove pool `name`'s snapshots in the snapshot directory but the newest `keep`, then every pack no
+    remaining one refers to; `keep=0` removes them all, `NAME.ccsnap` too (nothing is left to restore).
+    What a persist's retention does, asked for by hand: for snapshots piled up under an older retention,
+    or left by a pool that is gone.
+
+    `core`: the pool, when it exists; the work then runs under its persist lock, so no persist, restore
+    or fill of it runs meanwhile (PersistBusy, 75).  Returns removed (paths), kept (how many) and
+    freed_bytes.  Only this user's files are removed."""
+    if keep < 0:
+        raise UsageError(f"--keep must be at least 0, not {keep}")
+    directory = checked_snapshot_dir()
+    if not directory.is_dir():
+        return {"removed": [], "kept": 0, "freed_bytes": 0}
+    lock = None
+    if core is not None:
+        lock = RecordLock(core.seg.fd, PERSIST_BYTE)
+        if not lock.take_soon():
+            raise PersistBusy(f"a persist or restore of pool {name!r} is running; prune its snapshots when it is done")
+    try:
+        if core is not None:
+            waiting = fill.busy_reason(core)
+            if waiting is not None:
+                raise PersistBusy(waiting)
+        stem = namespaced(name)
+        latest = latest_path(name, directory)
+        names = [*snapshots_of(name, directory), *packs.packs_of(stem, directory)]
+        # NAME.ccsnap is a second name of the newest snapshot: listed when it goes, its bytes counted once.
+        before = {p: _size(p) for p in names} | ({latest: 0} if latest.exists() else {})
+        if keep == 0 and latest.exists():
+            _unlink_ours(latest)
+        if keep == 0:
+            for old in snapshots_of(name, directory):
+                _unlink_ours(old)
+            packs.remove_unreferenced(stem, directory, ())
+        else:
+            _prune(name, directory, keep)
+        _fsync_dir(directory)
+        after = {*snapshots_of(name, directory), *packs.packs_of(stem, directory), *[latest] * latest.exists()}
+    finally:
+        if lock is not None:
+            lock.release()
+    removed = sorted(p for p in before if p not in after)
+    return {"removed": [str(p) for p in removed], "kept": len(snapshots_of(name, directory)),
+            "freed_bytes": sum(before[p] for p in removed)}
+
+
+def _unlink_ours(path: Path) -> None:
+    try:
+        if path.lstat().st_uid == os.geteuid():
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def _prune(name: str, directory: Path, keep: int) -> None:
     """Retention: the newest `keep` snapshots stay; then every pack none of them refers to goes.  A pack
     is deleted only once no kept manifest names it, so a kill anywhere in here leaves every kept
@@ -1110,7 +1172,7 @@ class Snapshot:
             end = self.size - TRAILER.size
             magic, self.entries, self.value_bytes, self._file_check = TRAILER.unpack_from(self._mv, end)
             if magic != END_MAGIC:
-                raise self._corrupt("truncated (no trailer)")
+                raise self._corrupt(self._why_no_trailer())
             if verify:
                 self.verify()
         except BaseException:
@@ -1136,6 +1198,21 @@ class Snapshot:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _why_no_trailer(self) -> str:
+        """The file does not end in a trailer: cut short, or bytes added after its end (an append,
+        a copy that wrote too much)?  A trailer whose own words check out further in tells which."""
+        at = self._mm.rfind(END_MAGIC, FILE_HEAD.size)
+        while at >= 0:
+            if at + TRAILER.size <= self.size:
+                _, n, value_bytes, _ = TRAILER.unpack_from(self._mv, at)
+                # A real trailer counts no more entries and value bytes than the file could hold.
+                if n <= at and value_bytes <= at:
+                    extra = self.size - at - TRAILER.size
+                    return (f"{plural(extra, 'byte', 'bytes')} follow its trailer (added after it was written); "
+                            f"its first {at + TRAILER.size} bytes may be the snapshot")
+            at = self._mm.rfind(END_MAGIC, FILE_HEAD.size, at)
+        return "truncated (no trailer)"
 
     def _corrupt(self, why: str) -> SnapshotCorrupt:
         return SnapshotCorrupt(f"snapshot {str(self.path)!r} is damaged: {why}")

@@ -51,18 +51,23 @@ def rates(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict
 
 
 def watch(
-    pool: "Pool",
+    sample: "Callable[[], dict[str, Any]] | Pool",
     interval: float,
     count: int | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[dict[str, Any]]:
-    """Yield `rates()` of each interval, `count` times (forever with None)."""
-    before, t0 = pool.stats(), clock()
+    """Yield `rates()` of each interval, `count` times (forever with None).
+
+    `sample` gives the pool's `stats()`: a pool handle, or a function (the CLI's opens the pool by name
+    for each sample, so a watch between samples holds no mapping: `delete` does not count it as a user,
+    and a pool replaced under the name is followed)."""
+    take = sample.stats if hasattr(sample, "stats") else sample
+    before, t0 = take(), clock()
     n = 0
     while count is None or n < count:
         sleep(interval)
-        after, t1 = pool.stats(), clock()
+        after, t1 = take(), clock()
         yield rates(before, after, t1 - t0)
         before, t0 = after, t1
         n += 1

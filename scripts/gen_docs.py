@@ -105,9 +105,6 @@ class Model:
         return sorted(n for n, takes in kinds.items() if takes)
 
 
-DEBUG_OPT = Opt(["--debug"], None, "Show the traceback of an error (also CORTEX_CACHE_DEBUG=1). Accepted anywhere before a -- argument.")
-
-
 def _split_help(text: str) -> tuple[str, list[str], list[str]]:
     """(summary, other paragraphs, examples) of a command's help text."""
     paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text or "") if p.strip()]
@@ -175,8 +172,8 @@ def build_model() -> Model:
         description=root_summary.split(": ", 1)[-1].rstrip("."),
         group=group_name,
         group_help=group_summary,
-        root_opts=root_opts[:-1] + [DEBUG_OPT, root_opts[-1]],
-        group_opts=group_opts[:-1] + [DEBUG_OPT, group_opts[-1]],
+        root_opts=root_opts,
+        group_opts=group_opts,
         commands=commands,
     )
 
@@ -224,7 +221,9 @@ def bash(m: Model) -> str:
 # {GENERATED}
 #
 # Install: copy to ~/.local/share/bash-completion/completions/cortex (or
-# /usr/share/bash-completion/completions/cortex), or `source` it from ~/.bashrc.
+# /usr/share/bash-completion/completions/cortex), where the bash-completion
+# package (`apt install bash-completion`, `dnf install bash-completion`) loads
+# it; without that package, `source` it from ~/.bashrc.
 
 # Pools under $CORTEX_CACHE_SHM_PREFIX (default "cortex-cache.") in /dev/shm.
 _cortex_pools()
@@ -829,7 +828,8 @@ def man(m: Model) -> str:
         ("\\fIcompletions/cortex.bash\\fR, \\fIcompletions/_cortex\\fR, \\fIcompletions/cortex.fish\\fR",
          "Shell completions for bash, zsh and fish in the source tree.  Install (make the directory first, "
          "\\fBmkdir \\-p\\fR): bash, copy to "
-         "\\fI~/.local/share/\\:bash\\-completion/\\:completions/\\:cortex\\fR; zsh, copy \\fI_cortex\\fR into a directory "
+         "\\fI~/.local/share/\\:bash\\-completion/\\:completions/\\:cortex\\fR, which the bash\\-completion "
+         "package loads (install it, or \\fBsource\\fR the file from \\fI~/.bashrc\\fR); zsh, copy \\fI_cortex\\fR into a directory "
          "on \\fB$fpath\\fR before \\fBcompinit\\fR; fish, copy to \\fI~/.config/fish/completions/\\fR."),
     ):
         w(".TP")
@@ -993,8 +993,8 @@ def normalize(text: str) -> str:
     text = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", "<time>", text)  # --json's "time"
     text = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", "<time>", text)
     text = re.sub(r"\d{8}T\d{6}\.\d{6}Z", "<stamp>", text)
-    text = re.sub(r"\d+(\.\d+)? GB/s", "<rate>", text)
-    text = re.sub(r"\b\d+(\.\d+)?[smhd]\b", "<dur>", text)
+    text = re.sub(r"\((\d+(\.\d+)?(B|KiB|MiB|GiB|TiB)/s|-)\)", "(<rate>)", text)
+    text = re.sub(r"\b\d+(\.\d+)?[smhdy]\b", "<dur>", text)
     text = re.sub(r"\buid \d+ gid \d+", "uid <n> gid <n>", text)
     return "\n".join(" ".join(ln.split()) for ln in text.splitlines()).strip()
 

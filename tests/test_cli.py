@@ -1,4 +1,4 @@
-"""The operator CLI, `cortex cache ...`, run as real subprocesses (DESIGN §2).
+"""The operator CLI, `cortex cache ...`, run as real subprocesses (docs/cli.md).
 
 Every command is run through `python -m cortex_cache` against real shared
 memory.  Pools a test needs but does not itself test the creation of are made
@@ -726,7 +726,7 @@ def test_double_dash_ends_options(new_pool):
 # ---------------------------------------------------------------- help
 
 
-COMMANDS = ["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify"]
+COMMANDS = ["create", "list", "status", "delete", "put", "get", "info", "keys", "evict", "verify"]
 
 
 def test_help():

@@ -202,7 +202,7 @@ def test_help_loads_neither_numpy_nor_torch():
         """
     )
     doc = json.loads(out.stdout)
-    assert len(doc["helps"]) == 16, doc
+    assert len(doc["helps"]) == 2 + len(COMMANDS), doc
     for argv, (rc, n) in doc["helps"].items():
         assert rc == 0 and n > 100, (argv, rc, n)
     assert doc["loaded"] == []
@@ -313,8 +313,8 @@ def bash_complete(lines: list[str], env: dict | None = None) -> list[list[str]]:
 
 
 POLICIES = ["arc", "auto", "fifo", "lfu", "lru", "priority", "s3fifo", "size", "ttl"]
-COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "keys", "evict", "verify", "persist", "restore", "resize",
-                   "snapshots", "doctor"])
+COMMANDS = sorted(["create", "list", "status", "delete", "put", "get", "info", "keys", "evict", "verify", "persist",
+                   "restore", "resize", "snapshots", "doctor"])
 
 # (command line as typed, the candidates offered: exactly these)
 SHELL_CASES = [
@@ -648,7 +648,8 @@ def test_readme_usage_output_is_real(tmp_path, page):
 def test_readme_normalize_keeps_what_matters():
     """The comparison above ignores times and speeds, but not counts, sizes or messages."""
     n = gen_docs.normalize
-    assert n("persisted 1 entry in 0.01s (1.20 GB/s)") == n("persisted 1 entry in 3.50s (0.07 GB/s)")
+    assert n("persisted 1 entry in 0.01s (1.2GiB/s)") == n("persisted 1 entry in 3.50s (70.3KiB/s)")
+    assert n("persisted 1 entry, 1.2GiB of p") != n("persisted 1 entry, 1.2MiB of p")
     assert n("created  2026-01-01 10:00:00") == n("created 2027-02-02 11:11:11")
     assert n('{"time":"2026-12-01T06:17:24.770Z","ok":true}') == n('{"time":"2027-01-01T00:00:00.000Z","ok":true}')
     assert n("llama-20261129T175048.267719Z.ccsnap") == n("llama-20270101T000000.000000Z.ccsnap")

@@ -4,7 +4,7 @@ targeted eviction, cross-process eviction state and the stats counters.
 Most tests use a pool of 8 blocks of 4 KiB where every value (plus its key)
 takes exactly one block, so the pool holds exactly 8 entries and each put
 into a full pool evicts exactly one victim.  Time comes from a FakeClock
-(DESIGN: inject time); no test sleeps.
+(time is injected, never slept for); no test sleeps.
 """
 
 from __future__ import annotations

@@ -172,10 +172,11 @@ def test_a_version_1_snapshot_still_restores(pool_name, cleanup, tmp_path):
 def test_create_if_missing(pool_name, cleanup):
     cleanup.append(pool_name)
     args = ["cache", "create", pool_name, "--size", "1M", "--block-size", "4K", "--if-missing"]
-    first = cli(*args, "--json")
-    assert _json(first)["created"] is True
-    again = cli(*args, "--json")
-    assert _json(again)["created"] is False
+    first = _json(cli(*args, "--json"))
+    assert first["existed"] is False
+    again = _json(cli(*args, "--json"))
+    # `created` is the pool's creation time in both, as in status --json; `existed` says which run made it.
+    assert again["existed"] is True and again["created"] == first["created"] and isinstance(first["created"], float)
     with Pool.open(pool_name) as p:
         p.put("k", b"v")
     assert cli(*args).returncode == 0  # and nothing changed
