@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gc
+import json
 import signal
+import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cortex_cache import GpuUnavailable, KeyNotFound, Pool, PoolFull, UsageError, gpu  # noqa: E402
-from tests.helpers import cli, run_py, spawn_py  # noqa: E402
+from tests.helpers import REPO, cli, run_py, spawn_py  # noqa: E402
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -214,3 +217,28 @@ def test_importing_cortex_cache_and_the_cli_never_load_torch():
     assert out.strip() == b"False"
     r = cli("cache", "list")
     assert r.returncode == 0
+
+
+GPU_CHECK = [sys.executable, str(REPO / "scripts" / "gpu_check_connector.py")]
+
+
+def test_the_connectors_gpu_check_passes_on_the_cpu(tmp_path):
+    """scripts/gpu_check_connector.py (run with CUDA on a GPU machine) kept from rotting: the same checks on CPU
+    tensors, at small sizes; any check that fails makes it exit 1 (and print FAILED)."""
+    report = tmp_path / "check.json"
+    r = subprocess.run([*GPU_CHECK, "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-size", "16",
+                        "--cache-blocks", "32", "--blocks", "8", "--reps", "1", "--json", str(report)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
+    oks = [line for line in r.stdout.splitlines() if line.startswith("ok: ")]
+    assert len(oks) == 6 and all("bit-exact" in line for line in oks[:4]), r.stdout
+    assert "6 checks passed on CPU" in r.stdout and "GB/s" in r.stdout and "overlap" in r.stdout
+    got = json.loads(report.read_text())
+    assert got["failed"] == [] and len(got["checks"]) == 6
+    assert all(got["figures"][k] > 0 for k in ("save_inline_gbps", "save_saver_gbps", "load_gbps", "baseline_d2h_gbps"))
+
+
+@needs_no_cuda
+def test_the_connectors_gpu_check_without_cuda_exits_69():
+    r = subprocess.run(GPU_CHECK, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 69 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
