@@ -323,6 +323,49 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
     Pool.unlink(pool_name)
 
 
+def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
+    """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
+    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
+    from cortex_cache.integrations.vllm.blocks import _Leased, prefix_digests
+    from cortex_cache.segment import mapped_generations
+
+    def on_old_copy() -> bool:
+        return os.getpid() in mapped_generations()[1].get(pool_name, [])
+
+    pool = make_pool("8M", name=pool_name)
+    store, faults = _store(pool_name)
+    d = prefix_digests(list(range(96)), 32, b"t")
+    rows = store.staging(3, "cpu")
+    assert store.save(d[:1], rows[:1]) == 1
+    snap = tmp_path / "s.ccsnap"
+    assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+    pool.close()  # only the store's handles map the pool from here on
+    ref = store.pool
+    in_flight = ref.acquire()  # a copy on another thread, still running when the pool is replaced
+    assert cli("cache", "restore", pool_name, "-i", str(snap), "--replace").returncode == 0
+    assert store.save(d[1:2], rows[:1]) == 1  # into the pool now under the name
+    assert ref.get() is not in_flight and ref.moves == 1 and ref.held() == 2
+    assert in_flight.get(store.key(d[0]))[:4] == b"CXVB" and on_old_copy()  # still readable: not closed
+    ref.release(in_flight)
+    assert ref.held() == 1 and not on_old_copy()  # closed with its last lease
+    # Nothing in flight: a deleted pool's handle is closed at the next call, which finds no pool.
+    assert cli("cache", "delete", pool_name, "--force").returncode == 0
+    assert store.present(d) == 0 and ref.held() == 0 and not on_old_copy() and ref.moves == 2
+    with Pool.create(pool_name, "8M") as again:
+        # A CUDA load hands its lease to the transfer, which ends it once the copies are done.
+        leased = ref.acquire()
+        assert leased is not None and leased.name == pool_name
+        waited = []
+        t = _Leased(type("T", (), {"wait": lambda self: waited.append(1) or "done"})(), lambda: ref.release(leased))
+        assert cli("cache", "delete", pool_name, "--force").returncode == 0
+        assert ref.get() is None and ref.held() == 1  # the transfer's handle stays open
+        assert t.wait() == "done" and waited == [1] and ref.held() == 0
+        t.wait()  # twice: the lease ended once
+        assert ref.held() == 0
+    ref.close()
+    assert faults.stats["error"] == 0
+
+
 def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool, pool_name):
     from cortex_cache.integrations.vllm.blocks import Saver, prefix_digests
 
