@@ -52,14 +52,24 @@ def models():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def engine(model: str, prompts: list[list[int]], connector: dict | None, **kw) -> dict:
-    """Run one engine process over `prompts`; its outputs, cached tokens and connector counters."""
+# What lets vLLM's CPU build run two tensor-parallel ranks on a 2-core machine: a core for each rank's
+# OpenMP threads, none held back for the engine's own process.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def _request(body: dict) -> str:
     fd, path = tempfile.mkstemp(prefix="cctest-vllm-req-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump({"prompts": prompts, "connector": connector, **kw}, f)
+        json.dump(body, f)
+    return path
+
+
+def engine(model: str, prompts: list[list[int]], connector: dict | None, env: dict | None = None, **kw) -> dict:
+    """Run one engine process over `prompts`; its outputs, cached tokens and connector counters."""
+    path = _request({"prompts": prompts, "connector": connector, **kw})
     try:
         r = subprocess.run([VLLM_PY, ENGINE, "run", model, path], capture_output=True, text=True, timeout=600,
-                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           cwd=REPO, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
     finally:
         os.unlink(path)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -69,17 +79,61 @@ def engine(model: str, prompts: list[list[int]], connector: dict | None, **kw) -
     return out
 
 
+class PhasedEngine:
+    """One engine process kept up between phases (vllm_engine.py with "phases"): `phase(prompts)` sends them as
+    a line, and returns the RESULT line the engine prints once the phase is done (its saves too)."""
+
+    def __init__(self, model: str, connector: dict, **kw) -> None:
+        self.path = _request({"phases": True, "connector": connector, **kw})
+        self.err = tempfile.TemporaryFile(mode="w+")  # our logs: a file, so a full pipe never stalls the engine
+        self.out: list[str] = []  # vLLM's logs (its logger writes to stdout)
+        self.proc = subprocess.Popen([VLLM_PY, ENGINE, "run", model, self.path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def log(self) -> str:
+        self.err.seek(0)
+        return "".join(self.out)[-3000:] + self.err.read()[-6000:]
+
+    def phase(self, prompts: list[list[int]]) -> dict:
+        self.proc.stdin.write(json.dumps(prompts) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+            self.out.append(line)
+        raise AssertionError(f"engine ended ({self.proc.wait()}):\n{self.log()}")
+
+    def close(self) -> None:
+        try:
+            self.proc.communicate(timeout=120)  # EOF on stdin: the engine stops; its last logs are read
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+        finally:
+            self.err.close()
+            os.unlink(self.path)
+
+
+@pytest.fixture(scope="module")
+def referee(models):
+    """The tokens of A and B from the referee: a connector that never hits (its pool is absent) and no
+    prefix cache.  Any configured KV connector changes how vLLM schedules the decode enough to flip an exact
+    tie between two tokens (one prompt in 60, measured), so an engine without one is not the referee of exact
+    tokens."""
+    ref = engine(models["small"], [A, B], {"pool": "referee-absent"}, prefix_caching=False)
+    assert ref["cached"] == [0, 0] and ref["stats"]["hit_blocks"] == 0 and ref["stats"]["unavailable"] >= 1
+    return ref
+
+
 @needs_vllm
-@pytest.mark.timeout(1500)  # six engine starts, each 10-60 s on a busy 2-core machine
-def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_layouts(models, make_pool, tmp_path):
+@pytest.mark.timeout(1500)  # five engine starts, each 10-60 s on a busy 2-core machine
+def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_layouts(models, referee, make_pool,
+                                                                                     tmp_path):
     small = models["small"]
-    # The referee: a connector that never hits (its pool is absent) and no prefix cache.  Any configured
-    # KV connector changes how vLLM schedules the decode enough to flip an exact tie between two tokens
-    # (one prompt in 60, measured), so an engine without one is not the referee of exact tokens.
+    ref = referee
     # 128 KiB blocks hold this model's 32,832-byte values (2 layers x 16 KiB, our 64-byte header) at 25%.
     pool = make_pool("64M", block_size="128K")
-    ref = engine(small, [A, B], {"pool": pool.name + "-absent"}, prefix_caching=False)
-    assert ref["cached"] == [0, 0] and ref["stats"]["hit_blocks"] == 0
     name = pool.name
     conn = {"pool": name}
 
@@ -165,6 +219,101 @@ def test_a_missing_or_full_pool_is_a_counted_miss_and_the_engine_serves(models, 
     assert full["outputs"] == ref["outputs"] * 2
     assert full["stats"]["store_failed"] >= 9 and full["stats"]["stored"] == 0
     assert len(tiny) == 0
+
+
+def _status(name: str) -> dict:
+    r = cli("cache", "status", name, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # one engine start, kept up through three phases
+def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_then_create(models, referee, make_pool,
+                                                                                         pool_name, tmp_path):
+    """One engine process across three phases; between them the pool under its name is replaced (restore
+    --replace), then deleted and created again.  Each phase hits and saves in the pool now under the name,
+    and the engine lets the old copy go (issue: engines stayed on the unlinked copy until they exited)."""
+    ref = referee
+    pool = make_pool("8M", name=pool_name, block_size="4K")
+    eng = PhasedEngine(models["small"], {"pool": pool_name}, prefix_caching=False)  # each block asked of the pool
+    try:
+        one = eng.phase([A])
+        pid = one["pid"]
+        assert one["outputs"] == ref["outputs"][:1] and one["cached"] == [0] and one["stats"]["stored"] == 9
+        assert len(pool) == 9
+        # A copy holding A's blocks replaces the pool; the copy the engine maps is emptied, so a hit in phase
+        # two can only come from the new pool.
+        snap = tmp_path / "a.ccsnap"
+        assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+        for k in pool.keys():
+            pool.delete(k)
+        pool.close()
+        assert cli("cache", "restore", pool_name, "-i", str(snap), "--replace").returncode == 0
+        st = _status(pool_name)
+        assert pid in st["attached_old_pids"] and pid not in st["attached_pids"]  # idle: still on the old copy
+
+        two = eng.phase([B])
+        assert two["cached"] == [256] and two["outputs"] == ref["outputs"][1:]  # A's prefix, from the new pool
+        assert two["stats"]["loaded"] == 8 and two["stats"]["stored"] == 10  # and B's 9th block saved there
+        with Pool.open(pool_name) as now:
+            assert len(now) == 10
+        st = _status(pool_name)
+        assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]  # the old copy was let go
+
+        assert cli("cache", "delete", pool_name, "--force").returncode == 0
+        again = make_pool("8M", name=pool_name, block_size="4K")  # empty
+        three = eng.phase([B])
+        assert three["cached"] == [0] and three["outputs"] == ref["outputs"][1:]  # nothing to hit there
+        assert three["stats"]["stored"] == 19 and len(again) == 9  # B's blocks, in the pool created again
+        assert three["stats"]["unavailable"] == 0  # found at once: the engine did not wait for a retry
+        assert sum(three["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
+        st = _status(pool_name)
+        assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(1800)  # three engines of two ranks, each 40-120 s on a busy 2-core machine
+def test_tensor_parallel_ranks_store_and_load_their_own_blocks(models, make_pool):
+    """TP=2 on the CPU build, each rank a worker process of vLLM's multiprocessing executor: every rank stores
+    its own half of each block under its own keys, and a new TP=2 process loads the prefix on both ranks with
+    the tokens of a TP=2 referee whose connector never hits."""
+    small = models["small"]
+    tp2 = {"env": TP2_ENV, "tp": 2}
+    ref = engine(small, [A, B], {"pool": "tp2-absent"}, prefix_caching=False, **tp2)
+    assert ref["cached"] == [0, 0] and ref["stats"]["hit_blocks"] == 0 and len(ref["ranks"]) == 2
+    # A rank's value: 2 layers x 32 tokens x 1 of the 2 KV heads x 64 floats x K and V = 16 KiB, and our header.
+    pool = make_pool("16M", block_size="4K")
+    conn = {"pool": pool.name}
+
+    first = engine(small, [A], conn, **tp2)
+    assert first["outputs"] == ref["outputs"][:1] and first["cached"] == [0]
+    assert [r["stored"] for r in first["ranks"]] == [9, 9]  # each worker's own counters (vllm_engine.WorkerProbe)
+    keys = pool.keys(prefix="vllm/")
+    ranks = {r: sorted(k.rsplit("/", 1)[1] for k in keys if f"/{r}/" in k) for r in ("pp0tp0", "pp0tp1")}
+    assert len(keys) == 18 and len(ranks["pp0tp0"]) == 9 and ranks["pp0tp0"] == ranks["pp0tp1"]  # 2 x TP=1's 9
+    k0 = next(k for k in keys if "/pp0tp0/" in k)
+    v0, v1 = pool.get(k0), pool.get(k0.replace("/pp0tp0/", "/pp0tp1/"))
+    assert len(v0) == len(v1) == 64 + 16384 and v0[64:] != v1[64:]  # each rank's own heads
+
+    # Block 6 of the chain (A's seventh key in insert order) taken from rank 1 only: the scheduler claims
+    # the blocks every rank has, 0-5.
+    order = [k for k in keys if "/pp0tp1/" in k]
+    assert pool.delete(order[6])
+    second = engine(small, [B], conn, metrics=True, **tp2)
+    assert second["cached"] == [6 * BLOCK] and second["outputs"] == ref["outputs"][1:]
+    # Each rank loads 0-5; rank 0 saves B's 9th block, rank 1 its block 6 again as well.
+    assert [(r["loaded"], r["stored"]) for r in second["ranks"]] == [(6, 1), (6, 2)]
+    assert second["stats"]["hit_blocks"] == 6  # the scheduler's count
+    assert sum(second["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
+    # vLLM's own metrics sum what its workers report: the loads of both ranks.
+    m = second["metrics"]
+    assert m["vllm:cortex_hit_blocks"] == 6 and m["vllm:cortex_loaded_blocks"] == 12
+    assert m["vllm:cortex_loaded_bytes"] == 12 * 16384
+    assert len(pool.keys(prefix="vllm/")) == 20 and order[6] in pool
 
 
 HYBRID = """
@@ -321,6 +470,49 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
         assert store.save(d[:1], rows[:1]) == 1 and len(again) == 1
         store.pool.close()
     Pool.unlink(pool_name)
+
+
+def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
+    """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
+    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
+    from cortex_cache.integrations.vllm.blocks import _Leased, prefix_digests
+    from cortex_cache.segment import mapped_generations
+
+    def on_old_copy() -> bool:
+        return os.getpid() in mapped_generations()[1].get(pool_name, [])
+
+    pool = make_pool("8M", name=pool_name)
+    store, faults = _store(pool_name)
+    d = prefix_digests(list(range(96)), 32, b"t")
+    rows = store.staging(3, "cpu")
+    assert store.save(d[:1], rows[:1]) == 1
+    snap = tmp_path / "s.ccsnap"
+    assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+    pool.close()  # only the store's handles map the pool from here on
+    ref = store.pool
+    in_flight = ref.acquire()  # a copy on another thread, still running when the pool is replaced
+    assert cli("cache", "restore", pool_name, "-i", str(snap), "--replace").returncode == 0
+    assert store.save(d[1:2], rows[:1]) == 1  # into the pool now under the name
+    assert ref.get() is not in_flight and ref.moves == 1 and ref.held() == 2
+    assert in_flight.get(store.key(d[0]))[:4] == b"CXVB" and on_old_copy()  # still readable: not closed
+    ref.release(in_flight)
+    assert ref.held() == 1 and not on_old_copy()  # closed with its last lease
+    # Nothing in flight: a deleted pool's handle is closed at the next call, which finds no pool.
+    assert cli("cache", "delete", pool_name, "--force").returncode == 0
+    assert store.present(d) == 0 and ref.held() == 0 and not on_old_copy() and ref.moves == 2
+    with Pool.create(pool_name, "8M") as again:
+        # A CUDA load hands its lease to the transfer, which ends it once the copies are done.
+        leased = ref.acquire()
+        assert leased is not None and leased.name == pool_name
+        waited = []
+        t = _Leased(type("T", (), {"wait": lambda self: waited.append(1) or "done"})(), lambda: ref.release(leased))
+        assert cli("cache", "delete", pool_name, "--force").returncode == 0
+        assert ref.get() is None and ref.held() == 1  # the transfer's handle stays open
+        assert t.wait() == "done" and waited == [1] and ref.held() == 0
+        t.wait()  # twice: the lease ended once
+        assert ref.held() == 0
+    ref.close()
+    assert faults.stats["error"] == 0
 
 
 def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool, pool_name):

@@ -4,19 +4,34 @@
     python tests/vllm_engine.py run MODEL_DIR REQUEST_JSON
 
 `make-model` saves tiny random Llamas (2 layers unless given; no download).  `run` starts one
-engine (in this process: no engine or worker subprocesses, so it starts in
-seconds), generates greedily for the prompts given as token ids, and prints
+engine (in this process: no engine or worker subprocesses unless "tp" asks for ranks, so it
+starts in seconds), generates greedily for the prompts given as token ids, and prints
 one JSON line: output tokens, `num_cached_tokens` per request, seconds per
-request, and the counters of every CortexConnector in the process (its
-scheduler side and its worker side, summed).  REQUEST_JSON:
+request, and the counters of every CortexConnector of the engine (its
+scheduler side and its workers' sides, summed; each worker's also apart, by
+rank, in "ranks").  REQUEST_JSON:
 
     {"prompts": [[ids...], ...], "max_tokens": 8, "connector": {...extra config} | null,
-     "sequential": false, "block_size": 32, "metrics": false}
+     "sequential": false, "block_size": 32, "metrics": false, "tp": 1}
 
 With "metrics", vLLM's own statistics are on and the result has "metrics":
 every `vllm:cortex_*` counter of vLLM's Prometheus registry, summed over
 its labels (faults by kind, as "vllm:cortex_faults:KIND").  Saves still in
 flight when the prompts are done are waited for before the counters are read.
+
+"tp": N > 1 runs N tensor-parallel ranks, each a worker process of vLLM's
+multiprocessing executor; a worker's counters come back through vLLM's
+`collective_rpc` and a worker extension of this module (`WorkerProbe`),
+which first waits for that worker's saves.  On the CPU build each rank
+needs cores of its own: the caller sets VLLM_CPU_OMP_THREADS_BIND (e.g.
+"0|1") and VLLM_CPU_NUM_OF_RESERVED_CPU=0.
+
+"phases": true instead of "prompts" keeps the engine up between phases:
+each phase is one line on stdin, a JSON list of prompts (EOF: the engine
+stops), and when it is done (its saves too) the engine prints a RESULT line
+of that phase (its outputs; the counters so far; "pid", this process's id).
+The caller changes the world between phases (replaces the pool, ...) and
+synchronises through the pipe.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import json
 import os
 import sys
 import time
+from typing import Iterable
 
 
 def make_model(path: str, layers: int = 2, seed: int = 0) -> None:
@@ -38,11 +54,30 @@ def make_model(path: str, layers: int = 2, seed: int = 0) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def run(model: str, req: dict) -> dict:
+class WorkerProbe:
+    """A vLLM worker extension (`worker_extension_cls`): what the test asks a worker, wherever it runs."""
+
+    def cortex_connector_stats(self, timeout: float = 120.0) -> dict:
+        """This worker's CortexConnector counters, once its saves queued so far are done; {} without one."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return {}
+        c = get_kv_transfer_group()
+        if not hasattr(c, "wait_for_saves"):
+            return {}
+        assert c.wait_for_saves(timeout=timeout), "saves did not finish"
+        return dict(c.faults.snapshot())
+
+
+def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None):
+    """Yield one result per phase (without `phases`, the prompts of `req` are the one phase)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    tp = int(req.get("tp", 1))
     kv = None
     if req.get("connector") is not None:
         kv = KVTransferConfig(kv_connector="CortexConnector", kv_role="kv_both",
@@ -50,36 +85,40 @@ def run(model: str, req: dict) -> dict:
                               kv_connector_extra_config=req["connector"])
     llm = LLM(model=model, skip_tokenizer_init=True, block_size=req.get("block_size", 32),
               max_model_len=req.get("max_model_len", 2048), dtype="float32", enforce_eager=True,
-              distributed_executor_backend="uni", kv_cache_memory_bytes=req.get("kv_cache_bytes", 64 << 20),
+              tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni",
+              worker_extension_cls="tests.vllm_engine.WorkerProbe",
+              kv_cache_memory_bytes=req.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=req.get("prefix_caching", True), kv_transfer_config=kv, seed=0,
               disable_log_stats=not req.get("metrics", False))
     params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
-    outs, seconds = [], []
-    # One request at a time, as a replay would send them (and so a request
-    # can find what the one before it stored).
-    for p in prompts:
-        t = time.perf_counter()
-        outs += llm.generate([p], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - t)
-    stats: dict[str, int] = {}
-    metrics: dict[str, int] = {}
-    if kv is not None:
-        from cortex_cache.integrations.vllm import CortexConnector
+    for prompts in phases if phases is not None else [req["prompts"]]:
+        outs, seconds = [], []
+        # One request at a time, as a replay would send them (and so a request
+        # can find what the one before it stored).
+        for p in prompts:
+            t = time.perf_counter()
+            outs += llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t)
+        stats: dict[str, int] = {}
+        ranks: list[dict[str, int]] = []
+        metrics: dict[str, int] = {}
+        if kv is not None:
+            from cortex_cache.integrations.vllm import CortexConnector
 
-        for c in list(CortexConnector.instances):
-            assert c.wait_for_saves(timeout=120), "saves did not finish"
-        if req.get("metrics"):
-            for m in llm.get_metrics():
-                if m.name.startswith("vllm:cortex_"):
-                    name = m.name + (":" + m.labels["kind"] if "kind" in m.labels else "")
-                    metrics[name] = metrics.get(name, 0) + int(m.value)
-        for c in list(CortexConnector.instances):
-            for k, v in c.stats.items():
-                stats[k] = stats.get(k, 0) + v
-    return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
-            "metrics": metrics}
+            # Each worker's counters, after its saves (in this process or a worker process of its own).
+            ranks = llm.collective_rpc("cortex_connector_stats")
+            schedulers = [c for c in list(CortexConnector.instances) if c.role == KVConnectorRole.SCHEDULER]
+            for counted in ranks + [c.faults.snapshot() for c in schedulers]:
+                for k, v in counted.items():
+                    stats[k] = stats.get(k, 0) + v
+            if req.get("metrics"):
+                for m in llm.get_metrics():
+                    if m.name.startswith("vllm:cortex_"):
+                        name = m.name + (":" + m.labels["kind"] if "kind" in m.labels else "")
+                        metrics[name] = metrics.get(name, 0) + int(m.value)
+        yield {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+               "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
+               "ranks": ranks, "metrics": metrics, "pid": os.getpid()}
 
 
 if __name__ == "__main__":
@@ -90,7 +129,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "run":
         with open(sys.argv[3]) as f:
             request = json.load(f)
-        result = run(sys.argv[2], request)
-        print("RESULT " + json.dumps(result), flush=True)
+        # With "phases", a phase per line on stdin, read when the one before it is done.
+        phases = (json.loads(line) for line in sys.stdin) if request.get("phases") else None
+        for result in run(sys.argv[2], request, phases):
+            print("RESULT " + json.dumps(result), flush=True)
     else:
         sys.exit(f"usage: {sys.argv[0]} make-model DIR | run MODEL REQUEST_JSON")

@@ -49,7 +49,8 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -141,11 +142,18 @@ class PoolRef:
 
     A pool that is missing when the engine starts is a miss until someone
     creates it.  One replaced (restore --replace, resize) or deleted under a
-    running engine says so in its segment (Pool.superseded): the next `get`
+    running engine says so in its segment (Pool.superseded): the next call
     opens the pool now under the name, or none until one is created again.
-    The old handle is kept open until `close` (engine shutdown), since a save
-    or load on another thread may still be copying through it; it holds only
-    the old mapping, which `status` lists under "on old copies".
+
+    Every call that reads or writes through the pool holds a lease on the
+    handle it uses (`acquire` / `release`, or `use`): saves run on a thread of
+    their own and loads on the engine's, and a copy may still run through
+    the old mapping when another thread sees the pool superseded.  The old
+    handle is closed when its last lease ends, so the process lets the old
+    copy go (`status` stops listing it under "on old copies"); a CUDA load
+    hands its lease to the transfer, which ends it once the copies are done.
+    `on_open(pool)` is called for every pool opened (a note, or pinning it
+    for the device).
     """
 
     def __init__(self, name: str, params: dict[str, Any], faults: Faults, retry_s: float = 5.0,
@@ -157,41 +165,123 @@ class PoolRef:
         self._retry_s = retry_s
         self._clock = clock
         self._on_open = on_open
+        self._lock = threading.Lock()
         self._pool: "Pool | None" = None
-        self._retired: list["Pool"] = []
+        self._leases: dict[int, int] = {}  # id(pool) -> calls using it (a pool with a lease is alive)
+        self._retired: dict[int, "Pool"] = {}  # let go while in use: closed by their last release
         self._next_try = 0.0
+        self.moves = 0  # how many times a replaced or deleted pool was let go
 
-    def get(self) -> "Pool | None":
+    def _current(self) -> "Pool | None":
+        """The pool to use now (lock held)."""
         pool = self._pool
         if pool is not None:
             if not pool.superseded:
                 return pool
-            self._retired.append(pool)  # replaced or deleted under us: follow the name
-            self._pool = None
+            self._pool = None  # replaced or deleted under us: follow the name
+            self._let_go(pool)
+            self.moves += 1
             self._next_try = 0.0
         now = self._clock()
         if now < self._next_try:
             return None
         self._next_try = now + self._retry_s
         try:
-            self._pool = open_or_create(self.name, self._params)
+            pool = open_or_create(self.name, self._params)
         except CortexCacheError as e:
             self._faults.fault("unavailable", e)
-        if self._pool is not None and self._pool.superseded:  # a delete marked it, not unlinked yet
-            self._retired.append(self._pool)
-            self._pool = None
-        if self._pool is not None and self._on_open is not None:
+            return None
+        if pool.superseded:  # a delete marked it, not unlinked yet
+            pool.close()
+            return None
+        self._pool = pool
+        if self._on_open is not None:
             try:
-                self._on_open(self._pool)
+                self._on_open(pool)
             except Exception as e:  # a note about the pool must not cost the pool
                 self._faults.fault("error", e)
-        return self._pool
+        return pool
+
+    def _let_go(self, pool: "Pool") -> None:
+        if self._leases.get(id(pool)):
+            self._retired[id(pool)] = pool
+        else:
+            pool.close()
+
+    def get(self) -> "Pool | None":
+        """The pool now under the name, without a lease: to ask whether there is one, or for a caller that is
+        the only thread using this PoolRef (another may close the handle it returns once it is superseded)."""
+        with self._lock:
+            return self._current()
+
+    def acquire(self) -> "Pool | None":
+        """The pool to use for one call (None while there is none), open until `release(pool)`."""
+        with self._lock:
+            pool = self._pool
+            if pool is None or pool.superseded:
+                pool = self._current()
+                if pool is None:
+                    return None
+            leases, k = self._leases, id(pool)
+            leases[k] = leases.get(k, 0) + 1
+            return pool
+
+    def release(self, pool: "Pool | None") -> None:
+        """End a lease `acquire` gave; a handle let go meanwhile is closed with its last one."""
+        if pool is None:
+            return
+        k = id(pool)
+        with self._lock:
+            leases = self._leases
+            left = leases[k] - 1
+            if left:
+                leases[k] = left
+                return
+            del leases[k]
+            if not self._retired:
+                return
+            retired = self._retired.pop(k, None)
+        if retired is not None:
+            retired.close()
+
+    @contextmanager
+    def use(self) -> "Iterator[Pool | None]":
+        pool = self.acquire()
+        try:
+            yield pool
+        finally:
+            self.release(pool)
+
+    def held(self) -> int:
+        """Handles open: the pool now in use, and those let go whose calls have not ended yet."""
+        with self._lock:
+            return (self._pool is not None) + len(self._retired)
 
     def close(self) -> None:
-        pool, self._pool = self._pool, None
-        retired, self._retired = self._retired, []
-        for p in ([pool] if pool is not None else []) + retired:
-            p.close()
+        """Let the pool go (closed now, or by the last call still using it) and open none again."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._next_try = float("inf")
+            if pool is not None:
+                self._let_go(pool)
+
+
+class _Leased:
+    """A transfer whose copies still read a pool: `wait` ends it and then the lease on the handle."""
+
+    __slots__ = ("transfer", "_end")
+
+    def __init__(self, transfer: Any, end: Callable[[], None]) -> None:
+        self.transfer = transfer
+        self._end: "Callable[[], None] | None" = end
+
+    def wait(self) -> Any:
+        try:
+            return self.transfer.wait()
+        finally:
+            end, self._end = self._end, None
+            if end is not None:
+                end()
 
 
 class BlockStore:
@@ -222,7 +312,7 @@ class BlockStore:
 
     def absent(self, digests: Sequence[bytes]) -> list[int]:
         """Indices of the digests whose keys the pool does not hold (its index only: no I/O)."""
-        pool = self.pool.get()
+        pool = self.pool.acquire()
         if pool is None:
             return []  # nowhere to store them
         try:
@@ -231,6 +321,8 @@ class BlockStore:
         except Exception as e:  # a pool that breaks under us stores nothing
             self.faults.fault("error", e)
             return []
+        finally:
+            self.pool.release(pool)
 
     def present(self, digests: Sequence[bytes], start: int = 0, stop: int | None = None,
                 request_id: Any = None) -> int:
@@ -238,7 +330,7 @@ class BlockStore:
         never reads a value or the disk).  With `request_id` the answer is remembered for that request
         (`digests` are its chain, which only grows), so a repeat looks up only what may have changed;
         `forget` it when the request is done."""
-        pool = self.pool.get()
+        pool = self.pool.acquire()
         if pool is None:
             return 0
         try:
@@ -248,6 +340,8 @@ class BlockStore:
         except Exception as e:
             self.faults.fault("error", e)
             return 0
+        finally:
+            self.pool.release(pool)
 
     def forget(self, request_id: Any) -> None:
         self.memo.forget(request_id)
@@ -256,19 +350,24 @@ class BlockStore:
         """Add a lookup's outcome to the pool's own hit and miss counters (what `cortex cache stats`,
         `--watch` and the exporter show): `present` only probes the index, which counts nothing.
         (A block's load counts as a hit by itself: the pool's reads count.)"""
-        pool = self.pool.get()
-        if pool is None or not (hits or misses):
+        if not (hits or misses):
+            return
+        pool = self.pool.acquire()
+        if pool is None:
             return
         try:
             count_lookups(pool, hits, misses)
         except Exception as e:
             self.faults.fault("error", e)
+        finally:
+            self.pool.release(pool)
 
     def _store_target(self, n: int) -> "Pool | None":
-        """The pool to store `n` blocks into; None (counted as `n` failed stores when n > 0) without one."""
+        """The pool to store `n` blocks into, leased (the caller releases it); None (counted as `n` failed
+        stores when n > 0) without one."""
         if n == 0:
             return None
-        pool = self.pool.get()
+        pool = self.pool.acquire()
         if pool is None:
             self.faults.count("store_failed", n)
         return pool
@@ -293,6 +392,8 @@ class BlockStore:
         except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
             self.faults.fault("store_failed", e, n)
             return 0
+        finally:
+            self.pool.release(pool)
         self.faults.count("stored", n)
         self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
@@ -321,6 +422,8 @@ class BlockStore:
                     pass  # a pool gone under us: its space went with it
             self.faults.fault("store_failed", e, n)
             return 0
+        finally:
+            self.pool.release(pool)
         self.faults.count("stored", n)
         self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
@@ -341,7 +444,7 @@ class BlockStore:
         `out`: `[len(digests), payload_bytes]` uint8 on any device.  Stops
         at the first block missing, foreign or corrupt (each counted).
         """
-        pool = self.pool.get()
+        pool = self.pool.acquire()
         if pool is None:
             if digests:
                 self.faults.count("missing", len(digests))
@@ -350,6 +453,7 @@ class BlockStore:
 
         views: list = []
         keys: list[str] = []
+        leased = False  # the lease went to a transfer still copying
         try:
             # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
             views = pool.view_many([self.key(d) for d in digests])
@@ -371,7 +475,9 @@ class BlockStore:
                 t = gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
                              out=out[: len(keys)], offset=HEADER_SIZE, stream=stream)
                 if keep is not None and t.event is not None:
-                    keep.append(t)  # the caller waits (and unpins) once its stream is past the copies
+                    # The caller waits (and unpins, and ends the lease) once its stream is past the copies.
+                    keep.append(_Leased(t, lambda: self.pool.release(pool)))
+                    leased = True
                 else:
                     t.wait()
         except Exception as e:
@@ -379,6 +485,8 @@ class BlockStore:
             return 0
         finally:
             pool.release_many(views)
+            if not leased:
+                self.pool.release(pool)
         self.faults.count("loaded", len(keys))
         self.faults.count("loaded_bytes", len(keys) * self.payload_bytes)
         return len(keys)

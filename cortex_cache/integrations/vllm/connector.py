@@ -193,7 +193,7 @@ class CortexConnector(KVConnectorBase_V1):
             params = {**params, "block_size": fit_block_size(value_bytes)}  # a pool made for these blocks
         # The scheduler says it (one per engine; its workers open the same pool).
         self._pool = PoolRef(str(params["pool"]), params, self.faults,
-                             on_open=self._check_fit if role == KVConnectorRole.SCHEDULER else None)
+                             on_open=self._check_fit if role == KVConnectorRole.SCHEDULER else self._pin)
         self._namespace = str(params.get("namespace", "vllm/"))
         self._verify = bool(params.get("verify", True))
         self._reqs: dict[str, _Request] = {}
@@ -356,18 +356,21 @@ class CortexConnector(KVConnectorBase_V1):
         self._paged = paged
         self._store = self._block_store(rank, fp, paged.payload_bytes)
         self._saver = Saver(self._store, paged, self.faults, name=f"cortex-vllm-save-{rank}")
-        # Copies between the pool and a CUDA cache run at full speed from pinned
-        # memory; without CUDA this does nothing.  Registered in pieces on a
-        # thread of its own (~0.1 s a GiB): the engine starts without waiting,
-        # and copies of pieces not yet registered are pageable ones meanwhile.
-        pool = self._pool.get()
-        if pool is not None:
-            try:
-                from ... import gpu
+        self._pool.get()  # opened now (and pinned: _pin), not at the first step
 
-                gpu.pin_memory(pool, background=True)
-            except Exception as e:
-                self.faults.fault("error", f"pinning pool memory for the device: {e}")
+    def _pin(self, pool: "Pool") -> None:
+        """The worker's, for every pool it opens (at start, and one created or put under the name later):
+        copies between the pool and a CUDA cache run at full speed from pinned memory; without CUDA this
+        does nothing.  Registered in pieces on a thread of its own (~0.1 s a GiB): the engine starts
+        without waiting, and copies of pieces not yet registered are pageable ones meanwhile."""
+        if self._paged is None or self._paged.device.type != "cuda":
+            return
+        try:
+            from ... import gpu
+
+            gpu.pin_memory(pool, background=True)
+        except Exception as e:
+            self.faults.fault("error", f"pinning pool memory for the device: {e}")
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are free again and may be written in this very step: its

@@ -213,13 +213,13 @@ class CortexTier(SecondaryTierManager):
 
     def _run_touch(self, keys: list[OffloadKey]) -> None:
         """Reading an entry's header counts as a use for the pool's eviction order."""
-        pool = self._pool.get()
-        if pool is None:
-            return
-        try:
-            pool.release_many(pool.view_many([self._store.key(bytes(k)) for k in keys]))  # one lock hold each
-        except Exception:
-            pass  # the pool broke: a touch is only a hint
+        with self._pool.use() as pool:
+            if pool is None:
+                return
+            try:
+                pool.release_many(pool.view_many([self._store.key(bytes(k)) for k in keys]))  # one lock hold each
+            except Exception:
+                pass  # the pool broke: a touch is only a hint
 
 
 __all__ = ["CortexTier"]
