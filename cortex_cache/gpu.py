@@ -325,10 +325,6 @@ def load(
     raises KeyNotFound and nothing is copied.  The entries stay pinned until
     `wait()`.
     """
-    torch = torch_module()
-    dev = device_of(device)
-    dt = as_dtype(dtype)
-    shp = tuple(int(s) for s in shape)
     keys = list(keys)
     views = pool.view_many(keys)  # every key pinned in one lock hold
     for k, v in zip(keys, views):
@@ -337,12 +333,26 @@ def load(
             if v is None:
                 raise KeyNotFound(f"no key {k!r} in pool {pool.name!r}")
             raise v
-    itemsize = torch.empty((), dtype=dt).element_size()
+    return load_views(pool, views, dtype=dtype, shape=shape, device=device, out=out, stream=stream, offset=offset)
+
+
+def load_views(
+    pool: "Pool", views: list, *, dtype: Any, shape: Sequence[int], device: Any = "cuda", out: Any = None,
+    stream: Any = None, offset: int = 0,
+) -> Transfer:
+    """`load` from entries the caller pinned already (EntryViews of `pool.view_many`, every one there):
+    the transfer takes the pins over and releases them at `wait()`, or at once on an error.  For a
+    caller that looked at the entries first (a header check): each is read once, so counted once."""
 
     def release() -> None:
         pool.release_many(views)
 
     try:
+        torch = torch_module()
+        dev = device_of(device)
+        dt = as_dtype(dtype)
+        shp = tuple(int(s) for s in shape)
+        itemsize = torch.empty((), dtype=dt).element_size()
         srcs = []
         starts = []
         for v in views:
@@ -536,5 +546,5 @@ def load_blocks(pool: "Pool", key: str | bytes, kv_caches: Sequence["torch.Tenso
 
 __all__ = [
     "cuda_available", "device_of", "entry_tensor", "pin_memory", "pinned_memory", "is_pinned", "copy_with_pool",
-    "load", "store", "Transfer", "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
+    "load", "load_views", "store", "Transfer", "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
 ]

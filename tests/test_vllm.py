@@ -376,7 +376,11 @@ def test_paged_blocks_round_trip_through_the_pool_bytes_exact(make_pool):
     for c in fresh:
         c.zero_()
     out = store.staging(4, fpaged.device)[:, 64:]
+    hits = pool.stats()["hits"]
     assert store.load(digests, out) == 3 and faults.stats["missing"] == 1
+    # Each loaded block is read once (its header checked, then copied from the same pinned view): one hit
+    # each in the pool's own counters, and no pin left behind.
+    assert pool.stats()["hits"] - hits == 3 and pool.stats()["pinned_entries"] == 0
     fpaged.scatter([1, 3, 4], out[:3])
     for c, f in zip(caches, fresh):
         assert torch.equal(f[1], c[5]) and torch.equal(f[3], c[0]) and torch.equal(f[4], c[2])

@@ -454,6 +454,7 @@ class BlockStore:
         views: list = []
         keys: list[str] = []
         leased = False  # the lease went to a transfer still copying
+        handed = 0  # views[:handed] belong to the transfer now (it unpins them)
         try:
             # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
             views = pool.view_many([self.key(d) for d in digests])
@@ -472,8 +473,10 @@ class BlockStore:
                     break
                 keys.append(key)
             if keys:
-                t = gpu.load(pool, keys, dtype=torch.uint8, shape=(self.payload_bytes,), device=out.device,
-                             out=out[: len(keys)], offset=HEADER_SIZE, stream=stream)
+                # From the views checked above: each block is read (and counted a hit) once.
+                handed = len(keys)
+                t = gpu.load_views(pool, views[:handed], dtype=torch.uint8, shape=(self.payload_bytes,),
+                                   device=out.device, out=out[:handed], offset=HEADER_SIZE, stream=stream)
                 if keep is not None and t.event is not None:
                     # The caller waits (and unpins, and ends the lease) once its stream is past the copies.
                     keep.append(_Leased(t, lambda: self.pool.release(pool)))
@@ -484,7 +487,7 @@ class BlockStore:
             self.faults.fault("error", e)
             return 0
         finally:
-            pool.release_many(views)
+            pool.release_many(views[handed:])
             if not leased:
                 self.pool.release(pool)
         self.faults.count("loaded", len(keys))
