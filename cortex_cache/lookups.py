@@ -131,7 +131,7 @@ def leading(core: Core, tiers: Tiers, keys: Sequence[Any]) -> int:
 def count_lookups(pool: "Pool", hits: int, misses: int) -> None:
     """Add `hits` and `misses` to the pool's own counters (one lock hold), for a lookup that went through
     `leading` or a `LookupMemo`: those only probe the index and count nothing, so an engine's lookups
-    would otherwise be missing from the pool's hit ratio (`cortex cache stats`, `--watch`, the exporter).
+    would otherwise be missing from the pool's hit ratio (`cortex cache status`, `--watch`, the exporter).
     Raises UsageError for a negative count."""
     if hits < 0 or misses < 0:
         raise UsageError(f"hits and misses are counts, not {hits} and {misses}")

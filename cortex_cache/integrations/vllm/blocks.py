@@ -347,7 +347,7 @@ class BlockStore:
         self.memo.forget(request_id)
 
     def count_lookup(self, hits: int, misses: int) -> None:
-        """Add a lookup's outcome to the pool's own hit and miss counters (what `cortex cache stats`,
+        """Add a lookup's outcome to the pool's own hit and miss counters (what `cortex cache status`,
         `--watch` and the exporter show): `present` only probes the index, which counts nothing.
         (A block's load counts as a hit by itself: the pool's reads count.)"""
         if not (hits or misses):
