@@ -17,7 +17,7 @@ over the real BlockStore, PagedLayers and Saver (blocks.py):
   stream waits for that event, gathers the blocks and stores them
   (`BlockStore.save` -> `gpu.store`, D2H into reserved pool memory);
 - loads: `start_load_kv` makes a stream of its own wait for the engine's,
-  queues each request's `BlockStore.load` (-> `gpu.load`, H2D from the pool)
+  queues each request's `BlockStore.load` (-> `gpu.load_views`, H2D from the pool)
   and `PagedLayers.scatter` on it, keeps the transfers (the entries stay
   pinned), and makes the engine's stream wait for it on the device;
   `wait_for_save` then waits for the transfers and unpins the entries.
