@@ -627,12 +627,16 @@ def test_tier_stores_in_one_process_and_promotes_exact_bytes_in_another(make_poo
     # Chunk 5 corrupted in place: promoted chunks are checked, a damaged one is a miss.
     off = pool.geometry.data_off + pool.info(keys[5])["first_block"] * pool.geometry.block_size
     pool.core.mv[off + 64 + 3] ^= 0xFF
+    misses = pool.stats()["misses"]
     got = tier_run("promote", pool.name, 0, 8)
     assert got["before"] == ["HIT_PENDING"] * 6 + ["MISS"] * 2  # tier hits start promotions
     assert got["after"] == ["HIT"] * 5 + ["MISS"] * 3  # the damaged chunk was dropped from the pool
     assert got["equal"] == [True] * 5  # the exact bytes process A stored, in B's primary region
     assert got["stats"]["loaded"] == 5 and got["stats"]["corrupt"] == 1
     assert keys[5] not in pool and len(pool.keys(prefix="vllm-tier/")) == 5
+    # The pool's own counters see the tier's misses, once a request however often vLLM asks: chunks 6 and 7,
+    # then the dropped chunk 5 (three rounds of lookups under one request).
+    assert pool.stats()["misses"] - misses == 3
 
 
 @needs_vllm

@@ -114,7 +114,25 @@ class CortexTier(SecondaryTierManager):
     # ------------------------------------------------------------------ the scheduler's calls (never block)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if self._store.present([bytes(key)]) else LookupResult.MISS
+        k = bytes(key)
+        if self._store.present([k]):
+            return LookupResult.HIT  # counted as a hit when it is loaded (the pool's reads count)
+        self._count_miss(k, req_context)
+        return LookupResult.MISS
+
+    def _count_miss(self, key: bytes, req_context: ReqContext) -> None:
+        """A key a request asked for and the pool does not hold is a miss in the pool's own counters, once a
+        request (vLLM asks again at each step a request waits): remembered in the request's context."""
+        get, put = getattr(req_context, "get_state", None), getattr(req_context, "set_state", None)
+        if get is None or put is None:  # a vLLM without per-request state: counted as the connector cannot be
+            return
+        seen = get(_MissesCounted)
+        if seen is None:
+            seen = _MissesCounted()
+            put(seen)
+        if key not in seen.keys:
+            seen.keys.add(key)
+            self._store.count_lookup(0, 1)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(self._run_store, job_metadata)
@@ -220,6 +238,15 @@ class CortexTier(SecondaryTierManager):
                 pool.release_many(pool.view_many([self._store.key(bytes(k)) for k in keys]))  # one lock hold each
             except Exception:
                 pass  # the pool broke: a touch is only a hint
+
+
+class _MissesCounted:
+    """Per request (in vLLM's ReqContext): the keys whose miss the pool has counted."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
 
 
 __all__ = ["CortexTier"]
