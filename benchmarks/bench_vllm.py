@@ -1,11 +1,12 @@
 """vLLM with and without CortexConnector: a conversation-trace replay through two engine processes.
 
-    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python CORTEX_BENCH_TRACE=PATH.jsonl \\
+    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python [CORTEX_BENCH_TRACE=PATH.jsonl] \\
         python benchmarks/bench_vllm.py [--quick] [--requests N] [--start S] [--json PATH]
     CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python python benchmarks/bench_vllm.py --overhead [--pairs N]
 
 Replays N requests (default 300; --quick 60; from the first, or the S-th) of a Mooncake
-conversation trace (JSON lines with `hash_ids`, one id per 512-token prefix
+conversation trace (benchmarks/traces/mooncake_conversation_trace.jsonl unless
+CORTEX_BENCH_TRACE names another; JSON lines with `hash_ids`, one id per 512-token prefix
 block) through two vLLM engine processes that take the requests in turn
 (request i goes to engine i % 2, one at a time, in trace order), twice:
 
@@ -254,10 +255,10 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=2))
         return
-    trace = os.environ.get("CORTEX_BENCH_TRACE")
-    if not py or not trace:
-        raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh) and CORTEX_BENCH_TRACE "
-                         "(a Mooncake conversation trace, JSON lines with hash_ids)")
+    trace = os.environ.get("CORTEX_BENCH_TRACE") or str(REPO / "benchmarks" / "traces" /
+                                                        "mooncake_conversation_trace.jsonl")
+    if not py:
+        raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh)")
     n = args.requests or (60 if args.quick else 300)
     prompts = prompts_from_trace(trace, n, args.start)
     sys.path.insert(0, str(REPO))
