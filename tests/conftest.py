@@ -80,6 +80,29 @@ def make_pool(pool_name):
 
 
 @pytest.fixture
+def cleanup():
+    """Pool names a test makes through the CLI or another process: each still there afterwards is removed,
+    with its disk tier."""
+    from cortex_cache import Pool
+    from cortex_cache.disklog import DiskLog
+
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        for n in names:
+            if Pool.exists(n):
+                try:
+                    with Pool.open(n) as p:
+                        tier = p.disk_path
+                except Exception:
+                    tier = None
+                Pool.unlink(n)
+                if tier:
+                    DiskLog.destroy(tier)
+
+
+@pytest.fixture
 def snapshot_dir(tmp_path, monkeypatch):
     """A snapshot directory of the test's own (CORTEX_CACHE_SNAPSHOT_DIR, inherited by what it starts)."""
     d = tmp_path / "snapshots"

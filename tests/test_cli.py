@@ -104,20 +104,6 @@ def fill(name: str, items: list[tuple[str, bytes]], **put_kw) -> None:
 
 
 @pytest.fixture
-def cleanup():
-    """Names registered here are unlinked after the test if they still exist."""
-    from cortex_cache import Pool
-
-    names: list[str] = []
-    try:
-        yield names
-    finally:
-        for n in names:
-            if Pool.exists(n):
-                Pool.unlink(n)
-
-
-@pytest.fixture
 def new_pool(pool_name, cleanup):
     """Factory: create a 4 MiB pool of 4 KiB blocks with the library, closed; return its name."""
     from cortex_cache import Pool

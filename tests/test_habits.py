@@ -34,15 +34,6 @@ def _err(r, code: int) -> str:
     return err
 
 
-@pytest.fixture
-def cleanup():
-    names: list[str] = []
-    yield names
-    for n in names:
-        if Pool.exists(n):
-            Pool.unlink(n)
-
-
 # ---------------------------------------------------------------- create says what it did not quite do
 
 

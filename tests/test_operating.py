@@ -22,23 +22,6 @@ from cortex_cache.disklog import DiskLog
 from .helpers import cli
 
 
-@pytest.fixture
-def cleanup():
-    """Pool names (and disk tier dirs) to remove after the test."""
-    names: list[str] = []
-    yield names
-    for n in names:
-        if Pool.exists(n):
-            try:
-                with Pool.open(n) as p:
-                    tier = p.disk_path
-            except Exception:
-                tier = None
-            Pool.unlink(n)
-            if tier:
-                DiskLog.destroy(tier)
-
-
 def _json(r) -> dict:
     assert r.returncode == 0, r.stderr.decode()
     return json.loads(r.stdout)
