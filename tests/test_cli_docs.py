@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, cli, run_py
-from tests.test_cli import cleanup, failed, fill, lib_keys, lib_stats, new_pool, ok, seg_path, show  # noqa: F401
+from tests.test_cli import failed, fill, lib_keys, lib_stats, new_pool, ok, seg_path, show  # noqa: F401
 
 # ---------------------------------------------------------------- -q / --quiet
 
