@@ -43,6 +43,16 @@ def no_leaked_segments():
     assert not leaked, f"test leaked shared-memory segments: {[p.name for p in leaked]}"
 
 
+# The files refereed by engines (each starts engine processes for minutes, in one worker under
+# `-n 2 --dist loadfile`) run first, so that the other worker takes the many short files meanwhile
+# instead of the slowest file being the run's tail.
+ENGINE_FILES = ("test_vllm.py", "test_sglang.py", "test_lmcache.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in ENGINE_FILES)  # stable: the order within stays
+
+
 _counter = 0
 
 
