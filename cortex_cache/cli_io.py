@@ -96,6 +96,9 @@ class OutputFile:
             from .errors import StorageIOError
 
             raise StorageIOError(f"cannot write {self.path!r}: {e.strerror or e}; nothing was written") from None
+        except BaseException:  # SIGINT or SIGTERM mid-write (interrupts.Interrupted): no temp file left
+            self.discard()
+            raise
         if self.tmp is None:  # a device or FIFO, written into
             return
         with interrupts.commit():  # named: a signal now waits, and the command reports success
