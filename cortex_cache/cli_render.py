@@ -328,6 +328,11 @@ def key_table(inf: dict[str, Any]):
         rows.append(("created", f"{fmt_time(inf['created'])} ({fmt_age(inf['created'])} ago)"))
     if inf.get("last_access") is not None:
         rows.append(("last access", f"{fmt_time(inf['last_access'])} ({fmt_age(inf['last_access'])} ago)"))
+    if inf.get("spilled") is not None:  # an entry of the disk tier: when memory let it go, and where it is
+        rows.append(("spilled", f"{fmt_time(inf['spilled'])} ({fmt_age(inf['spilled'])} ago)"))
+    if inf.get("disk_file") is not None:
+        rows.append(("on disk", f"file {inf['disk_file']} at offset {inf['disk_offset']}, "
+                                f"{fmt_size(inf['disk_bytes'])}"))
     if inf.get("access_count") is not None:
         rows.append(("accesses", str(inf["access_count"])))
     if inf.get("priority") is not None:

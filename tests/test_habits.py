@@ -238,6 +238,16 @@ def test_info_shows_one_entry_and_counts_no_access(make_pool):
     assert "no key 'nope'" in _err(cli("cache", "info", p.name, "nope"), 66)
 
 
+def test_info_of_an_entry_on_the_disk_tier_says_where_it_is(make_pool, tmp_path):
+    p = make_pool("64K", block_size="4K", tier="disk", disk_path=str(tmp_path / "tier"))
+    for i in range(30):
+        p.put(f"k{i}", bytes([i]) * 3000)
+    assert p.info("k0")["tier"] == "disk"
+    out = cli("cache", "info", p.name, "k0").stdout.decode()
+    assert re.search(r"^tier\s+disk$", out, re.M) and re.search(r"^spilled\s+\S+ \S+ \(\S+ ago\)$", out, re.M), out
+    assert re.search(r"^on disk\s+file \d+ at offset \d+, 4\.0KiB$", out, re.M), out
+
+
 def test_a_far_ttl_reads_in_years():
     from cortex_cache.cli_render import fmt_duration, fmt_rate
 
