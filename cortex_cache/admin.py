@@ -35,7 +35,7 @@ def open_listed(name: str) -> Pool:
     (hundreds of planted empty segments must not cost a wait each)."""
     seg = header.open_segment(name, wait=False)
     try:
-        return Pool(seg, lock_timeout=5)
+        return Pool(seg, lock_timeout=5, snapshot_tier=False)  # stats only: no index of a filling snapshot
     except BaseException:
         seg.close()
         raise
@@ -101,7 +101,7 @@ def pool_status(name: str, missing_ok: bool = False) -> dict[str, Any]:
     """What `status NAME` shows: the pool's stats and operating facts, "status": "ok".  A missing pool
     is PoolNotFound, or with `missing_ok` a row saying it is gone (a Prometheus scrape must not be empty)."""
     try:
-        with Pool.open(name, lock_timeout=5) as p:
+        with Pool.open(name, lock_timeout=5, snapshot_tier=False) as p:  # stats only
             st = p.stats()
     except PoolNotFound as e:
         if not missing_ok:

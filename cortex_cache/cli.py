@@ -337,7 +337,7 @@ def _watch(name: str, interval: float, count: int | None, as_json: bool) -> None
         # the watch as a user, and a pool replaced under the name is the one watched next.  A pool
         # deleted ends the watch as PoolNotFound (66).
         try:
-            with Pool.open(name, lock_timeout=5) as p:
+            with Pool.open(name, lock_timeout=5, snapshot_tier=False) as p:  # stats only
                 return p.stats()
         except PoolNotFound:
             if n == 0:

@@ -114,6 +114,7 @@ class Pool:
         lock_timeout: float | None = None,
         _disk_log: DiskLog | None = None,
         verify_reads: bool | None = None,
+        snapshot_tier: bool = True,
     ) -> None:
         if verify_reads is None:
             verify_reads = os.environ.get(VERIFY_READS_ENV, "") not in ("", "0")
@@ -122,7 +123,8 @@ class Pool:
         self.core = core
         # How this handle was opened: `reopen` opens the pool under its name again alike.
         self._open_kw: dict[str, Any] = {"multi_threaded": multi_threaded, "clock": clock,
-                                         "lock_timeout": lock_timeout, "verify_reads": verify_reads}
+                                         "lock_timeout": lock_timeout, "verify_reads": verify_reads,
+                                         "snapshot_tier": snapshot_tier}
         self._views: set[EntryView] = set()
         self._close_hooks: list[Callable[[], None]] = []
         self.name = core.name
@@ -143,7 +145,7 @@ class Pool:
         except BaseException:
             core.close()  # the caller closes the segment
             raise
-        self.tiers = Tiers(core, disk, remote)
+        self.tiers = Tiers(core, disk, remote, snapshot=snapshot_tier)
         self._closed = False
         _live_pools.add(self)
 
@@ -428,6 +430,7 @@ class Pool:
         lock_timeout: float | None = None,
         require_owner: bool = False,
         verify_reads: bool | None = None,
+        snapshot_tier: bool = True,
     ) -> "Pool":
         """Attach to existing pool `name`.
 
@@ -447,13 +450,18 @@ class Pool:
         raise ValueCorrupt (65) instead of returning bytes that do not match;
         for a pool shared with writers you do not fully trust (docs/reliability.md,
         "Trust model").  None: CORTEX_CACHE_VERIFY_READS=1 in the environment.
+        `snapshot_tier=False`: while the pool is being filled from a snapshot,
+        do not index that snapshot (the index costs about 0.5 s per 100,000
+        entries at every open); entries the fill has not come to are then
+        misses for this handle.  For a handle that only reads `stats()`
+        (`status`, `list`, `--watch`).
         """
         seg = header.open_segment(name)
         try:
             if require_owner:
                 segment.check_owner(seg)
             pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
-                       verify_reads=verify_reads)
+                       verify_reads=verify_reads, snapshot_tier=snapshot_tier)
         except BaseException:
             seg.close()
             raise

@@ -54,7 +54,7 @@ class Tiers:
     (optional), the snapshot the pool is still being filled from (while its fill runs: snaptier.py), the
     remote tier (optional)."""
 
-    def __init__(self, core: Core, disk: DiskTier | None, remote: Any) -> None:
+    def __init__(self, core: Core, disk: DiskTier | None, remote: Any, snapshot: bool = True) -> None:
         self.core = core
         self.below: list[Lower] = []
         self.takes_puts: list[Lower] = []  # the tiers that want every put (the remote, without admission)
@@ -66,7 +66,8 @@ class Tiers:
         self._indexed: Lower | None = None  # the tier looked up in memory's lock hold (the disk)
         self._disk = disk
         self._remote = remote  # remote.RemoteTier or None
-        self._snapshot = SnapshotBelow(core) if fill.running(core) else None
+        # `snapshot=False`: a handle that only reads stats does not index the snapshot (Pool.open).
+        self._snapshot = SnapshotBelow(core) if snapshot and fill.running(core) else None
         self._arrange()
         self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
         self._spill_bytes = 0  # bytes copied aside in `_spills`

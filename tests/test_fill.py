@@ -130,6 +130,25 @@ def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(p
         q.close()
 
 
+def test_a_handle_that_only_reads_stats_does_not_index_the_filling_snapshot(persisted):
+    """status, list and --watch open the pool without the snapshot tier (its index costs about 0.5 s per
+    100,000 entries at each open): such a handle sees only what is loaded, and its stats are the pool's."""
+    w = _start(persisted)  # paused after its first batch
+    full, light = Pool.open(persisted), Pool.open(persisted, snapshot_tier=False)
+    try:
+        assert "k6" in full and "k6" not in light and light.get("k6") is None
+        assert light.stats()["fill"]["state"] == "filling" and light.stats()["entries"] == 1
+        with light.reopen() as again:  # reopen keeps how it was opened
+            assert "k6" not in again
+        st = json.loads(cli("cache", "status", persisted, "--json").stdout)
+        assert st["fill"]["state"] == "filling" and st["entries"] == 1  # nothing was brought in by status
+        _go_on(w)
+        assert len(light) == N and light.get("k6") == make_value(6, 0, MIB)
+    finally:
+        full.close()
+        light.close()
+
+
 def test_the_fill_brings_the_most_recently_used_first(persisted):
     w = _start(persisted, n=2, band=MIB)  # one entry per band: the order is exactly most recent first
     q = Pool.open(persisted)
