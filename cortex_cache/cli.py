@@ -836,7 +836,7 @@ def _prune_snapshots(name: str, keep: int | None) -> dict:
     if not segment.exists(name):
         return snap.prune(name, snap.DEFAULT_KEEP if keep is None else keep)
     with Pool.open(name, lock_timeout=10) as p:
-        return snap.prune(name, (p.snapshot_keep or snap.DEFAULT_KEEP) if keep is None else keep, core=p.core)
+        return p.prune_snapshots(keep)
 
 
 @cache.command()

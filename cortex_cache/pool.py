@@ -420,6 +420,14 @@ class Pool:
         snapshot.check_settings_owner(self.core, "change its retention", f"it keeps {self.snapshot_keep or 3}")
         self.core.fields.snapshot_keep[0] = keep
 
+    def prune_snapshots(self, keep: int | None = None) -> dict[str, Any]:
+        """Remove this pool's snapshots in the snapshot directory but the newest `keep` (default: as many as
+        it keeps), with the packs only they used, as persist's retention does; under the pool's persist
+        lock (PersistBusy, 75, while a persist, restore or fill runs).  `keep=0` removes them all.  Returns
+        removed (paths), kept and freed_bytes.  For a pool that is gone: `cortex_cache.persist.prune`."""
+        return snapshot.prune(self.name, (self.snapshot_keep or snapshot.DEFAULT_KEEP) if keep is None else keep,
+                              core=self.core)
+
     @classmethod
     def open(
         cls,
