@@ -390,15 +390,23 @@ def check_layout(torch, run: Run, args, dev, layout: str, target: str) -> str:
     return what
 
 
-def check_faults(torch, run: Run, args, dev) -> str:
-    """Another rank's block, another block's bytes under a key, a flipped byte: counted misses."""
-    from cortex_cache.integrations.vllm.blocks import HEADER_SIZE, PagedLayers, fit_block_size
+def _source(torch, args, dev):
+    """The blocks a check saves: --check-blocks engine blocks of the LBHNC layout, random; (blocks, the
+    layers' dims, the PagedLayers, the bytes of one stored value)."""
+    from cortex_cache.integrations.vllm.blocks import HEADER_SIZE, PagedLayers
 
     nb = args.check_blocks
     dims = (args.layers, nb, args.kv_heads, args.block_tokens, 2 * args.head_size)
     src = PagedLayers(*make_caches(torch, "LBHNC", *dims, args.dtype, dev))
     fill_random(torch, src)
-    value = HEADER_SIZE + src.payload_bytes
+    return nb, dims, src, HEADER_SIZE + src.payload_bytes
+
+
+def check_faults(torch, run: Run, args, dev) -> str:
+    """Another rank's block, another block's bytes under a key, a flipped byte: counted misses."""
+    from cortex_cache.integrations.vllm.blocks import HEADER_SIZE, PagedLayers, fit_block_size
+
+    nb, dims, src, value = _source(torch, args, dev)
     pool = run.pool("faults", max(4 << 20, 8 * value + (2 << 20)), fit_block_size(value))
     eng = Engine(torch, run, pool, src)
     d, ids, tgt = digests_of(0, 4), [0, 1, 2, 3], [nb - 1, nb - 2, nb - 3, nb - 4]
@@ -436,13 +444,9 @@ def check_faults(torch, run: Run, args, dev) -> str:
 def check_full(torch, run: Run, args, dev) -> str:
     """A pool whose every block is held: saves store nothing and raise nothing."""
     from cortex_cache import PoolFull
-    from cortex_cache.integrations.vllm.blocks import HEADER_SIZE, PagedLayers, fit_block_size
+    from cortex_cache.integrations.vllm.blocks import fit_block_size
 
-    nb = args.check_blocks
-    dims = (args.layers, nb, args.kv_heads, args.block_tokens, 2 * args.head_size)
-    src = PagedLayers(*make_caches(torch, "LBHNC", *dims, args.dtype, dev))
-    fill_random(torch, src)
-    value = HEADER_SIZE + src.payload_bytes
+    nb, _, src, value = _source(torch, args, dev)
     bs = fit_block_size(value)
     pool = run.pool("full", max(4 << 20, 4 * value), bs)
     held = []

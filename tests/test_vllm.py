@@ -449,9 +449,9 @@ def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, poo
     assert pool.stats()["entries"] == 2
 
 
-def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_pool, pool_name, tmp_path):
-    """The connector's pool handle (PoolRef) moves to the pool now under the name (issue: engines stayed on the
-    nameless copy restore --replace left, and never found the pool created again after a delete)."""
+def _one_block_saved_and_persisted(make_pool, pool_name: str, tmp_path):
+    """A pool under `pool_name` with one block saved through a BlockStore, then persisted to a file: the pool,
+    the store and its faults, three digests, staging rows and the snapshot's path."""
     from cortex_cache.integrations.vllm.blocks import prefix_digests
 
     pool = make_pool("8M", name=pool_name)
@@ -461,6 +461,13 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
     assert store.save(d[:1], rows[:1]) == 1
     snap = tmp_path / "s.ccsnap"
     assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+    return pool, store, faults, d, rows, snap
+
+
+def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_pool, pool_name, tmp_path):
+    """The connector's pool handle (PoolRef) moves to the pool now under the name (issue: engines stayed on the
+    nameless copy restore --replace left, and never found the pool created again after a delete)."""
+    pool, store, faults, d, rows, snap = _one_block_saved_and_persisted(make_pool, pool_name, tmp_path)
     assert store.save(d[1:2], rows[:1]) == 1
     assert cli("cache", "restore", pool_name, "-i", str(snap), "--replace").returncode == 0
     assert store.present(d) == 1  # the restored pool: the block saved after the snapshot is not in it
@@ -479,19 +486,13 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
 def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
     """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
     handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
-    from cortex_cache.integrations.vllm.blocks import _Leased, prefix_digests
+    from cortex_cache.integrations.vllm.blocks import _Leased
     from cortex_cache.segment import mapped_generations
 
     def on_old_copy() -> bool:
         return os.getpid() in mapped_generations()[1].get(pool_name, [])
 
-    pool = make_pool("8M", name=pool_name)
-    store, faults = _store(pool_name)
-    d = prefix_digests(list(range(96)), 32, b"t")
-    rows = store.staging(3, "cpu")
-    assert store.save(d[:1], rows[:1]) == 1
-    snap = tmp_path / "s.ccsnap"
-    assert cli("cache", "persist", pool_name, "-o", str(snap)).returncode == 0
+    pool, store, faults, d, rows, snap = _one_block_saved_and_persisted(make_pool, pool_name, tmp_path)
     pool.close()  # only the store's handles map the pool from here on
     ref = store.pool
     in_flight = ref.acquire()  # a copy on another thread, still running when the pool is replaced
@@ -504,7 +505,7 @@ def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool,
     # Nothing in flight: a deleted pool's handle is closed at the next call, which finds no pool.
     assert cli("cache", "delete", pool_name, "--force").returncode == 0
     assert store.present(d) == 0 and ref.held() == 0 and not on_old_copy() and ref.moves == 2
-    with Pool.create(pool_name, "8M") as again:
+    with Pool.create(pool_name, "8M"):
         # A CUDA load hands its lease to the transfer, which ends it once the copies are done.
         leased = ref.acquire()
         assert leased is not None and leased.name == pool_name
