@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cortex_cache import Pool, segment
-from tests.helpers import REPO, cli, run_py
+from tests.helpers import REPO, cli, run_py, spawn_py
 
 
 def _doc(r) -> dict:
@@ -287,6 +287,31 @@ def test_snapshots_prune_keeps_the_newest_and_what_they_need(make_pool, snapshot
     gone = _doc(cli("cache", "snapshots", p.name, "--prune", "--keep", "0", "--json"))
     assert gone["snapshots"] == [] and gone["pruned"]["kept"] == 0
     assert [f for f in os.listdir(snapshot_dir) if p.name in f] == []
+
+
+def test_snapshots_prune_waits_for_no_persist_of_the_pool(make_pool, snapshot_dir):
+    p = make_pool("1M", block_size="4K")
+    for i in range(3):
+        p.put(f"k{i}", b"v")
+        p.persist()
+    holder = spawn_py(f"""
+        import sys
+        from cortex_cache import Pool
+        from cortex_cache.lock import PERSIST_BYTE, RecordLock
+        p = Pool.open({p.name!r})
+        lock = RecordLock(p.core.seg.fd, PERSIST_BYTE)
+        assert lock.try_acquire()
+        print("held", flush=True)
+        sys.stdin.readline()
+    """)
+    try:
+        assert holder.stdout.readline() == b"held\n", holder.stderr.read().decode()
+        before = sorted(os.listdir(snapshot_dir))
+        assert "is running" in _err(cli("cache", "snapshots", p.name, "--prune", "--keep", "1"), 75)
+        assert sorted(os.listdir(snapshot_dir)) == before  # nothing removed
+    finally:
+        holder.communicate(b"\n", timeout=60)
+    assert _doc(cli("cache", "snapshots", p.name, "--prune", "--keep", "1", "--json"))["pruned"]["kept"] == 1
 
 
 # ---------------------------------------------------------------- the install and the docs
