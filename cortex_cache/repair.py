@@ -86,6 +86,8 @@ def analyse(core: "Core", fix: bool) -> list[str]:
     if zombies.size:
         problems.append(f"{zombies.size} deleted entr(y/ies) whose readers are gone")
         state[zombies] = FREE
+    # Their blocks and key cells are still marked in use; that is explained above, not a leak of its own.
+    released = np.asarray(dead_writers + zombies.tolist(), dtype=np.int64)
 
     # Overlapping runs of blocks or of key cells: keep the most recently inserted entry of each clash.
     key_len = s["key_len"].astype(np.int64)
@@ -122,8 +124,11 @@ def analyse(core: "Core", fix: bool) -> list[str]:
     used = np.flatnonzero(state != FREE)
     blockmap = _coverage(n_blocks, s["first_block"][used].astype(np.int64), s["n_blocks"][used].astype(np.int64))
     keymap = _coverage(n_kcells, s["key_cell"][used].astype(np.int64), kcells[used])
-    for what, built, cur in (("block", blockmap, core.block_map), ("key", keymap, core.key_map)):
-        leaked = int(np.count_nonzero(cur.astype(bool) & ~built.astype(bool)))
+    explained = (_coverage(n_blocks, s["first_block"][released].astype(np.int64), s["n_blocks"][released].astype(np.int64)),
+                 _coverage(n_kcells, s["key_cell"][released].astype(np.int64), kcells[released]))
+    for what, built, cur, why in (("block", blockmap, core.block_map, explained[0]),
+                                  ("key", keymap, core.key_map, explained[1])):
+        leaked = int(np.count_nonzero(cur.astype(bool) & ~built.astype(bool) & ~why.astype(bool)))
         lost = int(np.count_nonzero(~cur.astype(bool) & built.astype(bool)))
         if leaked or lost:
             unit = "block(s)" if what == "block" else "key cell(s)"
