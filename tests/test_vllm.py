@@ -432,6 +432,45 @@ def test_foreign_and_corrupt_blocks_are_counted_misses_never_loaded(make_pool):
     assert unverified.load(d[3:], out) == 1 and uf.stats["corrupt"] == 0  # verify=False trusts the bytes
 
 
+def test_a_large_load_checks_its_blocks_on_threads_and_stops_at_the_first_fault(make_pool):
+    """Loads of 4 MiB and more take their checksums on the checksum threads: still in order of the
+    blocks, the first fault (a corrupt block before a foreign one) the one counted, nothing after it loaded."""
+    from cortex_cache import gpu
+    from cortex_cache.integrations.vllm import blocks
+    from cortex_cache.integrations.vllm.blocks import prefix_digests
+
+    pool = make_pool("32M")
+    payload = 1 << 20
+    store, faults = _store(pool.name, payload=payload)
+    d = prefix_digests(list(range(32 * 8)), 32, b"big")
+    rows = store.staging(8, "cpu")
+    for i in range(8):
+        rows[i, 64:] = i + 1
+    assert store.save(d, rows) == 8
+    assert 8 * payload >= blocks._PARALLEL_VERIFY_BYTES
+    out = torch.zeros((8, payload), dtype=torch.uint8)
+    assert store.load(d, out) == 8 and all((out[i] == i + 1).all() for i in range(8))
+    pool.put(store.key(d[6]), pool.get(store.key(d[0])))  # block 6: another block's bytes (foreign)
+    off = pool.geometry.data_off + pool.info(store.key(d[3]))["first_block"] * pool.geometry.block_size
+    pool.core.mv[off + 64 + payload - 1] ^= 0xFF  # block 3: its last byte flipped (corrupt)
+    used = []
+    real = gpu.copy_executor
+
+    def watched():
+        used.append(True)
+        return real()
+
+    out.zero_()
+    gpu.copy_executor = watched
+    try:
+        assert store.load(d, out) == 3
+    finally:
+        gpu.copy_executor = real
+    assert used, "the checksums of a large load were not taken on the checksum threads"
+    assert faults.stats["corrupt"] == 1 and faults.stats["foreign"] == 0
+    assert all((out[i] == i + 1).all() for i in range(3)) and not out[3:].any()
+    assert store.key(d[3]) not in pool and store.present(d) == 3
+
 def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, pool_name):
     from cortex_cache.integrations.vllm.blocks import prefix_digests
 

@@ -77,6 +77,9 @@ STAT_NAMES = ("lookups", "hit_blocks", "loaded", "stored", "loaded_bytes", "stor
               "corrupt", "store_failed", "unavailable", "error")
 FAULT_NAMES = ("missing", "foreign", "corrupt", "store_failed", "unavailable", "error")
 
+# A load checks its blocks' checksums on several threads from this many bytes on (below it, the hop to a
+# thread costs more than it saves).
+_PARALLEL_VERIFY_BYTES = 4 << 20
 # Pool block sizes an adapter picks from for its values: page-sized and up (values start on a page,
 # which pinned copies like), at most the pool's default.
 FIT_BLOCK_SIZES = tuple(4096 << i for i in range(5))  # 4 KiB .. 64 KiB
@@ -428,14 +431,31 @@ class BlockStore:
         self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
 
-    def _check(self, ev: Any, digest: bytes) -> str:
-        """'' if the view holds the block this reader would have written under `digest`, else the fault."""
-        mv = ev.memoryview
-        if mv.nbytes != HEADER_SIZE + self.payload_bytes or bytes(mv[:HEADER_SIZE]) != self.header(digest):
-            return "foreign"
-        if self.verify and not ev.verify():
-            return "corrupt"
-        return ""
+    def _sound(self, digests: Sequence[bytes], views: list) -> tuple[int, str]:
+        """How many leading views hold the blocks this reader would have written under `digests`, and the
+        fault of the first that does not ('' if all do): "missing", "foreign" (another writer's bytes or
+        layout) or, with `verify`, "corrupt" (bytes that no longer match the pool's checksum).
+
+        Headers are compared first, in order; then the checksums of the blocks before the first bad
+        header are taken at once on the checksum threads (xxhash releases the GIL): one 2 MiB block
+        is ~0.2 ms of hashing, and a restart's loads are hundreds of blocks a step."""
+        n, why = len(views), ""
+        for i, (d, ev) in enumerate(zip(digests, views)):
+            if ev is None or isinstance(ev, Exception):
+                n, why = i, "missing"
+                break
+            mv = ev.memoryview
+            if mv.nbytes != HEADER_SIZE + self.payload_bytes or bytes(mv[:HEADER_SIZE]) != self.header(d):
+                n, why = i, "foreign"
+                break
+        if self.verify and n:
+            if n > 1 and n * self.payload_bytes >= _PARALLEL_VERIFY_BYTES:
+                sound = list(gpu.copy_executor().map(lambda ev: ev.verify(), views[:n]))
+            else:
+                sound = [ev.verify() for ev in views[:n]]
+            if not all(sound):
+                n, why = sound.index(False), "corrupt"
+        return n, why
 
     def load(self, digests: Sequence[bytes], out: "torch.Tensor", stream: Any = None,
              keep: "list | None" = None) -> int:
@@ -458,20 +478,16 @@ class BlockStore:
         try:
             # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
             views = pool.view_many([self.key(d) for d in digests])
-            for d, ev in zip(digests, views):
-                key = self.key(d)
-                if ev is None or isinstance(ev, Exception):
-                    self.faults.fault("missing", f"{key} left the pool between lookup and load")
-                    break
-                why = self._check(ev, d)
-                if why:
-                    self.faults.fault(why, f"{key} in pool {pool.name!r}")
-                    if why == "corrupt":
-                        # Damaged bytes help no one: drop them, so the next
-                        # look-up is a miss and the block is stored afresh.
-                        pool.delete(key)
-                    break
-                keys.append(key)
+            n, why = self._sound(digests, views)
+            keys = [self.key(d) for d in digests[:n]]
+            if why == "missing":
+                self.faults.fault("missing", f"{self.key(digests[n])} left the pool between lookup and load")
+            elif why:
+                self.faults.fault(why, f"{self.key(digests[n])} in pool {pool.name!r}")
+                if why == "corrupt":
+                    # Damaged bytes help no one: drop them, so the next
+                    # look-up is a miss and the block is stored afresh.
+                    pool.delete(self.key(digests[n]))
             if keys:
                 # From the views checked above: each block is read (and counted a hit) once.
                 handed = len(keys)
@@ -544,7 +560,14 @@ class PagedLayers:
     def _ids(self, block_ids: Sequence[int]) -> "torch.Tensor":
         import torch
 
-        return torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if self.device.type != "cuda":
+            return ids
+        # From pinned memory, without blocking: a blocking (or pageable) copy makes torch wait for the
+        # whole current stream, so start_load_kv would stall the engine's thread until the copies queued
+        # before it on the load stream (earlier requests') had landed, and a save's gather until the
+        # forward pass it waits for had run.
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, block_ids: Sequence[int], rows: "torch.Tensor", offset: int = HEADER_SIZE) -> None:
         """Copy those blocks into `rows[:, offset:]` (`[len(block_ids), >= offset + payload_bytes]` uint8)."""
