@@ -43,6 +43,7 @@ on the thread pool the engine's forward pass uses.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import struct
@@ -388,9 +389,16 @@ class BlockStore:
             return 0
         import torch
 
-        heads = np.frombuffer(bytearray(b"".join(self.header(d) for d in digests)), np.uint8).reshape(n, HEADER_SIZE)
+        heads = torch.frombuffer(bytearray(b"".join(self.header(d) for d in digests)), dtype=torch.uint8)
         try:
-            rows[:, :HEADER_SIZE].copy_(torch.from_numpy(heads))
+            if rows.device.type == "cuda":
+                # Queued on the stream the copies to the pool run on, from pinned memory: a blocking copy
+                # would make torch wait for everything queued on the stream before it (the forward pass
+                # a save waits for, its gather).
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    rows[:, :HEADER_SIZE].copy_(heads.pin_memory().view(n, HEADER_SIZE), non_blocking=True)
+            else:
+                rows[:, :HEADER_SIZE].copy_(heads.view(n, HEADER_SIZE))
             gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0)), stream=stream).wait()
         except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
             self.faults.fault("store_failed", e, n)
