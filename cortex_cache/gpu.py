@@ -412,14 +412,22 @@ def store(
     jobs = []
     try:
         with _stream_ctx(dev, stream):
-            for w, t in zip(writers, tensors):
+            group: list = []  # memoryviews copied since the last checksum job
+            group_bytes = 0
+            for i, (w, t) in enumerate(zip(writers, tensors)):
                 host = host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
                 copy_with_pool(host, t.reshape(-1).view(torch.uint8), pool, w.offset, non_blocking=True)
                 del host
-                # Each value is checksummed as soon as its own copy lands, on a
+                group.append(w.memoryview)
+                group_bytes += w.nbytes
+                # The values are checksummed as soon as their copies land, on a
                 # worker thread (xxhash and the event wait release the GIL), so
-                # checksums overlap the copies still in flight and each other.
-                jobs.append(copy_executor().submit(_checksum_when_done, w.memoryview, _record(dev, stream)))
+                # checksums overlap the copies still in flight and each other:
+                # one event and one job per CHECKSUM_GROUP_BYTES, not per value
+                # (each costs Python calls and a thread's wake-up under the GIL).
+                if group_bytes >= CHECKSUM_GROUP_BYTES or i == len(writers) - 1:
+                    jobs.append(copy_executor().submit(_checksums_when_done, group, _record(dev, stream)))
+                    group, group_bytes = [], 0
             event = _record(dev, stream)
     except BaseException:
         for j in jobs:
@@ -430,7 +438,7 @@ def store(
 
     def commit() -> None:
         try:
-            sums = [j.result() for j in jobs]
+            sums = [x for j in jobs for x in j.result()]
         except BaseException:
             wait_jobs(jobs)
             pool.abort_many(writers)
@@ -449,6 +457,8 @@ def raise_first(pool: "Pool", results: Sequence[Any], writers: Sequence[Any]) ->
 
 
 _EXECUTOR = None
+# A store's values are checksummed in jobs of about this many bytes (one CUDA event each).
+CHECKSUM_GROUP_BYTES = 8 << 20
 
 
 def copy_executor():
@@ -462,12 +472,23 @@ def copy_executor():
     return _EXECUTOR
 
 
-def _checksum_when_done(mv: memoryview, event: Any) -> int:
+def _checksums_when_done(mvs: list, event: Any) -> list[int]:
     from xxhash import xxh3_64_intdigest
 
     if event is not None:
         event.synchronize()
-    return xxh3_64_intdigest(mv)
+    return [xxh3_64_intdigest(mv) for mv in mvs]
+
+
+def checksums_agree(views: Sequence[Any], parallel_bytes: int) -> list[bool]:
+    """`[view.verify() for view in views]`, on the checksum threads in up to 8 runs of views when they
+    hold `parallel_bytes` or more (xxhash releases the GIL), else in this thread."""
+    nbytes = sum(v.memoryview.nbytes for v in views)
+    if len(views) < 2 or nbytes < parallel_bytes:
+        return [v.verify() for v in views]
+    k = min(8, len(views))
+    runs = [views[len(views) * i // k : len(views) * (i + 1) // k] for i in range(k)]
+    return [ok for r in copy_executor().map(lambda run: [v.verify() for v in run], runs) for ok in r]
 
 
 def wait_jobs(jobs: list) -> None:

@@ -93,6 +93,26 @@ def test_store_and_load_round_trip_on_cpu(make_pool):
     assert p.verify()["ok"] and p.stats()["pinned_entries"] == 0
 
 
+def test_a_store_checksums_its_values_in_groups_each_under_its_own_value(make_pool):
+    """Values checksummed in jobs of CHECKSUM_GROUP_BYTES: several groups, a last short one, and every
+    value committed with its own checksum (verify re-hashes each)."""
+    p = make_pool("64M")
+    sizes = [3 << 20, 3 << 20, 3 << 20, 5 << 20, 1 << 20, 4096]  # groups: 9 MiB, 9 MiB (crossed), 1 MiB + 4 KiB
+    assert sum(sizes[:3]) >= gpu.CHECKSUM_GROUP_BYTES > sum(sizes[:2])
+    xs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    keys = [f"v{i}" for i in range(len(xs))]
+    gpu.store(p, keys, xs).wait()
+    assert [p.get(k) for k in keys] == [x.numpy().tobytes() for x in xs]
+    report = p.verify()
+    assert report["ok"] and report["entries"] == len(xs), report
+    # A checksum taken from another value's bytes would be caught by verify: make sure it can be.
+    p.put("w", xs[0])
+    off = p.geometry.data_off + p.info("w")["first_block"] * p.geometry.block_size
+    p.core.mv[off + 5] ^= 0xFF
+    assert not p.verify()["ok"]
+    p.delete("w")
+
+
 def test_load_of_a_missing_key_copies_nothing_and_pins_nothing(make_pool):
     p = make_pool("4M")
     p.put("a", bytes(64))

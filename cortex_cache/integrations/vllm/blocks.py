@@ -457,10 +457,7 @@ class BlockStore:
                 n, why = i, "foreign"
                 break
         if self.verify and n:
-            if n > 1 and n * self.payload_bytes >= _PARALLEL_VERIFY_BYTES:
-                sound = list(gpu.copy_executor().map(lambda ev: ev.verify(), views[:n]))
-            else:
-                sound = [ev.verify() for ev in views[:n]]
+            sound = gpu.checksums_agree(views[:n], _PARALLEL_VERIFY_BYTES)
             if not all(sound):
                 n, why = sound.index(False), "corrupt"
         return n, why
