@@ -32,7 +32,7 @@ device there raises GpuUnavailable (exit 69 from the CLI).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -480,15 +480,30 @@ def _checksums_when_done(mvs: list, event: Any) -> list[int]:
     return [xxh3_64_intdigest(mv) for mv in mvs]
 
 
-def checksums_agree(views: Sequence[Any], parallel_bytes: int) -> list[bool]:
-    """`[view.verify() for view in views]`, on the checksum threads in up to 8 runs of views when they
-    hold `parallel_bytes` or more (xxhash releases the GIL), else in this thread."""
+def start_checksums(views: Sequence[Any], parallel_bytes: int) -> Callable[[], list[bool]]:
+    """Start `[view.verify() for view in views]`; the returned call waits for it and gives the list.
+
+    On the checksum threads, in up to 8 runs of views, when they hold
+    `parallel_bytes` or more (xxhash releases the GIL): the caller can queue
+    its copies meanwhile.  Below that, in the caller's thread at the call.
+    The views must stay pinned (and the pool open) until the call returns."""
     nbytes = sum(v.memoryview.nbytes for v in views)
     if len(views) < 2 or nbytes < parallel_bytes:
-        return [v.verify() for v in views]
+        return lambda: [v.verify() for v in views]
     k = min(8, len(views))
     runs = [views[len(views) * i // k : len(views) * (i + 1) // k] for i in range(k)]
-    return [ok for r in copy_executor().map(lambda run: [v.verify() for v in run], runs) for ok in r]
+    jobs = [copy_executor().submit(lambda run=run: [v.verify() for v in run]) for run in runs]
+
+    def result() -> list[bool]:
+        wait_jobs(jobs)  # every job done, even if one failed: none reads the views after this
+        return [ok for j in jobs for ok in j.result()]
+
+    return result
+
+
+def checksums_agree(views: Sequence[Any], parallel_bytes: int) -> list[bool]:
+    """`start_checksums(views, parallel_bytes)()`."""
+    return start_checksums(views, parallel_bytes)()
 
 
 def wait_jobs(jobs: list) -> None:

@@ -439,35 +439,31 @@ class BlockStore:
         self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
 
-    def _sound(self, digests: Sequence[bytes], views: list) -> tuple[int, str]:
-        """How many leading views hold the blocks this reader would have written under `digests`, and the
-        fault of the first that does not ('' if all do): "missing", "foreign" (another writer's bytes or
-        layout) or, with `verify`, "corrupt" (bytes that no longer match the pool's checksum).
-
-        Headers are compared first, in order; then the checksums of the blocks before the first bad
-        header are taken at once on the checksum threads (xxhash releases the GIL): one 2 MiB block
-        is ~0.2 ms of hashing, and a restart's loads are hundreds of blocks a step."""
-        n, why = len(views), ""
+    def _headers(self, digests: Sequence[bytes], views: list) -> tuple[int, str]:
+        """How many leading views hold a block under the header this reader would have written for
+        `digests`, and the fault of the first that does not ('' if all do): "missing", or "foreign"
+        (another writer's bytes or layout)."""
         for i, (d, ev) in enumerate(zip(digests, views)):
             if ev is None or isinstance(ev, Exception):
-                n, why = i, "missing"
-                break
+                return i, "missing"
             mv = ev.memoryview
             if mv.nbytes != HEADER_SIZE + self.payload_bytes or bytes(mv[:HEADER_SIZE]) != self.header(d):
-                n, why = i, "foreign"
-                break
-        if self.verify and n:
-            sound = gpu.checksums_agree(views[:n], _PARALLEL_VERIFY_BYTES)
-            if not all(sound):
-                n, why = sound.index(False), "corrupt"
-        return n, why
+                return i, "foreign"
+        return len(views), ""
 
     def load(self, digests: Sequence[bytes], out: "torch.Tensor", stream: Any = None,
              keep: "list | None" = None) -> int:
         """Copy the leading blocks of `digests` that are there and sound into `out[:k]`; return k.
 
         `out`: `[len(digests), payload_bytes]` uint8 on any device.  Stops
-        at the first block missing, foreign or corrupt (each counted).
+        at the first block missing, foreign or, with `verify`, corrupt (bytes
+        that no longer match the pool's checksum); each is counted.  The
+        checksums are taken on the checksum threads (xxhash releases the GIL)
+        from 4 MiB on: a 2 MiB block is ~0.2 ms of hashing, and a restart's
+        loads are hundreds of blocks a step.  Into a CUDA `out` the copies are
+        queued while the checksums run, so the two overlap; rows of `out`
+        past k may then hold bytes of blocks not loaded (the caller uses
+        `out[:k]`, and scatters only those into its cache).
         """
         pool = self.pool.acquire()
         if pool is None:
@@ -477,14 +473,32 @@ class BlockStore:
         import torch
 
         views: list = []
-        keys: list[str] = []
+        n = 0
+        t = None
         leased = False  # the lease went to a transfer still copying
         handed = 0  # views[:handed] belong to the transfer now (it unpins them)
         try:
             # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
             views = pool.view_many([self.key(d) for d in digests])
-            n, why = self._sound(digests, views)
-            keys = [self.key(d) for d in digests[:n]]
+            n, why = self._headers(digests, views)
+
+            def copy(k: int) -> "gpu.Transfer":  # each block read (and counted a hit) once, from its view
+                nonlocal handed
+                handed = k
+                return gpu.load_views(pool, views[:k], dtype=torch.uint8, shape=(self.payload_bytes,),
+                                      device=out.device, out=out[:k], offset=HEADER_SIZE, stream=stream)
+
+            if n and self.verify:
+                checked = gpu.start_checksums(views[:n], _PARALLEL_VERIFY_BYTES)
+                if out.device.type == "cuda":
+                    try:
+                        t = copy(n)  # queued while the checksums run
+                    finally:
+                        sound = checked()  # always waited for: no thread reads a view once it is released
+                else:
+                    sound = checked()
+                if not all(sound):
+                    n, why = sound.index(False), "corrupt"
             if why == "missing":
                 self.faults.fault("missing", f"{self.key(digests[n])} left the pool between lookup and load")
             elif why:
@@ -493,11 +507,9 @@ class BlockStore:
                     # Damaged bytes help no one: drop them, so the next
                     # look-up is a miss and the block is stored afresh.
                     pool.delete(self.key(digests[n]))
-            if keys:
-                # From the views checked above: each block is read (and counted a hit) once.
-                handed = len(keys)
-                t = gpu.load_views(pool, views[:handed], dtype=torch.uint8, shape=(self.payload_bytes,),
-                                   device=out.device, out=out[:handed], offset=HEADER_SIZE, stream=stream)
+            if t is None and n:
+                t = copy(n)
+            if t is not None:
                 if keep is not None and t.event is not None:
                     # The caller waits (and unpins, and ends the lease) once its stream is past the copies.
                     keep.append(_Leased(t, lambda: self.pool.release(pool)))
@@ -506,14 +518,19 @@ class BlockStore:
                     t.wait()
         except Exception as e:
             self.faults.fault("error", e)
+            if t is not None and not leased:
+                try:
+                    t.wait()  # copies already queued: let them land, then unpin their entries
+                except Exception:
+                    pass
             return 0
         finally:
             pool.release_many(views[handed:])
             if not leased:
                 self.pool.release(pool)
-        self.faults.count("loaded", len(keys))
-        self.faults.count("loaded_bytes", len(keys) * self.payload_bytes)
-        return len(keys)
+        self.faults.count("loaded", n)
+        self.faults.count("loaded_bytes", n * self.payload_bytes)
+        return n
 
 
 class PagedLayers:
