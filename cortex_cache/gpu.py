@@ -501,11 +501,6 @@ def start_checksums(views: Sequence[Any], parallel_bytes: int) -> Callable[[], l
     return result
 
 
-def checksums_agree(views: Sequence[Any], parallel_bytes: int) -> list[bool]:
-    """`start_checksums(views, parallel_bytes)()`."""
-    return start_checksums(views, parallel_bytes)()
-
-
 def wait_jobs(jobs: list) -> None:
     for j in jobs:
         try:
