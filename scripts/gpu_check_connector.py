@@ -386,9 +386,9 @@ def check_layout(torch, run: Run, args, dev, layout: str, target: str) -> str:
     what = f"{layout} -> {target}: {n}+{n} blocks saved (Saver, inline), loaded in one step at other ids, bit-exact"
     if cuda:
         shown = "; ".join(
-            f"a control without the {what} raced: it ordered the copies" if r else
-            f"a control without the {what} did not race: that ordering was not put to the test"
-            for what, r in (("save's event", raced), ("load stream's wait", load_raced)))
+            f"a control without the {control} raced: it ordered the copies" if r else
+            f"a control without the {control} did not race: that ordering was not put to the test"
+            for control, r in (("save's event", raced), ("load stream's wait", load_raced)))
         what += f"; {2 * n} entries pinned until the step's end; {shown}"
     return what
 

@@ -432,7 +432,7 @@ def test_foreign_and_corrupt_blocks_are_counted_misses_never_loaded(make_pool):
     assert unverified.load(d[3:], out) == 1 and uf.stats["corrupt"] == 0  # verify=False trusts the bytes
 
 
-def test_a_large_load_checks_its_blocks_on_threads_and_stops_at_the_first_fault(make_pool):
+def test_a_large_load_checks_its_blocks_on_threads_and_stops_at_the_first_fault(make_pool, monkeypatch):
     """Loads of 4 MiB and more take their checksums on the checksum threads: still in order of the
     blocks, the first fault (a corrupt block before a foreign one) the one counted, nothing after it loaded."""
     from cortex_cache import gpu
@@ -455,21 +455,14 @@ def test_a_large_load_checks_its_blocks_on_threads_and_stops_at_the_first_fault(
     pool.core.mv[off + 64 + payload - 1] ^= 0xFF  # block 3: its last byte flipped (corrupt)
     used = []
     real = gpu.copy_executor
-
-    def watched():
-        used.append(True)
-        return real()
-
+    monkeypatch.setattr(gpu, "copy_executor", lambda: used.append(True) or real())
     out.zero_()
-    gpu.copy_executor = watched
-    try:
-        assert store.load(d, out) == 3
-    finally:
-        gpu.copy_executor = real
+    assert store.load(d, out) == 3
     assert used, "the checksums of a large load were not taken on the checksum threads"
     assert faults.stats["corrupt"] == 1 and faults.stats["foreign"] == 0
     assert all((out[i] == i + 1).all() for i in range(3)) and not out[3:].any()
     assert store.key(d[3]) not in pool and store.present(d) == 3
+
 
 def test_a_missing_pool_is_retried_and_a_full_pool_stores_nothing(make_pool, pool_name):
     from cortex_cache.integrations.vllm.blocks import prefix_digests
