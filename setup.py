@@ -1,4 +1,4 @@
-"""Builds the optional C fast path (cortex_cache/_fastpath.c); everything else is in pyproject.toml.
+"""Builds the optional C fast path (cortex_cache/_fastpath*.c); everything else is in pyproject.toml.
 
 `optional=True`: where no C compiler is found, the install goes on without it and
 the pool uses its pure-Python path (docs/internals.md, "The fast path").
@@ -21,16 +21,23 @@ class EditableWheelWithData(editable_wheel):
             self.run_command("install_data")  # into the wheel's .data/data, as a regular wheel has it
 
 
+# The extension's compilation units (cortex_cache/_fastpath.h says what each holds).
+FASTPATH_SOURCES = ["_fastpath", "_fastpath_spec", "_fastpath_guard", "_fastpath_pin", "_fastpath_read", "_fastpath_put",
+                    "_fastpath_load", "_copyhash", "_copyhash_avx2"]
+FASTPATH_HEADERS = ["_fastpath", "_fastpath_entries", "_copyhash", "_copyhash_loop"]
+
+
 setup(
     cmdclass={"editable_wheel": EditableWheelWithData},
     ext_modules=[
         Extension(
             "cortex_cache._fastpath",
-            ["cortex_cache/_fastpath.c", "cortex_cache/_copyhash_avx2.c"],
+            [f"cortex_cache/{name}.c" for name in FASTPATH_SOURCES],
             include_dirs=["third_party/xxhash", "cortex_cache"],
-            depends=["cortex_cache/_copyhash.h", "cortex_cache/_fastpath_put.h", "cortex_cache/_fastpath_load.h",
-                     "third_party/xxhash/xxhash.h", "third_party/xxhash/LICENSE"],
-            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+            depends=[f"cortex_cache/{name}.h" for name in FASTPATH_HEADERS]
+            + ["third_party/xxhash/xxhash.h", "third_party/xxhash/LICENSE"],
+            # Hidden: what the files share (SLOW, guards, do_read...) stays inside the module.
+            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-fvisibility=hidden"],
             optional=True,
         )
     ]

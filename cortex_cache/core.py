@@ -66,7 +66,7 @@ COPY_IN_LOCK = 256 * 1024
 # round trips cost one of them (64 KiB, two reader processes: 0.8x -> 1.8x
 # of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
 GET_COPY_IN_LOCK = 32 * 1024
-# The C fast path (_fastpath.c; docs/internals.md, "The fast path"), unless it was not built or
+# The C fast path (_fastpath*.c; docs/internals.md, "The fast path"), unless it was not built or
 # CORTEX_CACHE_PURE_PYTHON=1 asks for the Python path everywhere.
 try:
     from . import _fastpath
@@ -85,7 +85,7 @@ C_COPY_HASH_ISA = _fastpath.COPY_HASH_ISA if _fastpath is not None else None
 READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
 # Copying a large value outside the lock without a pin (the seqlock check) relies on stores becoming
 # visible in program order (x86-64's TSO); elsewhere the fast path leaves large values to the pinned path.
-# The policies as _fastpath.c numbers them (its POL_* enum), for its copy of eviction.py's scores.
+# The policies as the C fast path numbers them (_fastpath.h, POL_*), for its copy of eviction.py's scores.
 _POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5, "s3fifo": 0, "arc": 0, "auto": 0}
 # ... and what a hit does in a queue policy (its Q_* enum): count the read, or promote to queue 1.
 _QUEUE_KINDS = {"s3fifo": 1, "arc": 2, "auto": 1}
@@ -147,7 +147,7 @@ class Core:
         self.forked = False  # set in a forked child: its OFD lock would be its parent's
         mm = seg.mm
         # The mapping fenced against SIGBUS (a segment truncated by another process, a --no-reserve pool
-        # on a full /dev/shm): `gone` then, and every later call a SegmentCorrupt (_fastpath.c, Guard).
+        # on a full /dev/shm): `gone` then, and every later call a SegmentCorrupt (_fastpath_guard.c).
         self.guard = _fastpath.Guard(mm) if _fastpath is not None else None
         self.mv = mv = memoryview(mm)
         hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
@@ -237,7 +237,7 @@ class Core:
             "thread_lock": self.lock.thread, "guard": self.guard,
             "on_score_change": None if pol.monotone else self.victims.on_score_change,
             "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
-            # The write path (_fastpath_put.h).
+            # The write path (_fastpath_put.c).
             "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
             "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt,
             "error": CortexCacheError, "corrupt_error": SegmentCorrupt,

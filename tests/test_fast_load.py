@@ -1,4 +1,4 @@
-"""The LMCache adapter's batched load in C (Fast.load_many, cortex_cache/_fastpath_load.h).
+"""The LMCache adapter's batched load in C (Fast.load_many, cortex_cache/_fastpath_load.c).
 
 It must answer every key as the Python path does (hits, misses, foreign
 headers, wrong lengths, corrupt bytes, with and without verification, with

@@ -1,4 +1,4 @@
-"""The C fast path (cortex_cache/_fastpath.c; docs/internals.md, "The fast path").
+"""The C fast path (cortex_cache/_fastpath*.c; docs/internals.md, "The fast path").
 
 It must be built and used wherever the package is installed with a compiler
 (as in CI), count exactly what the Python path counts, share pools with
@@ -135,7 +135,7 @@ def test_every_change_of_a_value_fails_the_seqlock_check(make_pool, change, writ
         p.core.fast = PythonWrites(fast)
     # Every write over the old value's bytes must find the check failing already (a reader copying
     # then would get torn bytes): watch the segment's writes.  The C write path's stores cannot be
-    # watched from here; it keeps the same order (insert_seq first: _fastpath_put.h, put_held), and the
+    # watched from here; it keeps the same order (insert_seq first: _fastpath_put.c, put_held), and the
     # racing readers below check it from other processes.
     start = p.core.value_offset(seen[0])
     checks = []
@@ -262,7 +262,7 @@ def test_fast_and_pure_processes_share_a_pool(make_pool, pool_name):
     assert p.stats()["pinned_entries"] == 0  # every view of both processes was released
 
 
-# ---------------------------------------------------------------- the write path (_fastpath_put.h)
+# ---------------------------------------------------------------- the write path (_fastpath_put.c)
 
 # What two pools given the same writes must hold alike, whichever path wrote them: every slot field but
 # the wall-clock times, every allocation word and map, the chains and the victim list's place.

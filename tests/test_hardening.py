@@ -216,7 +216,7 @@ def _kill_at_random(op: str, name: str, seed: int, *extra: str) -> None:
             f.close()
 
 
-# The writes run both ways: through the C write path (_fastpath_put.h) and through core.py.
+# The writes run both ways: through the C write path (_fastpath_put.c) and through core.py.
 @pytest.mark.parametrize("op,path", [(op, "c") for op in ("put", "delete", "evict", "repair", "put_many",
                                                           "get_many", "write_many")]
                          + [(op, "python") for op in ("put", "put_many", "write_many")])

@@ -1,6 +1,6 @@
 /* Fast.load_many: the LMCache adapter's batched load (integrations/lmcache.py, `_get`) in one call.
  *
- * Included by _fastpath.c after its lock, lookup and pin helpers, whose rules it follows: in ONE lock
+ * It follows the rules of the read path's lock, lookup and pin helpers (_fastpath_entries.h): in ONE lock
  * hold every key of the batch is looked up, pinned and counted (as Pool.view_many counts it); the lock
  * is let go; then, with the GIL released, each pinned value's 32-byte adapter header is checked in
  * place, its payload copied into the caller's buffer and (with `verify`) the whole stored value --
@@ -22,7 +22,17 @@
  * changed, when the lock is busy or marked dirty.  After the copies, a segment found truncated (the
  * Guard) or a Fast closed meanwhile turns every key SLOW, its hit already counted (the Python path then
  * raises). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include "_fastpath.h"
+#include "_fastpath_entries.h"
+#define XXH_INLINE_ALL
+#include "xxhash.h"
 
 enum { LOAD_HIT = 0, LOAD_MISS = 1, LOAD_FOREIGN = 2, LOAD_CORRUPT = 3, LOAD_REFUSED = 4, LOAD_SLOW = 5 };
 
@@ -296,7 +306,7 @@ static PyObject *load_release(Fast *self, struct load_job *jobs, Py_ssize_t n) {
  * verify: bool, workers: int) -> (outcomes, leftover) | SLOW.
  * outcomes: per key LOAD_HIT..LOAD_REFUSED (0-4) or SLOW; leftover: None, or the (pin, slot) pairs the
  * caller must release (load_release). */
-static PyObject *do_load_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+FAST_METHOD(load_many) {
     if (nargs != 7 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyBytes_Check(args[2]) ||
         !PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
@@ -317,13 +327,7 @@ static PyObject *do_load_many(Fast *self, PyObject *const *args, Py_ssize_t narg
                         "load_many: one buffer and one 16-byte digest a key, a 6-byte tag, workers >= 1");
         return NULL;
     }
-    for (Py_ssize_t k = 0; k < n; k++) { /* every key checked before the lock is taken */
-        PyObject *pair = PyList_GET_ITEM(keys, k);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))) {
-            PyErr_SetString(PyExc_TypeError, "load_many: keys are (bytes, int) pairs");
-            return NULL;
-        }
-    }
+    if (check_key_pairs(keys, "load_many") < 0) return NULL; /* every key before the lock is taken */
     PyObject *result = NULL;
     Py_buffer *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     struct load_job *jobs = PyMem_Calloc(n ? n : 1, sizeof(struct load_job));

@@ -1,7 +1,8 @@
-/* The write path in C: put, put_many, reserve_many and seal_many (docs/internals.md, "The fast path").
+/* The write path in C: put, put_many, reserve_many and seal_many, and the queue policies' evicted
+ * (docs/internals.md, "The fast path").
  *
- * Included by _fastpath.c after the read path, whose lock (take/give), lookup (find) and bookkeeping
- * (primary, the victim list's fast exits) it shares.  Each function does what core.py's reserve, put_small
+ * It shares the read path's lock (take/give), lookup (find) and bookkeeping (primary, the victim
+ * list's fast exits: _fastpath_entries.h).  Each function does what core.py's reserve, put_small
  * and seal do, field for field and in the same order, under the same lock and dirty mark, so that C and
  * Python writers share a pool freely:
  *
@@ -22,6 +23,11 @@
  * reserve hook leaves the metadata consistent when it is a CortexCacheError other than SegmentCorrupt
  * (PoolFull: the lock is given back clean); any other leaves the dirty mark for the next holder's repair,
  * as Core.locked does. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "_fastpath.h"
+#include "_fastpath_entries.h"
 
 /* Is the run [first, first + n) of a one-byte-per-cell map free? */
 static int run_free(const uint8_t *map, uint64_t first, uint64_t n) {
@@ -309,7 +315,7 @@ static void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
 
 /* Fast.evicted(slot): QueueVictims.evicted -- the victim's key goes into its queue's ghost ring.  The
  * caller (Core.evict_one, in Python) holds the lock. */
-static PyObject *do_evicted(Fast *s, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *do_evicted(Fast *s, PyObject *const *args, Py_ssize_t nargs) {
     long long i = nargs == 1 ? PyLong_AsLongLong(args[0]) : -1;
     if (i == -1 && PyErr_Occurred()) return NULL;
     if (!s->qkind || i < 0 || (uint64_t)i >= s->n_slots) {
@@ -521,7 +527,7 @@ static int blocks_match(Fast *s, uint64_t vlen, uint64_t nblk) {
  * A value up to put_in_lock is put in one lock hold; a larger one is reserved, copied and checksummed with
  * neither the lock nor the GIL held, then sealed.  (slot, checksum): the value is copied but the lock was
  * busy for its seal -- the caller seals it (Core.locked(Tiers.seal, ...)). */
-static PyObject *do_put(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+FAST_METHOD(put) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "put(kb, kh, flags, value, nblk, ttl, prio)");
         return NULL;
@@ -587,7 +593,7 @@ done:
 /* put_many(items: list[(kb, kh, flags, value, nblk)], ttl, prio) -> list of None | error | SLOW, or SLOW
  * (the lock busy: nothing done).  Every value up to put_in_lock, all in one lock hold (batch.put_many's
  * small ones); a key's CortexCacheError (PoolFull) is its result and the batch goes on. */
-static PyObject *do_put_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+FAST_METHOD(put_many) {
     if (nargs != 3 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "put_many(items: list, ttl, prio)");
         return NULL;
@@ -667,7 +673,7 @@ done:
 /* reserve_many(items: list[(kb, kh, flags, nbytes, nblk)]) -> list of (slot, offset) | error, or SLOW (the
  * lock busy: nothing reserved).  One lock hold for all (Pool.reserve_write_many, batch.put_large_many); a
  * key's PoolFull is its result and the batch goes on. */
-static PyObject *do_reserve_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+FAST_METHOD(reserve_many) {
     if (nargs != 1 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "reserve_many(items: list)");
         return NULL;
@@ -732,7 +738,7 @@ done:
 /* seal_many(items: list[(slot, kb, kh, checksum, ttl, prio)]) -> list of True (sealed) | False (the
  * reservation was taken back by a repair) | SLOW, or SLOW (the lock busy: nothing sealed).  One lock hold
  * for all (Pool.commit_many, EntryWriter.commit, batch.put_large_many). */
-static PyObject *do_seal_many(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+FAST_METHOD(seal_many) {
     if (nargs != 1 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "seal_many(items: list)");
         return NULL;
