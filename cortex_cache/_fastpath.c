@@ -93,7 +93,7 @@ static PyMethodDef Fast_methods[] = {
     {"populate", (PyCFunction)(void (*)(void))Fast_populate, METH_FASTCALL,
      "populate(off, len) -> bool: map that range of the segment into this process, the GIL released"},
     {"load_many", (PyCFunction)(void (*)(void))Fast_load_many, METH_FASTCALL,
-     "load_many(keys, outs, tag, digests, mode, verify, workers) -> (outcomes, leftover pins) | SLOW"},
+     "load_many(keys, outs, header, key_ids, mode, verify, workers) -> (outcomes, leftover pins) | SLOW"},
     {"put", (PyCFunction)(void (*)(void))Fast_put, METH_FASTCALL,
      "put(kb, kh, flags, value, nblk, ttl, prio) -> slot | SLOW | (slot, checksum): seal it, the lock was busy"},
     {"put_many", (PyCFunction)(void (*)(void))Fast_put_many, METH_FASTCALL,

@@ -1,8 +1,9 @@
-/* Fast.load_many: the LMCache adapter's batched load (integrations/lmcache.py, `_get`) in one call.
+/* Fast.load_many: a batch of values that each carry a header of the caller's format, checked and copied
+ * into the caller's buffers in one call (the LMCache adapter's load: integrations/lmcache.py, `_get`).
  *
  * It follows the rules of the read path's lock, lookup and pin helpers (_fastpath_entries.h): in ONE lock
  * hold every key of the batch is looked up, pinned and counted (as Pool.view_many counts it); the lock
- * is let go; then, with the GIL released, each pinned value's 32-byte adapter header is checked in
+ * is let go; then, with the GIL released, each pinned value's header is checked in
  * place, its payload copied into the caller's buffer and (with `verify`) the whole stored value --
  * header and payload, as its checksum was taken at put -- hashed while it is copied (copy_hash_impl);
  * a batch of LOAD_THREADED_BYTES or more is copied by up to `workers` threads; then the lock is taken
@@ -10,8 +11,10 @@
  * seqlock check is needed; another process that scribbles on the segment (docs/reliability.md, "Trust
  * model") is caught by the header check or the checksum, never trusted with a length.
  *
- * The adapter's header ("<4sHH16sQ"): a 6-byte tag (magic and version, the caller's), 2 reserved
- * bytes, the 16-byte digest of the key (the caller's), and the payload's length (u64, little-endian).
+ * The header's format is the caller's, described by a small spec (struct load_header) that the
+ * integration builds: the header's size, the prefix every header starts with, where each key's own
+ * bytes (a digest of its name, say; the caller's) lie in it, and where it records the payload's length.
+ * This file knows no integration's format.
  *
  * Per key: LOAD_HIT (copied, and verified when asked), LOAD_MISS (absent: a miss counted per mode),
  * LOAD_FOREIGN (a value whose header does not name this key, or of another length than the buffer;
@@ -36,9 +39,7 @@
 
 enum { LOAD_HIT = 0, LOAD_MISS = 1, LOAD_FOREIGN = 2, LOAD_CORRUPT = 3, LOAD_REFUSED = 4, LOAD_SLOW = 5 };
 
-#define LOAD_HEADER 32
-#define LOAD_TAG 6 /* magic and version */
-#define LOAD_DIGEST 16
+#define LOAD_HEADER_MAX 256 /* the largest header a spec may describe (it is copied onto the stack) */
 #define LOAD_THREADED_BYTES (4u << 20) /* smaller batches: copied by the calling thread alone */
 #define LOAD_MAX_THREADS 16
 /* copy_hash streams large pieces past the cache (non-temporal stores), which pays when the destination is
@@ -48,18 +49,23 @@ enum { LOAD_HIT = 0, LOAD_MISS = 1, LOAD_FOREIGN = 2, LOAD_CORRUPT = 3, LOAD_REF
  * zeroed, as LMCache's benchmark does: 1.5-1.7x the streamed copy; 32 x 1 MiB: 0.95x, so larger batches
  * stream). */
 #define LOAD_CACHED_BYTES (16u << 20)
-#ifdef COPY_HASH_STREAM_MIN
 #define LOAD_PIECE (COPY_HASH_STREAM_MIN / 2)
-#else
-#define LOAD_PIECE (32 * 1024)
-#endif
+
+/* What a value's header must hold, as the caller describes its format: `size` bytes before the payload,
+ * starting with `prefix`; the key's own `key_len` bytes at `key_at`; the payload's length as a u64,
+ * little-endian, at `length_at` (-1: not recorded).  The payload must fill the caller's buffer exactly. */
+struct load_header {
+    size_t size, prefix_len, key_at, key_len;
+    Py_ssize_t length_at;
+    const char *prefix;
+};
 
 /* One key of a batch: what the lock hold found (each field loaded once and checked by find()), and its
  * outcome.  Read and written without the GIL. */
 struct load_job {
     char *dst;
     size_t room;        /* the buffer's size */
-    const char *digest; /* the key's 16-byte digest (the caller's) */
+    const char *key_id; /* the key's own header bytes (the caller's, load_header.key_len of them) */
     const char *value;  /* the stored value in the segment: header, then payload */
     uint64_t len, cks;  /* its length and checksum */
     uint64_t pin;
@@ -70,7 +76,7 @@ struct load_job {
 struct load_batch {
     struct load_job *jobs;
     size_t n;
-    const char *tag;
+    struct load_header header;
     int verify, pool_verify;
     int cached;       /* a batch small enough to stay in the cache (LOAD_CACHED_BYTES) */
     size_t next;      /* the next job to take (atomic) */
@@ -86,7 +92,8 @@ static inline uint64_t le64(const unsigned char *p) {
 
 /* copy_hash of one value's payload after its header: streamed, or (`cached`) in pieces that take
  * copy_hash's cached path.  No GIL. */
-static uint64_t load_copy_hash(char *dst, const char *src, size_t n, const unsigned char *head, int cached) {
+static uint64_t load_copy_hash(char *dst, const char *src, size_t n, const unsigned char *head, size_t head_len,
+                               int cached) {
     struct copy_piece one = {dst, src, n}, *pieces = &one;
     size_t count = 1;
     if (cached && n > LOAD_PIECE && (pieces = malloc((n / LOAD_PIECE + 1) * sizeof *pieces)) != NULL) {
@@ -97,29 +104,30 @@ static uint64_t load_copy_hash(char *dst, const char *src, size_t n, const unsig
     } else {
         pieces = &one; /* one piece, or no memory for the list (then streamed: the same bytes, slower) */
     }
-    uint64_t h = copy_hash_impl(pieces, count, head, LOAD_HEADER);
+    uint64_t h = copy_hash_impl(pieces, count, head, head_len);
     if (pieces != &one) free(pieces);
     return h;
 }
 
 /* One pinned value into its buffer: its outcome.  No GIL. */
 static int load_one(const struct load_batch *b, const struct load_job *j) {
-    unsigned char head[LOAD_HEADER];
+    const struct load_header *h = &b->header;
+    unsigned char head[LOAD_HEADER_MAX];
     /* The pool's own verify_reads check comes first, over the bytes in place, as view_many's does (it
      * answers ValueCorrupt for the key): a value failing it never reaches the buffer. */
     if (b->pool_verify && XXH3_64bits(j->value, (size_t)j->len) != j->cks) return LOAD_REFUSED;
-    if (j->len < LOAD_HEADER) return LOAD_FOREIGN;
-    uint64_t n = j->len - LOAD_HEADER;
-    memcpy(head, j->value, LOAD_HEADER); /* read once: what is checked is what is hashed */
-    if (memcmp(head, b->tag, LOAD_TAG) != 0 || memcmp(head + 8, j->digest, LOAD_DIGEST) != 0 ||
-        le64(head + 24) != n || n != j->room)
+    if (j->len < h->size) return LOAD_FOREIGN;
+    uint64_t n = j->len - h->size;
+    memcpy(head, j->value, h->size); /* read once: what is checked is what is hashed */
+    if (memcmp(head, h->prefix, h->prefix_len) != 0 || memcmp(head + h->key_at, j->key_id, h->key_len) != 0 ||
+        (h->length_at >= 0 && le64(head + h->length_at) != n) || n != j->room)
         return LOAD_FOREIGN;
     if (!b->verify) {
-        memcpy(j->dst, j->value + LOAD_HEADER, (size_t)n);
+        memcpy(j->dst, j->value + h->size, (size_t)n);
         return LOAD_HIT;
     }
     /* One pass over the pool's memory: each step hashed on its way to the buffer. */
-    if (load_copy_hash(j->dst, j->value + LOAD_HEADER, (size_t)n, head, b->cached) == j->cks) return LOAD_HIT;
+    if (load_copy_hash(j->dst, j->value + h->size, (size_t)n, head, h->size, b->cached) == j->cks) return LOAD_HIT;
     memset(j->dst, 0, (size_t)n); /* nothing of a damaged value is left in the buffer */
     return LOAD_CORRUPT;
 }
@@ -302,15 +310,43 @@ static PyObject *load_release(Fast *self, struct load_job *jobs, Py_ssize_t n) {
     return left;
 }
 
-/* load_many(keys: list[(kb, kh)], outs: list[buffer], tag: bytes (6), digests: bytes (16 a key), mode,
- * verify: bool, workers: int) -> (outcomes, leftover) | SLOW.
+/* The header spec (size, prefix, key_at, key_len, length_at) into *h, checked: 0, or -1 with a TypeError
+ * (not that shape) or a ValueError (a part outside the header). */
+static int load_parse_header(PyObject *spec, struct load_header *h) {
+    Py_ssize_t v[5] = {0}; /* v[1], the prefix, is bytes */
+    int shaped = PyTuple_Check(spec) && PyTuple_GET_SIZE(spec) == 5 && PyBytes_Check(PyTuple_GET_ITEM(spec, 1));
+    for (int k = 0; shaped && k < 5; k++) {
+        PyObject *item = PyTuple_GET_ITEM(spec, k);
+        if (k != 1 && (!PyLong_Check(item) || ((v[k] = PyLong_AsSsize_t(item)) == -1 && PyErr_Occurred())))
+            shaped = 0;
+    }
+    if (!shaped) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "load_many: header is (size, prefix: bytes, key_at, key_len, length_at)");
+        return -1;
+    }
+    Py_ssize_t size = v[0], key_at = v[2], key_len = v[3], length_at = v[4];
+    Py_ssize_t prefix_len = PyBytes_GET_SIZE(PyTuple_GET_ITEM(spec, 1));
+    if (size < 1 || size > LOAD_HEADER_MAX || prefix_len > size || key_at < 0 || key_len < 0 ||
+        key_len > size - key_at || length_at < -1 || (length_at >= 0 && length_at > size - 8)) {
+        PyErr_Format(PyExc_ValueError,
+                     "load_many: a header of 1 to %d bytes, its prefix, key bytes and length field inside it",
+                     LOAD_HEADER_MAX);
+        return -1;
+    }
+    *h = (struct load_header){(size_t)size, (size_t)prefix_len, (size_t)key_at, (size_t)key_len, length_at,
+                              PyBytes_AS_STRING(PyTuple_GET_ITEM(spec, 1))};
+    return 0;
+}
+
+/* load_many(keys: list[(kb, kh)], outs: list[buffer], header: (size, prefix, key_at, key_len, length_at),
+ * key_ids: bytes (key_len a key), mode, verify: bool, workers: int) -> (outcomes, leftover) | SLOW.
  * outcomes: per key LOAD_HIT..LOAD_REFUSED (0-4) or SLOW; leftover: None, or the (pin, slot) pairs the
  * caller must release (load_release). */
 FAST_METHOD(load_many) {
-    if (nargs != 7 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyBytes_Check(args[2]) ||
-        !PyBytes_Check(args[3])) {
+    if (nargs != 7 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "load_many(keys: list, outs: list, tag: bytes, digests: bytes, mode, verify, workers)");
+                        "load_many(keys: list, outs: list, header: tuple, key_ids: bytes, mode, verify, workers)");
         return NULL;
     }
     PyObject *keys = args[0], *outs = args[1];
@@ -321,10 +357,10 @@ FAST_METHOD(load_many) {
     if (verify < 0) return NULL;
     long workers = PyLong_AsLong(args[6]);
     if (workers == -1 && PyErr_Occurred()) return NULL;
-    if (PyList_GET_SIZE(outs) != n || PyBytes_GET_SIZE(args[2]) != LOAD_TAG ||
-        PyBytes_GET_SIZE(args[3]) != n * LOAD_DIGEST || workers < 1) {
-        PyErr_SetString(PyExc_ValueError,
-                        "load_many: one buffer and one 16-byte digest a key, a 6-byte tag, workers >= 1");
+    struct load_header header;
+    if (load_parse_header(args[2], &header) < 0) return NULL;
+    if (PyList_GET_SIZE(outs) != n || PyBytes_GET_SIZE(args[3]) != n * (Py_ssize_t)header.key_len || workers < 1) {
+        PyErr_SetString(PyExc_ValueError, "load_many: one buffer and key_len key bytes a key, workers >= 1");
         return NULL;
     }
     if (check_key_pairs(keys, "load_many") < 0) return NULL; /* every key before the lock is taken */
@@ -342,7 +378,7 @@ FAST_METHOD(load_many) {
             goto done;
         jobs[nbufs].dst = bufs[nbufs].buf;
         jobs[nbufs].room = (size_t)bufs[nbufs].len;
-        jobs[nbufs].digest = PyBytes_AS_STRING(args[3]) + nbufs * LOAD_DIGEST;
+        jobs[nbufs].key_id = PyBytes_AS_STRING(args[3]) + nbufs * (Py_ssize_t)header.key_len;
         total += (uint64_t)bufs[nbufs].len;
     }
     int got = load_pin_all(self, keys, jobs, n, mode);
@@ -350,8 +386,7 @@ FAST_METHOD(load_many) {
         result = got < 0 ? NULL : Py_NewRef(SLOW);
         goto done;
     }
-    struct load_batch batch = {jobs, (size_t)n, PyBytes_AS_STRING(args[2]), verify, self->verify,
-                               total <= LOAD_CACHED_BYTES, 0, 0, 0, 0};
+    struct load_batch batch = {jobs, (size_t)n, header, verify, self->verify, total <= LOAD_CACHED_BYTES, 0, 0, 0, 0};
     long threads = total >= LOAD_THREADED_BYTES ? workers : 1;
     if (threads > LOAD_MAX_THREADS) threads = LOAD_MAX_THREADS;
     if (threads > n) threads = (long)n;

@@ -6,7 +6,8 @@ the pool's own verify_reads), count the same, hand back every pin, answer
 SLOW before anything changed when the lock is busy or marked dirty, survive
 its handle closed or its segment truncated in the middle of a batch, and
 never load torn or wrong bytes while another process overwrites and deletes
-the keys it loads.
+the keys it loads.  The header's format is the adapter's, told to the C
+call; the C code knows none, and checks any format it is told alike.
 """
 
 from __future__ import annotations
@@ -254,7 +255,68 @@ def test_a_busy_lock_answers_slow_and_changes_nothing(make_pool, monkeypatch):
 def _raw_load(fast, keys: list[str], bufs: list, workers: int = 1):
     """Fast.load_many over adapter keys, as the adapter calls it (verified, hits and misses counted)."""
     enc = encoded(["lmcache/" + k for k in keys])
-    return fast.load_many(enc, bufs, lmcache._TAG, b"".join(map(lmcache._digest, keys)), 0, True, workers)
+    return fast.load_many(enc, bufs, lmcache._LOAD_HEADER, b"".join(map(lmcache._digest, keys)), 0, True, workers)
+
+
+# A format that is not the adapter's: 16 bytes, a 4-byte prefix, the key's 4-byte id at 4, the payload's
+# length (u64, little-endian) at 8.
+OTHER_HEADER = (16, b"ABCD", 4, 4, 8)
+
+
+def _other(prefix: bytes, key_id: bytes, n: int, payload: bytes) -> bytes:
+    return prefix + key_id + n.to_bytes(8, "little") + payload
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_header_format_is_the_callers(make_pool, verify):
+    p = make_pool("8M", block_size="4K")
+    fast = p.core.fast
+    if fast is None:
+        pytest.skip("the C fast path is not built")
+    payload = bytes(range(256)) * 20
+    n = len(payload)
+    stored = {"hit": _other(b"ABCD", b"id01", n, payload), "other id": _other(b"ABCD", b"id99", n, payload),
+              "other prefix": _other(b"ABCE", b"id03", n, payload), "other length": _other(b"ABCD", b"id04", n + 1, payload),
+              "short": b"ABCDid05"}
+    for k, v in stored.items():
+        p.put(k, v)
+    p.core.mv[p.geometry.data_off + p.info("hit")["first_block"] * p.geometry.block_size + 16 + 9] ^= 0xFF
+    keys = [*stored, "absent"]
+    ids = b"id01id02id03id04id05id06"
+    bufs = [bytearray(b"?" * n) for _ in keys]
+    codes, left = fast.load_many(encoded(keys), bufs, OTHER_HEADER, ids, 0, verify, 1)
+    # Hit (or corrupt: its payload was damaged in place, and verified), then foreign four times, then a miss.
+    assert left is None and codes == [3 if verify else 0, 2, 2, 2, 2, 1]
+    assert bufs[0] == (bytes(n) if verify else p.peek("hit")[16:])
+    assert all(b == b"?" * n for b in bufs[1:])
+    # Told that the header holds no length and no key id, "other id" and "other length" load.
+    codes, _ = fast.load_many(encoded(["other id", "other length"]), [bytearray(n)] * 2, (16, b"ABCD", 0, 0, -1),
+                              b"", 0, verify, 1)
+    assert codes == [0, 0]
+
+
+@pytest.mark.parametrize("header", [
+    (0, b"", 0, 0, -1), (257, b"", 0, 0, -1),  # no header, or one larger than the C call takes
+    (16, b"x" * 17, 0, 0, -1),  # a prefix longer than the header
+    (16, b"", 12, 5, -1), (16, b"", -1, 4, -1),  # key bytes outside it
+    (16, b"", 0, 0, 9), (16, b"", 0, 0, -2),  # a length field outside it
+    (16, b"", 0, 4, -1),  # 4 key bytes a key, but 3 given
+    (16, "ABCD", 0, 0, -1), (16, b"", 0, 0), "(16, b'', 0, 0, -1)",  # not the spec's types or shape
+])
+def test_a_bad_header_spec_is_refused_before_anything_changes(make_pool, header):
+    p = make_pool("8M", block_size="4K")
+    fast = p.core.fast
+    if fast is None:
+        pytest.skip("the C fast path is not built")
+    p.put("k", b"ABCD" + bytes(12) + b"v" * 100)
+    before, count = p.stats(), p.info("k")["access_count"]
+    buf = bytearray(b"?" * 100)
+    with pytest.raises((ValueError, TypeError)) as e:
+        fast.load_many(encoded(["k"]), [buf], header, b"id1", 0, True, 1)
+    assert "load_many" in str(e.value) and "\n" not in str(e.value)
+    after = p.stats()
+    assert buf == b"?" * 100 and p.info("k")["access_count"] == count
+    assert (after["hits"], after["misses"], after["pinned_entries"]) == (before["hits"], before["misses"], 0)
 
 
 def test_pins_left_by_a_lock_busy_after_the_copies_are_released(make_pool, monkeypatch):

@@ -37,9 +37,10 @@ is pinned, its header checked in place, its payload copied once (no
 intermediate bytes) and the copy checked against the checksum taken at put
 (a failed check zeroes the buffer and reports a miss).  Where the C fast path
 is built, a batch does all of that in one call that holds the GIL only for
-its two lock holds (`Fast.load_many`, _fastpath_load.h: pin and count every
-key in one, copy and check without the GIL -- on several threads for a
-large batch -- unpin in the other); the keys it leaves (SLOW: expired, out
+its two lock holds (`Fast.load_many`, _fastpath_load.c: pin and count every
+key in one, check the header and copy without the GIL -- on several threads
+for a large batch -- unpin in the other; the header's format is told to it
+here, `_LOAD_HEADER`); the keys it leaves (SLOW: expired, out
 of pin records, a tier below to look in, a busy lock) take the Python path
 below, which stays the reference.  Nothing here imports LMCache.
 """
@@ -71,7 +72,12 @@ _PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
 
 Completion = tuple[int, bool, str, "list[bool] | None"]
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the worker thread alone
-_TAG = HEADER.pack(MAGIC, VERSION, 0, bytes(16), 0)[:6]  # what Fast.load_many checks before the digest
+# The header as Fast.load_many checks it (the C code knows no format; this is ours): its size; the prefix it
+# starts with (magic and version; the reserved u16 after them goes unchecked); where the key's digest lies,
+# and its size; where the payload's length lies (u64, little-endian).
+_DIGEST_SIZE = 16
+_LOAD_HEADER = (HEADER_SIZE, struct.pack("<4sH", MAGIC, VERSION), struct.calcsize("<4sHH"), _DIGEST_SIZE,
+                struct.calcsize("<4sHH16s"))
 # Fast.load_many's per-key answers 0-4, as counted: a value the pool's verify_reads refuses is a miss, as
 # the Python path's ValueCorrupt from view_many is.
 _OUTCOMES = ("hits", "misses", "foreign", "corrupt", "misses")
@@ -81,7 +87,7 @@ _PIN_BATCH = 256
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+    return hashlib.blake2b(key.encode(), digest_size=_DIGEST_SIZE).digest()
 
 
 def _header(key: str, n: int) -> bytes:
@@ -260,7 +266,7 @@ class CortexConnector:
         return got  # type: ignore[return-value]
 
     def _load_fast(self, keys: list[str], mvs: Sequence[Any]) -> list[str | None] | None:
-        """The batch in one C call (_fastpath_load.h): per key its counter, or None for the Python path
+        """The batch in one C call (_fastpath_load.c): per key its counter, or None for the Python path
         to load; None for the whole batch without the fast path or when its lock was busy."""
         pool = self.pool
         core = pool.core
@@ -268,7 +274,7 @@ class CortexConnector:
         if fast is None:  # not built, CORTEX_CACHE_PURE_PYTHON=1, or closed
             return None
         below = bool(pool.tiers.below)  # misses are looked up there
-        r = fast.load_many(encoded([self.namespace + k for k in keys]), list(mvs), _TAG,
+        r = fast.load_many(encoded([self.namespace + k for k in keys]), list(mvs), _LOAD_HEADER,
                            b"".join(map(_digest, keys)), READ_HITS if below else READ_COUNTED, self.verify,
                            self._copiers.workers)
         if r is SLOW:
