@@ -18,9 +18,10 @@
  *   _fastpath_read.c     read, read_many, pin_many, unpin_many (and probe, still, populate)
  *   _fastpath_put.c      put, put_many, reserve_many, seal_many, evicted
  *   _fastpath_load.c     load_many: a batch pinned, checked against caller-given headers, copied
- *   _copyhash.c          copy_hash (_copyhash.h), its baseline build and the pick of the CPU's
+ *   _copyhash.c          copy_hash for Python, its baseline build, and the pick of the build the CPU runs
+ *   _copyhash_avx2.c     copy_hash's AVX2 build (_copyhash.h, _copyhash_loop.h)
  * and _fastpath_entries.h, included by read, put and load: the lock, and what every path does under it
- * (find, lookup, touch, pin, unpin).
+ * (find, lookup, touch, pin, unpin), static inline.
  * Everything but PyInit is hidden (-fvisibility=hidden): these names stay inside the module. */
 #ifndef CORTEX_FASTPATH_H
 #define CORTEX_FASTPATH_H

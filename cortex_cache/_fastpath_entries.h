@@ -266,6 +266,12 @@ static inline int parse_key(PyObject *kb, PyObject *kh, const char **p, Py_ssize
     return 0;
 }
 
+/* parse_key of keys[k], a (bytes, int) pair that check_key_pairs let through. */
+static inline int parse_pair(PyObject *keys, Py_ssize_t k, const char **p, Py_ssize_t *n, uint64_t *h) {
+    PyObject *pair = PyList_GET_ITEM(keys, k);
+    return parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), p, n, h);
+}
+
 /* Are `keys` a list of (bytes, int) pairs?  Checked before the lock is taken: 0, or -1 with a TypeError
  * naming the call. */
 static inline int check_key_pairs(PyObject *keys, const char *what) {

@@ -251,12 +251,11 @@ static int load_pin_all(Fast *self, PyObject *keys, struct load_job *jobs, Py_ss
     if (got <= 0) return got;
     double t = now();
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *pair = PyList_GET_ITEM(keys, k);
         const char *kb;
         Py_ssize_t klen;
         uint64_t kh;
         Found f;
-        if (parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), &kb, &klen, &kh) < 0) goto fail;
+        if (parse_pair(keys, k, &kb, &klen, &kh) < 0) goto fail;
         /* Touched only once pinned: a key left to the Python path must be as it was. */
         int rc = lookup(self, kb, klen, kh, mode, -1, t, 0, 0, &f);
         int64_t j = rc == 1 ? pin(self, f.slot) : -1;

@@ -174,11 +174,10 @@ FAST_METHOD(read_many) {
     }
     double t = now();
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *pair = PyList_GET_ITEM(keys, k);
         const char *kb;
         Py_ssize_t klen;
         uint64_t kh;
-        if (parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), &kb, &klen, &kh) < 0) {
+        if (parse_pair(keys, k, &kb, &klen, &kh) < 0) {
             give(self, 0);
             goto done;
         }
@@ -260,11 +259,10 @@ FAST_METHOD(pin_many) {
     double t = now();
     Py_ssize_t k;
     for (k = 0; k < n; k++) {
-        PyObject *pair = PyList_GET_ITEM(keys, k);
         const char *kb;
         Py_ssize_t klen;
         uint64_t kh;
-        if (parse_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), &kb, &klen, &kh) < 0) break;
+        if (parse_pair(keys, k, &kb, &klen, &kh) < 0) break;
         Found f;
         /* Touch only once pinned: a key left to the Python path must be as it was. */
         int rc = lookup(self, kb, klen, kh, mode, -1, t, 0, 0, &f);
