@@ -36,6 +36,7 @@ class SnapshotBelow(Lower):
     """The filling snapshot of one pool, read only; `ended` once its fill is over (tiers.py drops it)."""
 
     name = "snapshot"
+    distance = 1  # after the disk tier (in the segment), before the server
 
     def __init__(self, core: Any) -> None:
         self.core = core
