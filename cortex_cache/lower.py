@@ -68,10 +68,11 @@ class Selector(NamedTuple):
 
 
 class Context(NamedTuple):
-    """What `Configured.attach` is handed besides the core."""
+    """What `Lower.attach` is handed besides the core."""
 
     plans: dict[str, Any]  # a pool being created: each tier's `Plan` by name (its files already open)
     reopen: Callable[[], Any]  # another handle on the pool (`.core`, `.close()`), for a tier's own thread
+    snapshot: bool  # False: a handle that only reads stats, which does not index a filling snapshot
 
 
 class Lower:
@@ -87,6 +88,12 @@ class Lower:
     writes_first = False
     promotes_as_read = False  # what it holds was admitted as reused: promoted, it counts as read
     directory: str | None = None  # where its files are, if it has any
+    ended = False  # set by a tier whose time is over (the snapshot's, once its fill ended): Tiers drops it
+
+    @classmethod
+    def attach(cls, core: "Core", ctx: Context) -> "Lower | None":
+        """This process's handle on the pool's tier, or None when the pool has none."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ reads
 
@@ -216,11 +223,6 @@ class Configured(Lower):
     def adapter_options(cls, params: dict[str, Any]) -> dict[str, Any]:
         """Pool.create's keywords for this tier from an engine adapter's parameters ({}: none asked)."""
         return {}
-
-    @classmethod
-    def attach(cls, core: "Core", ctx: Context) -> "Configured | None":
-        """This process's handle on the pool's tier, or None when the pool has none."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ configuration
 

@@ -30,6 +30,10 @@ from .lower import BUSY, Configured, Context, Creating, Fetched, Lower, Plan, Se
 from .snaptier import SnapshotBelow
 from .tier_table import TIERS
 
+# Every tier a pool may have: those it is created with and, while a restore's fill runs, the snapshot it fills
+# from (attached by its own rule: fill.py's mark says whether a fill runs).
+KINDS: tuple[type[Lower], ...] = (*TIERS, SnapshotBelow)
+
 # How long a reader waits for a key a tier is still writing (BUSY: another process's spill to disk, normally
 # microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
 SPILL_WAIT = 2.0
@@ -49,8 +53,8 @@ class Tiers:
 
     def __init__(self, core: Core, snapshot: bool = True, plans: dict[str, Any] | None = None,
                  in_segment_only: bool = False, owns_core: bool = False) -> None:
-        """Attach every tier the pool has.  `snapshot=False`: a handle that only reads stats does not index
-        the snapshot a fill brings back (Pool.open); `plans`: a pool being created, its tiers' files
+        """Attach every tier the pool has (KINDS).  `snapshot=False`: a handle that only reads stats does not
+        index the snapshot a fill brings back (Pool.open); `plans`: a pool being created, its tiers' files
         (lower.Plan); `in_segment_only`: only the tiers in the segment (a handle for counters, whose
         repairs must know every region); `owns_core`: `close` closes the core too."""
         self.core = core
@@ -58,19 +62,17 @@ class Tiers:
         # Admission (`tier_admit` 2): the tiers below take only evicted entries read since their put (seen
         # twice); a tier that takes puts then gets them when memory lets them go, not at every put.
         self.admit = int(core.header[0]["tier_admit"]) >= ADMIT_REUSED
-        ctx = Context(plans or {}, self.reopen)
-        self.configured: list[Configured] = []
+        ctx = Context(plans or {}, self.reopen, snapshot)
+        self.attached: list[Lower] = []
         try:
-            for kind in TIERS:
+            for kind in KINDS:
                 if in_segment_only and not kind.in_segment:
                     continue
                 t = kind.attach(core, ctx)
                 if t is not None:
-                    self.configured.append(t)
-            # While a fill runs, the snapshot it fills from.
-            self._snapshot = SnapshotBelow(core) if snapshot and not in_segment_only and fill.running(core) else None
+                    self.attached.append(t)
         except BaseException:
-            for t in self.configured:
+            for t in self.attached:
                 t.close()
             raise
         self.explicit = False  # an `evict` runs (lock held): tiers write what they take before it leaves
@@ -79,9 +81,9 @@ class Tiers:
             core.on_evict = self._on_evict
 
     def _arrange(self) -> None:
-        below: list[Lower] = sorted([*self.configured, *([self._snapshot] if self._snapshot else [])],
-                                    key=lambda t: t.distance)
+        below = sorted(self.attached, key=lambda t: t.distance)
         self.below = below
+        self.configured: list[Configured] = [t for t in below if isinstance(t, Configured)]
         indexed = [t for t in below if t.in_segment]
         assert len(indexed) <= 1, "one tier at most looked up in memory's lock hold"
         self._indexed = indexed[0] if indexed else None
@@ -125,17 +127,14 @@ class Tiers:
 
     def stop(self, forked: bool = False) -> None:
         """The handle is closing: each tier finishes its background work (a forked child's abandons it)."""
-        for t in self.configured:
+        for t in self.attached:
             t.stop(forked)
 
     def close(self) -> None:
         """Close the tiers; safe twice."""
-        configured, self.configured = self.configured, []
-        snap, self._snapshot = self._snapshot, None
-        for t in configured:
+        attached, self.attached = self.attached, []
+        for t in attached:
             t.close()
-        if snap is not None:
-            snap.close()
         self._arrange()
         if self._owns_core:
             self.core.close()
@@ -286,9 +285,8 @@ class Tiers:
             t.served(got, promoted)
             value = got.value
             return value if value.__class__ is bytes else bytes(value)
-        snap = self._snapshot
-        if snap is not None and snap.ended:  # its fill is over: memory has all it will get from it
-            self._snapshot = None
+        if any(t.ended for t in self.below):  # the snapshot's fill is over: memory has all it will get from it
+            self.attached = [t for t in self.attached if not t.ended]
             self._arrange()
         return None
 
