@@ -21,7 +21,10 @@ names one.  A tier answers:
   admission lets only reused entries down), `ready_to_take` (before an
   explicit eviction), `forget`, `contains` (lock held).
 - an operator's requests: `info`, `keys`, `remove` (evict --tier NAME),
-  `stats`, `verify`, `flush`; and `stop`, `close`.
+  `stats`, `verify`, `flush`.
+- its life: `attach` (a class method: this process's handle on the pool's
+  tier, or None when it has none), `ended` (a tier whose time is over, as the
+  snapshot's once its fill ended, is dropped), `stop`, `close`.
 
 A tier a pool is created with is a `Configured` tier (tier_table.py lists
 them): it also owns its configuration (its `Pool.create` options, their
@@ -303,7 +306,7 @@ class Configured(Lower):
 
     @classmethod
     def remove_stand_in(cls, directory: str) -> None:
-        pass
+        """Remove what `stand_in` made in `directory` (after the swap, or what a killed restore left)."""
 
     def replaced(self) -> str:
         """restore --replace swapped a new pool in: what happens to this tier (its report line)."""
