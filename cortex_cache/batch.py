@@ -56,7 +56,7 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
         except CortexCacheError as e:
             results[n] = e
             continue
-        (small if tiers.disk is None and vb.nbytes <= COPY_IN_LOCK else large).append(
+        (small if tiers.fast_ok and vb.nbytes <= COPY_IN_LOCK else large).append(
             (n, kb, kh, flags, vb, nblk))
     fast = core.fast
     if small and fast is not None:  # the C write path, in one lock hold (_fastpath_put.h)
@@ -74,10 +74,10 @@ def put_many(core: Core, tiers: Tiers, items: Any, ttl: float | None, priority: 
                 except CortexCacheError as e:  # PoolFull: the metadata is consistent, go on
                     results[n] = e
         core.locked(put_all)
-    if large and tiers.disk is None:
+    if large and tiers.fast_ok:
         put_large_many(core, large, results, ttl, prio)
     elif large:
-        for n, kb, kh, flags, vb, nblk in large:  # the disk tier's path, key by key
+        for n, kb, kh, flags, vb, nblk in large:  # a tier in memory's lock holds (the disk): key by key
             try:
                 tiers.put(kb, kh, flags, vb, nblk, ttl, prio)
             except CortexCacheError as e:
@@ -123,7 +123,7 @@ def get_many_into(core: Core, tiers: Tiers, keys: Any, outs: Any) -> list[int | 
     omvs = [writable_bytes(o) for o in outs]
     if len(omvs) != len(enc):
         raise UsageError(f"get_many_into needs one buffer per key ({len(enc)} keys, {len(omvs)} buffers)")
-    below = bool(tiers.below)
+    below = tiers.look_below
     fast = core.fast
     if fast is not None:
         # Per key: its length, None (a miss, counted), or SLOW: the key by key path below.
@@ -210,7 +210,7 @@ def view_many(core: Core, tiers: Tiers, views: set, view_one: Callable[[Any], En
     `view_one` (Pool.view), which brings them in from below."""
     keys = list(keys)
     enc = encoded(keys)
-    below = bool(tiers.below)
+    below = tiers.look_below
     got = pin_many(core, enc, not below)
     results = EntryView.of_pins(core, views, got)
     if core.verify_reads:
@@ -304,14 +304,13 @@ def reserve_write_many(core: Core, tiers: Tiers, items: Any, ttl: float | None,
 
 def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[Exception | None]:
     """Pool.commit_many: checksums taken outside the lock, every writer sealed in one lock hold (key by key
-    with a write-through disk tier, whose records are written first); per writer None or its error."""
+    when a tier writes each put's record first: a write-through disk tier); per writer None or its error."""
     writers = list(writers)
     sums = [None] * len(writers) if checksums is None else list(checksums)
     if len(sums) != len(writers):
         raise UsageError(f"commit_many needs one checksum per writer ({len(writers)} writers, {len(sums)} checksums)")
     results: list[Exception | None] = [None] * len(writers)
-    d = tiers.disk
-    if d is not None and d.write_through:
+    if tiers.writes_first:
         for n, (w, c) in enumerate(zip(writers, sums)):
             try:
                 w.commit(c)
@@ -338,8 +337,9 @@ def commit_many(core: Core, tiers: Tiers, writers: Any, checksums: Any) -> list[
         return sealed
 
     try:
-        # Memory only: the C write path where it runs; with a disk tier, Tiers.seal drops stale disk copies.
-        sealed = core.seal_many(seals) if d is None else core.locked(seal_all)
+        # No tier in memory's lock holds: the C write path where it runs; else Tiers.seal tells them (a disk
+        # tier drops its stale copies).
+        sealed = core.seal_many(seals) if tiers.fast_ok else core.locked(seal_all)
     except BaseException:
         abort_taken(core, [w.slot for _, w, _ in taken])
         raise

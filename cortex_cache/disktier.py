@@ -1,568 +1,557 @@
-"""The disk tier under a pool: spill on eviction, promote on a miss.
+"""The disk tier: what memory evicts goes to a ring of checksummed files, and comes back on a miss.
 
-Storage is a `DiskLog` (disklog.py): a ring of preallocated files of
-checksummed records.  The index of what is on disk lives in the pool's
-segment (the disk-index regions of layout.py), so every attached process
-sees the same tier, and it is guarded by the pool lock like the rest of the
-metadata.  The records are the truth: the index is rebuilt from a scan of the
-files when a pool is created on a directory that already holds a tier (the
-restart case), and repair rebuilds its chains from the disk slots.
+One `lower.Configured` tier (docs/tiers.md, "Disk tier"; the contract is
+lower.py's): its index lives in the pool's segment (diskindex.py), its
+records in files (disklog.py).  Since its index is in the segment it is the
+tier that takes part in memory's lock holds (`in_segment`): it is looked up
+in the same lock hold as memory, told of every value memory seals (a copy of
+an older value goes), and handed every entry memory evicts (`evicted`: the
+spill).  Everything it does is here:
 
-How the two tiers relate:
-
-- write-back (default): an entry evicted from memory (not expired) is
-  spilled by the evicting process in two steps.  Under the pool lock its
-  bytes are copied aside, room in the ring is reserved and the key is
-  indexed as PENDING; the lock is let go, the record is written (as a
-  pending record, disklog.PENDING_MAGIC), and under the lock again it is
-  confirmed and made LIVE -- unless the key was deleted, replaced or dropped
-  meanwhile, which removed the PENDING entry; then the record stays pending,
-  which no read and no restart scan accepts.  A reader that meets a PENDING
-  entry waits for it (Tiers.settled).  A spiller that dies leaves a PENDING
-  entry that reads as a miss until its key is written again, the ring or a
-  repair drops it.  A disk hit
-  is copied back into memory and its record killed (the tiers are
-  exclusive, so the disk holds what memory does not).
-- write-through: every put also writes a record (before it takes the lock
-  for the memory put), and a disk hit leaves its record in place (the tiers
-  are inclusive).  An entry evicted from memory whose record the ring has
-  already overwritten is written again, as in write-back.
-
-The disk's own eviction is the ring: when the append cursor enters a file,
-the entries in it are dropped (`drop_file`), oldest written first -- which is
-least recently used, since a disk hit moves an entry to memory and it comes
-back to disk at the head of the ring.  Deleting or replacing a key kills its
-record on disk, so a restart never brings back a value that was removed.
-
-Every method here runs with the pool lock held unless it says otherwise.
+- spill on evict (write-back): begun in the eviction's lock hold (the bytes
+  copied aside, the key indexed PENDING), written once the lock is let go
+  (`core.after_unlock`), confirmed in another hold; an explicit `evict`, a
+  failing tier or too much copied aside in one hold writes in place instead,
+  so that an entry that cannot be written never leaves memory;
+- write-through: a put's record written before memory takes the value,
+  indexed when memory seals it;
+- reads, promotions, keys, info, evict --tier disk, stats, verify;
+- its configuration (`--tier disk`, `--disk-*`), its files at create, and
+  what a restore does with it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import xxhash
 from xxhash import xxh3_64_intdigest
 
-from .chains import build_chains, chain_members, unchain
-from .stats import hit_stats
-from .disklog import DiskLog, Location
+from . import segment
+from .diskindex import DiskIndex, Spill, analyse_index, default_disk_entries, key_hash2
+from .disklog import CORRUPT, DiskLog, Found
+from .errors import CannotCreate, CortexCacheError, SpillLost, StorageIOError, UsageError
 from .layout import (
-    DFREE, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, DLIVE, DPENDING, DSLOT_COLUMNS,
-    H_DFREE_SLOT, H_DISK_BYTES_READ, H_DISK_BYTES_WRITTEN, H_DISK_CORRUPT, H_DISK_DROPPED, H_DISK_ENTRIES,
-    H_DISK_ERRORS, H_DISK_EVICTIONS, H_DISK_HITS, H_DISK_MISSES, H_DISK_PROMOTIONS, H_DISK_SPILLS,
-    H_DISK_VALUE_BYTES, MV_FORMAT,
-    Geometry,
+    ADMIT_REUSED, DISK_O_DIRECT, DISK_ON, DISK_PATH_BYTES, DISK_WRITE_THROUGH, H_DISK_BYTES_READ, H_DISK_CORRUPT,
+    H_DISK_ERRORS, H_DISK_HITS, H_DISK_PROMOTIONS, SLOT_FLAG_STR_KEY, Geometry,
 )
+from .lower import Configured, Context, Creating, Fetched, Plan, Restoring, Selector, too_small
+from .safefs import unsafe_dir
+from .units import entries, format_size, parse_size
 
-KEY_SEED2 = 0x9E3779B97F4A7C15  # seed of the second key hash (64 + 64 bits tell keys apart)
-MAX_DEFAULT_DSLOTS = 1 << 21
-_DROP_BATCH = 64  # a full disk index drops its oldest 1/64th at once
+# At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
+SPILL_ASIDE = 64 << 20
 
-
-def key_hash2(kb: bytes) -> int:
-    return xxh3_64_intdigest(kb, KEY_SEED2)
-
-
-def default_disk_entries(capacity: int, block_size: int) -> int:
-    """Index rows for a tier: one per record of a block (records are at least 4 KiB)."""
-    return max(16, min(capacity // max(block_size, 4096), MAX_DEFAULT_DSLOTS))
+# A write-through put's record on disk, indexed when its memory entry is sealed:
+# (location, second key hash, value length, expiry, priority, flags).
+Written = tuple
 
 
-SPILLING = "spilling"  # what a lookup answers for a key whose spill is being written right now
+class DiskTier(Configured):
+    """A pool's disk tier: its index in the segment (`index`) and this process's handle on its files."""
 
+    name = "disk"
+    distance = 0  # asked first: its lookup is part of memory's own lock hold
+    in_segment = True
+    takes_evictions = True
+    promotes_as_read = True  # with admission, only entries read since their put came down here
+    OPTIONS = {"tier": "cpu", "disk_path": None, "disk_size": None, "disk_write": "back", "disk_o_direct": False,
+               "disk_max_entries": None}
+    HEADER_FIELDS = ("disk_flags", "disk_size", "disk_path")
+    ADAPTER_OPTIONS = ("disk_path", "disk_size", "disk_write")
+    resize_refusal = ("has a disk tier: resize carries over memory tiers only for now (persist it, delete it, "
+                      "create it again with the new --size and the same tier, then restore it)")
 
-@dataclass(frozen=True)
-class Spill:
-    """A spill begun under the lock, to be written outside it and then finished under it."""
-
-    slot: int
-    loc: Location
-    key: bytes
-    value: bytes
-    expiry: float
-    priority: int
-    flags: int
-    checksum: int
-
-
-@dataclass(frozen=True)
-class DiskHit:
-    """A memory miss found in the disk index: where to read it, and how to check it is still there."""
-
-    slot: int
-    seq: int
-    loc: Location
-    value_len: int
-    expiry: float
-    priority: int
-    flags: int
-
-
-class DiskTier:
-    """The disk index in a pool's segment plus this process's handle on the tier's files."""
-
-    def __init__(
-        self, mm: Any, mv: memoryview, hdr: tuple, geometry: Geometry, flags: int, path: str,
-        log: DiskLog | None, unavailable: str | None, clock: Callable[[], float],
-        unavailable_error: type | None = None,
-    ) -> None:
-        self._hu64, self._hi64 = hdr
-        self.path = path
-        self.write_through = bool(flags & DISK_WRITE_THROUGH)
-        self.o_direct = bool(flags & DISK_O_DIRECT)
-        self.log = log
-        self.unavailable = unavailable  # why this process could not open the files, or None
-        # The error class of that failure (PermissionDenied, StorageIOError...): what a spill refused
-        # for it raises (`writable`).  None while the files are open, or when they are gone altogether
-        # (no process can spill then, and the pool goes on from memory alone, each lost spill counted).
-        self.unavailable_error = unavailable_error
-        self.clock = clock
-        g = geometry
-        self._n = g.n_dslots
-        self._mask = g.n_dbuckets - 1
-        offs = g.dslot_columns()
-        self.cols = {name: np.frombuffer(mm, fmt, g.n_dslots, offs[name]) for name, fmt in DSLOT_COLUMNS}
-        self.buckets = np.frombuffer(mm, np.int32, g.n_dbuckets, g.dbuckets_off)
-        views = {}
-        for name, fmt in DSLOT_COLUMNS:
-            size = np.dtype(fmt).itemsize
-            views[name] = mv[offs[name] : offs[name] + g.n_dslots * size].cast(MV_FORMAT[fmt])
-        self._views = list(views.values())
-        self._state, self._klen, self._file = views["state"], views["key_len"], views["file"]
-        self._flags, self._next = views["flags"], views["next"]
-        self._kh, self._kh2, self._vlen = views["key_hash"], views["key_hash2"], views["value_len"]
-        self._off, self._len, self._seq = views["offset"], views["length"], views["seq"]
-        self._expiry, self._prio, self._spilled = views["expiry"], views["priority"], views["spilled"]
-        self._bkt = mv[g.dbuckets_off : g.dbuckets_off + g.n_dbuckets * 4].cast("i")
-        self._views.append(self._bkt)
-
-    def close(self) -> None:
-        for v in self._views:
-            v.release()
-        self._views = []
-        self.cols = None  # type: ignore[assignment]
-        self.buckets = None  # type: ignore[assignment]
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-    @staticmethod
-    def initialise(mm: Any, g: Geometry, flags: int, log: DiskLog, path: str) -> None:
-        """Empty index of a new segment (every disk slot on the free list) and the tier's header fields."""
-        nxt = np.frombuffer(mm, np.int32, g.n_dslots, g.dslot_columns()["next"])
-        nxt[:-1] = np.arange(1, g.n_dslots, dtype=np.int32)
-        nxt[-1] = -1
-        np.frombuffer(mm, np.int32, g.n_dbuckets, g.dbuckets_off)[:] = -1
-        del nxt
-        h = np.frombuffer(mm, HEADER_DTYPE, 1, 0)[0]
-        h["dfree_slot"] = 0
-        h["disk_flags"] = flags
-        h["disk_size"] = log.capacity
-        h["disk_path"] = path.encode("utf-8", "surrogateescape")
-        del h
+    def __init__(self, core: Any, index: DiskIndex) -> None:
+        self.core = core
+        self.index = index
+        self.writes_first = index.write_through
+        self.directory = index.path
+        self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
+        self._spill_bytes = 0  # bytes copied aside in `_spills`
+        # Set once a spill written outside the lock failed: from then on this process spills in place,
+        # so the next failure refuses its eviction instead of losing the entry; cleared by a success.
+        self.spill_failing = False
+        self._no_evict = False  # set while a failed spill's entry is put back: no eviction may make room
 
     @classmethod
-    def attach(cls, mm: Any, core: Any, log: DiskLog | None = None) -> "DiskTier | None":
-        """The disk tier of the pool whose core is `core` (this process's handle on its files; `log` if
-        already open), or None when the pool has none."""
-        h = core.fields
-        flags = int(h.disk_flags[0])
-        if not flags & DISK_ON:
+    def attach(cls, core: Any, ctx: Context) -> "DiskTier | None":
+        plan = ctx.plans.get(cls.name)
+        index = DiskIndex.attach(core.seg.mm, core, plan.take_log() if plan is not None else None)
+        if index is None:
             return None
-        path = bytes(h.disk_path[0]).decode("utf-8", "surrogateescape")
-        why = err = None
-        if log is None:
-            log, e = _open_log(path, bool(flags & DISK_O_DIRECT))
-            if e is not None:
-                from .errors import CortexCacheError, StorageIOError
+        core.repair_hooks.append(lambda fix: analyse_index(index, fix))
+        return cls(core, index)
 
-                why, err = str(e), type(e) if isinstance(e, CortexCacheError) else StorageIOError
-                if _tier_gone(path):
-                    err = None  # nobody can spill to a tier that is gone: the pool works from memory alone
-        return cls(mm, core.mv, (core.counters, core.signed_counters), core.geometry, flags, path, log, why,
-                   core.clock, err)
-
-    # ------------------------------------------------------------------ index
-
-    def find(self, kh: int, kh2: int, klen: int) -> int:
-        """Disk slot of the key with these hashes and length, or -1."""
-        d = self._bkt[kh & self._mask]
-        steps = 0
-        while d >= 0:
-            if self._kh[d] == kh and self._kh2[d] == kh2 and self._klen[d] == klen:
-                return d
-            d = self._next[d]
-            steps += 1
-            if steps > self._n:
-                from .errors import SegmentCorrupt
-
-                raise SegmentCorrupt("disk index: hash chain loop; run `cortex cache verify --repair`")
-        return -1
-
-    def hit(self, d: int) -> DiskHit:
-        loc = Location(self._file[d], self._off[d], self._len[d], self._seq[d])
-        return DiskHit(d, self._seq[d], loc, self._vlen[d], self._expiry[d], self._prio[d], self._flags[d])
-
-    def is_live(self, d: int, seq: int) -> bool:
-        return self._state[d] == DLIVE and self._seq[d] == seq
-
-    def still(self, hit: DiskHit) -> bool:
-        """Is disk slot `hit.slot` still the record we looked up?"""
-        d = hit.slot
-        return self._state[d] == DLIVE and self._seq[d] == hit.seq
-
-    def _alloc(self) -> int:
-        hi64 = self._hi64
-        d = hi64[H_DFREE_SLOT]
-        if d < 0:
-            self._drop_oldest()
-            d = hi64[H_DFREE_SLOT]
-        hi64[H_DFREE_SLOT] = self._next[d]
-        self._next[d] = -1
-        return d
-
-    def _drop_oldest(self) -> None:
-        """The index is full: forget the oldest written entries (their records stay until the ring reaches them)."""
-        seq = self.cols["seq"]
-        live = np.flatnonzero(self.cols["state"] != DFREE)
-        k = max(1, live.size // _DROP_BATCH)
-        oldest = live[np.argpartition(seq[live], k - 1)[:k]] if k < live.size else live
-        for d in map(int, oldest):
-            self._drop(d)
-        self._hu64[H_DISK_DROPPED] += len(oldest)
-
-    def insert(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
-               expiry: float, priority: int, state: int = DLIVE) -> int:
-        """Index a record just written (or, DPENDING, about to be); an older record of the key is killed."""
-        old = self.find(kh, kh2, klen)
-        if old >= 0:
-            self.forget_slot(old)
-        d = self._alloc()
-        self._kh[d], self._kh2[d], self._klen[d], self._flags[d] = kh, kh2, klen, flags
-        self._file[d], self._off[d], self._len[d], self._seq[d] = loc.file, loc.offset, loc.length, loc.seq
-        self._vlen[d], self._expiry[d], self._prio[d] = vlen, expiry, priority
-        self._spilled[d] = self.clock()
-        b = kh & self._mask
-        self._next[d] = self._bkt[b]
-        self._bkt[b] = d
-        self._state[d] = state
-        hu64 = self._hu64
-        hu64[H_DISK_ENTRIES] += 1
-        hu64[H_DISK_VALUE_BYTES] += vlen
-        return d
-
-    def _drop(self, d: int) -> None:
-        """Take disk slot `d` out of the index (its record stays on disk)."""
-        unchain(self._bkt, self._next, self._kh[d] & self._mask, d)
-        self._state[d] = DFREE
-        hu64, hi64 = self._hu64, self._hi64
-        hu64[H_DISK_ENTRIES] -= 1
-        hu64[H_DISK_VALUE_BYTES] -= self._vlen[d]
-        self._next[d] = hi64[H_DFREE_SLOT]
-        hi64[H_DFREE_SLOT] = d
-
-    def kill_slot(self, d: int) -> None:
-        """Drop `d` and kill its record on disk, so no restart finds it again."""
-        loc = Location(self._file[d], self._off[d], self._len[d], self._seq[d])
-        self._drop(d)
-        if self.log is not None:
-            try:
-                self.log.kill(loc)
-            except OSError:
-                self._hu64[H_DISK_ERRORS] += 1
-
-    def forget_slot(self, d: int) -> None:
-        """Remove an entry from the tier on purpose (delete, replace, evict): counted."""
-        self.kill_slot(d)
-        self._hu64[H_DISK_EVICTIONS] += 1
-
-    def forget(self, kb: bytes, kh: int) -> bool:
-        """Remove `kb`'s entry from the tier, if it has one."""
-        d = self.find(kh, key_hash2(kb), len(kb))
-        if d < 0:
-            return False
-        self.forget_slot(d)
-        return True
-
-    def drop_file(self, file: int) -> None:
-        """The ring entered `file`: every entry in it is about to be overwritten."""
-        cols = self.cols
-        gone = np.flatnonzero((cols["state"] != DFREE) & (cols["file"] == file))
-        for d in map(int, gone):
-            self._drop(d)
-        self._hu64[H_DISK_DROPPED] += gone.size
-
-    # ------------------------------------------------------------------ writes
-
-    def writable(self, what: str) -> None:
-        """Raise (the tier's own error class: PermissionDenied, StorageIOError...) if this process has no
-        handle on the tier's files, so `what` -- an eviction whose entries would go to disk -- is refused
-        before anything leaves memory (docs/tiers.md, "When the disk tier cannot be written")."""
-        if self.log is not None or self.unavailable_error is None:
-            return  # a tier whose files are gone (for every process) is no tier: evictions drop, counted
-        cls = self.unavailable_error
-        raise cls(f"{what} refused: this process cannot write the pool's disk tier ({self.unavailable}); "
-                  "the entries stay in memory (evict with --tier all to drop them without spilling)")
-
-    def reserve(self, length: int, strict: bool = False) -> tuple[int, int, int] | None:
-        """Room for a record of `length` bytes: (file, offset, seq), or None (counted) when impossible.
-
-        `strict` (a spill, whose entry is still in memory): a tier that cannot be written raises
-        (StorageIOError, or why the tier is unavailable) instead, so the eviction is refused."""
-        log = self.log
-        if log is None:
-            if strict:
-                self.writable("evicting to the disk tier")
-            self._hu64[H_DISK_ERRORS] += 1
-            return None
-        if length > log.file_size:
-            self._hu64[H_DISK_DROPPED] += 1  # larger than a tier file: it cannot go to disk
-            return None
-        try:
-            file, off, seq = log.reserve(length)
-        except OSError as e:
-            self._hu64[H_DISK_ERRORS] += 1
-            if strict:
-                raise _spill_error(self.path, e) from None
-            return None
-        if off == 0:
-            self.drop_file(file)
-        return file, off, seq
-
-    def _spill_place(self, kb: bytes, kh: int, vlen: int) -> tuple[int, tuple[int, int, int] | None] | None:
-        """(second key hash, reserved (file, offset, seq) or None if there is no room) for a spill;
-        None when there is nothing to write (write-through already has the key's record)."""
-        kh2 = key_hash2(kb)
-        if self.write_through and self.find(kh, kh2, len(kb)) >= 0:
-            return None
-        return kh2, self.reserve(DiskLog.record_length(len(kb), vlen), strict=True)
-
-    def begin_spill(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
-                    checksum: int) -> Spill | None:
-        """Start spilling an entry leaving memory: copy it aside, reserve its record, index it PENDING.
-
-        None when there is nothing to write or no room (a record larger than a tier file: counted as
-        dropped); raises when the tier cannot be written (`reserve`), so the entry stays."""
-        place = self._spill_place(kb, kh, value.nbytes)
-        if place is None or place[1] is None:
-            return None
-        kh2, (file, off, seq) = place
-        vlen = value.nbytes
-        loc = Location(file, off, DiskLog.record_length(len(kb), vlen), seq)
-        d = self.insert(kh, kh2, len(kb), flags, loc, vlen, expiry, priority, state=DPENDING)
-        self._spilled[d] = os.getpid()  # while PENDING, `spilled` names the writer (readers check it lives)
-        return Spill(d, loc, kb, value.tobytes(), expiry, priority, flags, checksum)
-
-    def spill_now(self, kb: bytes, kh: int, flags: int, value: memoryview, expiry: float, priority: int,
-                  checksum: int) -> None:
-        """Write an entry leaving memory to disk right here, under the lock (when copying it aside
-        would hold too much memory, for an explicit eviction, or after a spill failed: see Tiers._spill).
-        A write that fails raises StorageIOError before the entry leaves memory."""
-        place = self._spill_place(kb, kh, value.nbytes)
-        if place is None or place[1] is None:
-            return
-        kh2, where = place
-        try:
-            loc = self.log.write(*where, kb, value, expiry, priority, flags, checksum=checksum)  # type: ignore[union-attr]
-        except OSError as e:
-            self._hu64[H_DISK_ERRORS] += 1
-            raise _spill_error(self.path, e) from None
-        self.note_written(kh, kh2, len(kb), flags, loc, value.nbytes, expiry, priority)
-
-    def write_spill(self, sp: Spill) -> bool:
-        """Write a begun spill's record, as pending (no lock held).  False if the write failed."""
-        log = self.log
-        if log is None:
-            return False
-        try:
-            log.write(sp.loc.file, sp.loc.offset, sp.loc.seq, sp.key, sp.value, sp.expiry, sp.priority, sp.flags,
-                      pending=True, checksum=sp.checksum)
-        except OSError:
-            return False
-        return True
-
-    def finish_spill(self, sp: Spill, written: bool) -> bool:
-        """Confirm a written spill if its entry is still the PENDING one it made; else leave it pending.
-
-        False when the entry is still current but its record could not be written or confirmed: its
-        index entry is dropped, and the caller must put the value back in memory or report it lost."""
-        d = sp.slot
-        if self._state[d] != DPENDING or self._seq[d] != sp.loc.seq:
-            return True  # deleted, replaced or dropped meanwhile: the pending record is never read
-        if written:
-            try:
-                self.log.confirm(sp.loc)  # type: ignore[union-attr]
-            except OSError:
-                written = False
-        if not written:
-            self._hu64[H_DISK_ERRORS] += 1
-            self._drop(d)
-            return False
-        self._state[d] = DLIVE
-        self._spilled[d] = self.clock()
-        hu64 = self._hu64
-        hu64[H_DISK_SPILLS] += 1
-        hu64[H_DISK_BYTES_WRITTEN] += sp.loc.length
-        return True
-
-    def spill_orphaned(self, d: int) -> bool:
-        """Is PENDING slot `d` a spill whose writer died (so it will never be written)?"""
-        from .procs import alive
-
-        return not alive(int(self._spilled[d]), 0)
-
-    def note_written(self, kh: int, kh2: int, klen: int, flags: int, loc: Location, vlen: int,
-                     expiry: float, priority: int) -> None:
-        self.insert(kh, kh2, klen, flags, loc, vlen, expiry, priority)
-        hu64 = self._hu64
-        hu64[H_DISK_SPILLS] += 1
-        hu64[H_DISK_BYTES_WRITTEN] += loc.length
-
-    def count(self, field: int, n: int = 1) -> None:
-        self._hu64[field] += n
+    def close(self) -> None:
+        self.index.close()
 
     # ------------------------------------------------------------------ reads
 
-    def lookup(self, kb: bytes, kh: int) -> DiskHit | None:
-        """The disk entry for a memory miss, or None (counted as a disk miss)."""
-        d = self.find(kh, key_hash2(kb), len(kb))
-        if d >= 0:
-            e = self._expiry[d]
-            if e > 0 and e <= self.clock():
-                self.kill_slot(d)
-                d = -1
-            elif self._state[d] == DPENDING:
-                if not self.spill_orphaned(d):
-                    return SPILLING  # not counted: the caller asks again once the record is written
-                self._drop(d)  # its writer died: it will never be written
-                d = -1
-        if d < 0:
-            self._hu64[H_DISK_MISSES] += 1
+    def lookup(self, kb: bytes, kh: int) -> Any:
+        return self.index.lookup(kb, kh)  # a DiskHit, SPILLING (Tiers.settled asks again) or None
+
+    def fetch(self, kb: bytes, kh: int, found: Any, room: int | None) -> Fetched | None:
+        if found is None:
             return None
-        return self.hit(d)
+        too_small(room, found.value_len)
+        d, core, hit = self.index, self.core, found
+        for _ in range(4):  # the index can move on while we read; then look again
+            log = d.log
+            if log is None:
+                core.locked(d.count, H_DISK_ERRORS)
+                return None
+            try:
+                rec = log.read(hit.loc, kb)
+            except OSError:
+                core.locked(d.count, H_DISK_ERRORS)
+                return None
+            if rec.__class__ is Found and len(rec.value) == hit.value_len:
+                return Fetched(rec.value, hit.flags, rec.checksum, rec.expiry, rec.priority, hit)
+            bad = rec == CORRUPT or rec.__class__ is Found
+            hit = core.locked(d.after_failed_read, kb, kh, hit, bad)
+            if hit is None:
+                return None
+        return None
+
+    def still(self, got: Fetched) -> bool:
+        d, hit = self.index, got.token
+        d.count(H_DISK_HITS)
+        d.count(H_DISK_BYTES_READ, hit.loc.length)
+        return d.still(hit)
+
+    def promoted(self, got: Fetched) -> None:
+        d = self.index
+        d.count(H_DISK_PROMOTIONS)
+        if not d.write_through and d.still(got.token):
+            d.kill_slot(got.token.slot)  # exclusive tiers: the entry lives in memory now
+
+    def forget(self, kb: bytes, kh: int) -> bool:
+        return self.index.forget(kb, kh)
 
     def contains(self, kb: bytes, kh: int) -> bool:
-        d = self.find(kh, key_hash2(kb), len(kb))
-        if d < 0:
-            return False
-        e = self._expiry[d]
-        return not (e > 0 and e <= self.clock())
+        return self.index.contains(kb, kh)
 
-    def after_failed_read(self, kb: bytes, kh: int, hit: DiskHit, corrupt: bool) -> DiskHit | None:
-        """A read found the record gone (or damaged): fix the index; the entry to try next, or None."""
-        if self.still(hit):
-            if corrupt:
-                self._hu64[H_DISK_CORRUPT] += 1
-                self.kill_slot(hit.slot)
-            else:
-                self._drop(hit.slot)  # overwritten behind the index's back
-                self._hu64[H_DISK_DROPPED] += 1
-            self._hu64[H_DISK_MISSES] += 1
+    # ------------------------------------------------------------------ write-through
+
+    def write_first(self, kb: bytes, flags: int, value: memoryview, expiry: float, priority: int) -> Written | None:
+        """Write-through: put a record on disk (outside the lock); what `sealed` indexes, or None."""
+        d, core = self.index, self.core
+        where = core.locked(d.reserve, DiskLog.record_length(len(kb), value.nbytes))
+        if where is None:
             return None
-        # The index moved on while we read (a newer record, or the entry is gone): look again.
-        d = self.find(kh, key_hash2(kb), len(kb))
-        if d < 0 or self._state[d] == DPENDING:
-            self._hu64[H_DISK_MISSES] += 1
+        try:
+            loc = d.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
+        except OSError:
+            core.locked(d.count, H_DISK_ERRORS)
             return None
-        return self.hit(d)
+        return (loc, key_hash2(kb), value.nbytes, expiry, priority, flags)
 
-    def info(self, d: int) -> dict[str, Any]:
-        e = float(self._expiry[d])
-        now = self.clock()
-        return {
-            "tier": "disk",
-            "size": int(self._vlen[d]),
-            "disk_file": int(self._file[d]),
-            "disk_offset": int(self._off[d]),
-            "disk_bytes": int(self._len[d]),
-            # While a spill is being written, `spilled` holds its writer's pid, not a time.
-            "spilled": None if self._state[d] == DPENDING else float(self._spilled[d]),
-            "spilling": bool(self._state[d] == DPENDING),
-            "priority": int(self._prio[d]),
-            "expires": e if e > 0 else None,
-            "ttl_remaining": max(0.0, e - now) if e > 0 else None,
-        }
+    def unwrite(self, token: Written | None) -> None:
+        if token is not None:
+            self.index.log.kill(token[0])  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------ scans
-
-    def records(self) -> list[tuple[int, int, Location, int, int]]:
-        """(slot, seq, location, key length, flags) of every live unexpired entry, oldest written first."""
-        c = self.cols
-        idx = self.live_slots()
-        e = c["expiry"][idx]
-        idx = idx[(e == 0) | (e > self.clock())]
-        idx = idx[np.argsort(c["seq"][idx], kind="stable")]
-        return [(int(d), int(c["seq"][d]), self.hit(int(d)).loc, int(c["key_len"][d]), int(c["flags"][d]))
-                for d in idx]
-
-    def forget_slots(self, slots: list[int]) -> tuple[int, int]:
-        """Remove these entries (their records are killed); (entries, value bytes)."""
-        freed = 0
-        for d in slots:
-            freed += self._vlen[d]
-            self.forget_slot(d)
-        return len(slots), freed
-
-    def live_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.cols["state"] == DLIVE)
-
-    def indexed_slots(self) -> np.ndarray:
-        """Live entries and spills being written."""
-        return np.flatnonzero(self.cols["state"] != DFREE)
-
-    def stats(self) -> dict[str, Any]:
-        h = self._hu64
-        out: dict[str, Any] = {
-            "path": self.path,
-            "available": self.log is not None,
-            "write": "through" if self.write_through else "back",
-            "o_direct": self.o_direct,
-            "capacity_bytes": self.log.capacity if self.log is not None else None,
-            "entries": h[H_DISK_ENTRIES],
-            "max_entries": self._n,
-            "value_bytes": h[H_DISK_VALUE_BYTES],
-            **hit_stats(h[H_DISK_HITS], h[H_DISK_MISSES]),
-            "spills": h[H_DISK_SPILLS],
-            "promotions": h[H_DISK_PROMOTIONS],
-            "bytes_written": h[H_DISK_BYTES_WRITTEN],
-            "bytes_read": h[H_DISK_BYTES_READ],
-            "corrupt": h[H_DISK_CORRUPT],
-            "dropped": h[H_DISK_DROPPED],
-            "errors": h[H_DISK_ERRORS],
-            "evictions": h[H_DISK_EVICTIONS],
-        }
-        if self.log is not None:
-            u = self.log.usage()
-            # Bytes the ring has written since it last went round, a proxy for use.
-            out["ring_file"] = u["cursor_file"]
-            out["ring_offset"] = u["cursor_offset"]
+    def sealed(self, kb: bytes, kh: int, token: Written | None) -> None:
+        """A new memory value of `kb` (lock held): index its write-through record, or drop a stale disk copy."""
+        if token is None:
+            self.index.forget(kb, kh)
         else:
-            out["error"] = self.unavailable
+            loc, kh2, vlen, expiry, priority, flags = token
+            self.index.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
+
+    # ------------------------------------------------------------------ spill on evict
+
+    def ready_to_take(self) -> None:
+        self.index.writable(f"pool {self.core.name!r}: evicting to the disk tier")
+
+    def evicted(self, i: int, explicit: bool) -> None:
+        """Begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are copied aside
+        and its disk entry made PENDING here; `_write_spills` writes it once the lock is free.  An explicit
+        eviction (`evict`) writes its records here, before each entry leaves memory: a kill at any
+        instant leaves the entry in one tier or the other (a spill copied aside is lost with its writer).
+
+        An entry whose spill cannot happen never leaves memory: when this process cannot write the tier
+        (it cannot open its files, a reservation or an in-place write fails), this raises and the
+        eviction is refused -- an explicit `evict` fails, and so does a put that needed the room
+        (docs/tiers.md, "When the disk tier cannot be written")."""
+        if not explicit:
+            self._spill(i, False)
+            return
+        try:
+            self._spill(i, True)
+        except StorageIOError as e:  # a record could not be written: that entry and the rest stay
+            raise StorageIOError(f"pool {self.core.name!r}: evicting stopped: {e}; entries evicted before it "
+                                 "went to disk (evict with --tier all to drop them without spilling)") from None
+
+    def _spill(self, i: int, in_place: bool) -> None:
+        core, d = self.core, self.index
+        if self._no_evict:
+            raise StorageIOError(f"pool {core.name!r}: no room to put back an entry its disk tier could not take")
+        d.writable(f"pool {core.name!r}: evicting to the disk tier")
+        off, vlen = core.value_at(i)  # each field read once and checked: impossible ones are SegmentCorrupt
+        c = core.columns
+        args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
+                core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
+        if in_place or self.spill_failing or self._spill_bytes + vlen > SPILL_ASIDE:
+            # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
+            # holding copies of it all.  A write that fails raises here, before the entry leaves memory.
+            d.spill_now(*args)
+            self.spill_failing = False
+            return
+        sp = d.begin_spill(*args)
+        if sp is not None:
+            if not self._spills:
+                core.after_unlock.append(self._write_spills)
+            self._spills.append(sp)
+            self._spill_bytes += vlen
+
+    def _write_spills(self) -> None:
+        """Write the records of spills begun under the lock, without it; then finish them under it.
+
+        The victims' bytes were copied aside, so the lock is free while the disk works: other
+        processes go on, and a reader of a key being spilled waits for it (Tiers.settled)."""
+        spills, self._spills, self._spill_bytes = self._spills, [], 0
+        d = self.index
+        if not spills or d.cols is None:  # closed meanwhile
+            return
+        written = [d.write_spill(sp) for sp in spills]
+        lost: list[Spill] = []
+
+        def finish() -> None:
+            for sp, ok in zip(spills, written):
+                if not d.finish_spill(sp, ok) and not self._put_back(sp):
+                    lost.append(sp)
+
+        try:
+            self.core.locked(finish)
+        except Exception:  # noqa: BLE001
+            # The caller's own operation is done; this is the tier's business.  Entries left
+            # PENDING read as misses once this process is gone, or go when their key is written.
+            pass
+        if not all(written):
+            self.spill_failing = True  # spill in place from now on: the next failure refuses its eviction
+        if lost:
+            n = len(lost)
+            raise SpillLost(
+                f"pool {self.core.name!r}: {n} {'entry' if n == 1 else 'entries'} evicted to make room could not "
+                f"be written to the disk tier in {d.path!r} and {'was' if n == 1 else 'were'} lost "
+                f"(first: {lost[0].key[:60]!r}); the operation itself completed, and later evictions by this "
+                "process are refused while the tier cannot be written"
+            )
+
+    def _put_back(self, sp: Spill) -> bool:
+        """A spill whose record could not be written: put its value back in memory if there is room
+        without evicting anything else (lock held).  False if it could not be (the entry is lost)."""
+        core = self.core
+        kb = sp.key
+        kh = xxh3_64_intdigest(kb)
+        if core.find(kb, kh) >= 0:
+            return True  # written again meanwhile: nothing was lost
+        if sp.expiry and sp.expiry <= core.clock():
+            return True  # it expired meanwhile: gone anyway
+        vlen = len(sp.value)
+        self._no_evict = True
+        try:
+            i, off = core.reserve(kb, kh, sp.flags, vlen, core.blocks_or_raise(vlen))
+        except CortexCacheError:
+            return False
+        finally:
+            self._no_evict = False
+        core.mv[off : off + vlen] = sp.value
+        core.seal(i, kb, kh, sp.checksum, None, sp.priority, False, sp.expiry)
+        return True
+
+    # ------------------------------------------------------------------ an operator's requests
+
+    def info(self, kb: bytes, kh: int) -> dict[str, Any] | None:
+        d = self.index
+        if d.contains(kb, kh):
+            return d.info(d.find(kh, key_hash2(kb), len(kb)))
+        return None
+
+    def keys(self, pb: bytes, limit: int | None) -> list[Any]:
+        """Keys on disk (read from the records, outside the lock) starting with `pb`, oldest written first."""
+        return self._records(pb, False)
+
+    def _records(self, pb: bytes, with_slots: bool) -> list[Any]:
+        d = self.index
+        if d.log is None:
+            return []
+        out: list[Any] = []
+        for ds, seq, loc, klen, flags in self.core.locked(d.records):
+            try:
+                kb = d.log.read_key(loc, klen)
+            except OSError:
+                continue
+            if kb is None or not kb.startswith(pb):
+                continue  # overwritten since, or not a match
+            k = kb.decode("utf-8", "surrogateescape") if flags & SLOT_FLAG_STR_KEY else kb
+            out.append((ds, seq, kb, k) if with_slots else k)
         return out
 
-    def rebuild_from_scan(self) -> int:
-        """Fill an empty index from the records on disk (newest record of each key wins)."""
+    def remove(self, sel: Selector) -> tuple[int, int]:
+        """Remove entries from the tier by one selector (their records are killed); by age, oldest written
+        first, for a percent or a byte target."""
+        d, core = self.index, self.core
+        if sel.keys is not None:
+            keys = sel.keys
+
+            def by_key() -> list[int]:
+                slots = (d.find(xxh3_64_intdigest(kb), key_hash2(kb), len(kb)) for kb in keys)
+                return [s for s in slots if s >= 0]
+
+            return core.locked(lambda: d.forget_slots(by_key()))
+        if sel.prefix is not None:
+            chosen = [(s, seq) for s, seq, _, _ in self._records(sel.prefix, True)]
+            return core.locked(lambda: d.forget_slots([s for s, seq in chosen if d.is_live(s, seq)]))
+
+        def select() -> list[int]:
+            c = d.cols
+            if sel.all:  # spills being written too, or they would land after the tier was emptied
+                return list(map(int, d.indexed_slots()))
+            idx = d.live_slots()
+            if sel.expired:
+                e = c["expiry"][idx]
+                return list(map(int, idx[(e > 0) & (e <= core.clock())]))
+            idx = idx[np.argsort(c["seq"][idx], kind="stable")]  # oldest written first
+            goal = sel.target
+            if goal is None:
+                goal = int(np.ceil(int(c["value_len"][idx].sum()) * sel.percent / 100))
+            sizes = np.cumsum(c["value_len"][idx].astype(np.int64))
+            n = int(np.searchsorted(sizes, goal, side="left")) + 1 if goal > 0 else 0
+            return list(map(int, idx[:n]))
+
+        return core.locked(lambda: d.forget_slots(select()))
+
+    def stats(self) -> dict[str, Any]:
+        return self.index.stats()
+
+    def verify(self, repair: bool, problems: list[str]) -> dict[str, Any]:
+        """Read every record the index points at and check it (outside the lock)."""
+        core, tier = self.core, self.index
+        if tier.log is None:
+            problems.append(f"disk tier unavailable: {tier.unavailable}")
+            return {"disk_checked": 0}
+        checked = 0
+        bad: list[tuple[int, int, bool]] = []
+        for d, seq, loc, klen, _flags in core.locked(tier.records):
+            try:
+                found = tier.log.read(loc, None)
+            except OSError as e:
+                problems.append(f"disk tier: cannot read file {loc.file}: {e.strerror}")
+                break
+            checked += 1
+            if isinstance(found, Found):
+                kh = xxhash.xxh3_64_intdigest(found.key)
+                if (kh, key_hash2(found.key), len(found.key)) == (int(tier.cols["key_hash"][d]),
+                                                                int(tier.cols["key_hash2"][d]), klen):
+                    continue
+            bad.append((d, seq, found == CORRUPT))
+
+        def confirm() -> list[tuple[int, int, bool]]:
+            return [(d, seq, corrupt) for d, seq, corrupt in bad if tier.is_live(d, seq)]  # not changed meanwhile
+
+        still_bad = core.locked(confirm)
+        for d, _seq, corrupt in still_bad:
+            what = "fails its checksums" if corrupt else "is not the record the index expects"
+            problems.append(f"disk entry in file {int(tier.cols['file'][d])} at {int(tier.cols['offset'][d])}: {what}")
+        if repair and still_bad:
+            def drop() -> None:
+                for d, seq, corrupt in still_bad:
+                    if tier.is_live(d, seq):
+                        if corrupt:
+                            tier.count(H_DISK_CORRUPT)
+                        tier.kill_slot(d)
+
+            core.locked(drop)
+        return {"disk_checked": checked}
+
+    def renamed(self, shm_path: str) -> None:
+        if self.index.log is not None:
+            self.index.log.set_owner(shm_path)
+
+    def replaced(self) -> str:
+        return f"emptied: {self.directory} now holds only what memory spills from the snapshot"
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def read_config(cls, core: Any) -> dict[str, Any] | None:
+        h = core.header[0]
+        flags = int(h["disk_flags"])
+        if not flags & DISK_ON:
+            return None
+        return {
+            "path": bytes(h["disk_path"]).decode("utf-8", "surrogateescape"),
+            "size": int(h["disk_size"]),
+            "write": "through" if flags & DISK_WRITE_THROUGH else "back",
+            "o_direct": bool(flags & DISK_O_DIRECT),
+            "max_entries": int(h["n_dslots"]),
+        }
+
+    @classmethod
+    def decode_config(cls, part: Any, bad: Callable[[str], Exception]) -> dict[str, Any]:
+        if not isinstance(part, dict):
+            raise bad("has a bad disk tier")
+        ok = (
+            isinstance(part.get("path"), str) and part["path"].startswith("/")
+            and isinstance(part.get("size"), int) and part["size"] > 0
+            and part.get("write") in ("back", "through")
+            and isinstance(part.get("o_direct"), bool)
+            and isinstance(part.get("max_entries"), int) and 1 <= part["max_entries"] < 2**31 - 1
+        )
+        if not ok:
+            raise bad("has a bad disk tier")
+        if os.path.normpath(part["path"]) != part["path"]:
+            raise bad(f"has a disk tier path that is not in normal form ({part['path']!r})")
+        try:
+            check_disk_path(part["path"])  # what `create --disk-path` refuses, a snapshot may not ask for
+        except UsageError as e:
+            raise bad(f"has a disk tier the command line would refuse: {e}") from None
+        return {k: part[k] for k in ("path", "size", "write", "o_direct", "max_entries")}
+
+    @classmethod
+    def describe(cls, part: dict[str, Any]) -> str:
+        return part["path"]
+
+    @classmethod
+    def want(cls, opts: dict[str, Any], home: str) -> dict[str, Any] | None:
+        tier, path, size, n = opts["tier"], opts["disk_path"], opts["disk_size"], opts["disk_max_entries"]
+        if tier not in ("cpu", "disk"):
+            raise UsageError(f"unknown tier {tier!r}: choose cpu (shared memory) or disk (shared memory + disk)")
+        if tier != "disk" and path is None:
+            if size is not None or n is not None or opts["disk_o_direct"]:
+                raise UsageError("disk tier options need --tier disk (or a disk path)")
+            return None
+        if opts["disk_write"] not in ("back", "through"):
+            raise UsageError(f"unknown disk write mode {opts['disk_write']!r}: choose back or through")
+        if n is not None and not 1 <= n < 2**31 - 1:
+            raise UsageError(f"invalid disk max entries {n}")
+        want: dict[str, Any] = {"path": check_disk_path(path if path is not None else home),
+                                "write": opts["disk_write"], "o_direct": bool(opts["disk_o_direct"])}
+        if size is not None:
+            want["size"] = DiskLog.capacity_for(parse_size(size))
+        if n is not None:
+            want["max_entries"] = n
+        return want
+
+    @classmethod
+    def adapter_options(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """An adapter's `disk_path` or `disk_size` gives its pool a disk tier (docs/integrations.md)."""
+        if params.get("disk_path") is None and params.get("disk_size") is None:
+            return {}
+        return {"tier": "disk", "disk_path": params.get("disk_path"), "disk_size": params.get("disk_size"),
+                "disk_write": params.get("disk_write", "back")}
+
+    @classmethod
+    def check_admission(cls, want: dict[str, Any], admit: int) -> None:
+        if admit == ADMIT_REUSED and want["write"] == "through":
+            raise UsageError("tier admission 2 needs a write-back disk tier: write-through puts every value on disk")
+
+    @classmethod
+    def differences(cls, want: dict[str, Any] | None, have: dict[str, Any] | None) -> list[str]:
+        if want is None or have is None:
+            return super().differences(want, have)
+        out = []
+        for key in ("path", "size", "write", "o_direct", "max_entries"):
+            if key in want and want[key] != have[key]:
+                out.append(f"disk-{key.replace('_', '-')} {_show(key, have[key])} (asked {_show(key, want[key])})")
+        return out
+
+    # ------------------------------------------------------------------ create
+
+    @classmethod
+    def plan(cls, want: dict[str, Any], opts: dict[str, Any], pool: Creating) -> "DiskPlan":
+        """Open the tier in the directory asked (taking it over, its records found again) or make it, its
+        space reserved now (NoSpace, exit 73, if the disk lacks it)."""
+        path = want["path"]
+        size = parse_size(opts["disk_size"]) if opts["disk_size"] is not None else None
+        log, made = open_or_make_log(path, size, 4 * pool.data_size, want["o_direct"], pool.shm_path, pool.mode)
+        flags = DISK_ON | (DISK_WRITE_THROUGH if want["write"] == "through" else 0)
+        flags |= DISK_O_DIRECT if want["o_direct"] else 0
+        n = opts["disk_max_entries"] or default_disk_entries(log.capacity, pool.block_size)
+        return DiskPlan(log, made, path, flags, n, pool.shm_path)
+
+    # ------------------------------------------------------------------ restore
+
+    @classmethod
+    def restoring(cls, part: dict[str, Any], target: str) -> Restoring:
+        busy = live_owner(part["path"], segment.shm_path(target))
+        if busy:
+            # A copy restored beside the live pool that owns the tier (a clone, a check of the snapshot):
+            # the tier stays that pool's, and the copy lives in memory alone.
+            return Restoring({}, False, f"not attached: {part['path']} is the disk tier of a live pool ({busy}); "
+                                        "restored into memory only")
+        # An existing tier keeps its own capacity (its records are found again); a missing one is made anew.
+        there = DiskLog.exists(part["path"])
+        return Restoring({"disk_path": part["path"], "disk_size": None if there else part["size"],
+                          "disk_write": part["write"], "disk_o_direct": part["o_direct"],
+                          "disk_max_entries": part["max_entries"]}, False, None)
+
+    @classmethod
+    def restored(cls, part: dict[str, Any], made: dict[str, Any], tier: Configured | None) -> str:
+        path = made["disk_path"]
+        if made["disk_size"] is not None or tier is None:
+            return f"made anew in {path} (it was gone)"
+        return f"attached {path}: {entries(tier.stats()['entries'])} found on it"  # type: ignore[index]
+
+    @classmethod
+    def restore_failed(cls, made: dict[str, Any]) -> None:
+        if made.get("disk_size") is not None:
+            DiskLog.destroy(made["disk_path"])  # the tier this restore made anew goes with it
+
+    def stand_in(self, directory: str) -> dict[str, Any]:
+        """The pool swapped in is built with a throw-away tier of the same index size, and pointed at the
+        real one just before the swap (its header fields)."""
+        return {"disk_path": os.path.join(directory, "tier"), "disk_size": 2 * 16 * 4096,
+                "disk_max_entries": int(self.core.geometry.n_dslots)}
+
+    @classmethod
+    def remove_stand_in(cls, directory: str) -> None:
+        DiskLog.destroy(os.path.join(directory, "tier"))
+
+
+class DiskPlan(Plan):
+    """A disk tier being made for a new pool: its files are open (or were made), its index not yet."""
+
+    finishes = True
+
+    def __init__(self, log: DiskLog, made: bool, path: str, flags: int, n_entries: int, owner: str) -> None:
+        self.log: DiskLog | None = log
+        self.made, self.path, self.flags, self.n_entries, self.owner = made, path, flags, n_entries, owner
+
+    def geometry(self) -> dict[str, Any]:
+        return {"disk_entries": self.n_entries}
+
+    def initialise(self, mm: Any, geo: Geometry) -> None:
         assert self.log is not None
-        found = list(self.log.scan())
-        found.sort(key=lambda r: r.loc.seq, reverse=True)
-        now = self.clock()
-        n = 0
-        for r in found:
-            if n >= self._n:
-                self._hu64[H_DISK_DROPPED] += 1
-                continue
-            if r.expiry and r.expiry <= now:
-                continue
-            kh, kh2 = xxh3_64_intdigest(r.key), key_hash2(r.key)
-            if self.find(kh, kh2, len(r.key)) >= 0:
-                continue  # an older record of a key already indexed
-            self.insert(kh, kh2, len(r.key), r.flags, r.loc, r.value_len, r.expiry, r.priority)
-            n += 1
-        self._hu64[H_DISK_CORRUPT] += self.log.last_scan_corrupt
-        return n
+        DiskIndex.initialise(mm, geo, self.flags, self.log, self.path)
+        self.log.set_owner(self.owner)
+
+    def take_log(self) -> DiskLog | None:
+        """The pool's handle takes the open files over."""
+        log, self.log = self.log, None
+        return log
+
+    def finish(self, tier: Any) -> None:
+        """A tier taken over: its records found again, the index filled before anyone sees the pool."""
+        if not self.made:
+            tier.index.rebuild_from_scan()
+
+    def undo(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        if self.made:
+            DiskLog.destroy(self.path)
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "size" and isinstance(value, int):
+        return f"{format_size(value)} ({value} bytes)"
+    return str(value)
 
 
 def live_owner(path: str, owner: str) -> str | None:
@@ -570,8 +559,6 @@ def live_owner(path: str, owner: str) -> str | None:
 
     A tier that cannot be opened (missing, damaged, not ours) is None here:
     whoever opens it next reports why."""
-    from .errors import CortexCacheError
-
     if not DiskLog.exists(path):
         return None
     try:
@@ -589,8 +576,6 @@ def live_owner(path: str, owner: str) -> str | None:
 
 def _name_of(owner: str) -> str:
     """The pool name of a /dev/shm path of ours (segment.shm_path's inverse)."""
-    from . import segment
-
     base = os.path.basename(owner)
     return base[len(segment.prefix()):] if base.startswith(segment.prefix()) else base
 
@@ -600,8 +585,6 @@ def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: b
     """Open the tier in `path` (taking it over from a pool that is gone) or make one; (log, made).
 
     `owner`: the /dev/shm path of the pool that will use it (a live other pool's tier is refused)."""
-    from .errors import CannotCreate, UsageError
-
     if not DiskLog.exists(path):
         return DiskLog.create(path, size if size is not None else default_size, o_direct=o_direct, mode=mode), True
     log = DiskLog.open(path, o_direct=o_direct)
@@ -621,46 +604,7 @@ def open_or_make_log(path: str, size: int | None, default_size: int, o_direct: b
         raise
 
 
-def _spill_error(path: str, e: OSError) -> Exception:
-    from .errors import StorageIOError
-
-    return StorageIOError(f"cannot write the disk tier in {path!r} ({e.strerror or e}): the entry stays in memory")
-
-
-def _tier_gone(path: str) -> bool:
-    """Is there no tier in `path` at all (its directory or meta file does not exist)?  A tier this
-    process only cannot reach (EACCES, a descriptor limit) is not gone: other processes may write it."""
-    from .disklog import META_NAME
-
-    try:
-        os.lstat(os.path.join(path, META_NAME))
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-def open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, str | None]:
-    """This process's handle on a pool's tier files, or None and why not."""
-    log, e = _open_log(path, o_direct)
-    return log, None if e is None else str(e)
-
-
-def _open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, Exception | None]:
-    from .errors import CortexCacheError
-
-    try:
-        return DiskLog.open(path, o_direct=o_direct), None
-    except (CortexCacheError, OSError) as e:
-        return None, e
-
-
 def check_disk_path(path: str | os.PathLike) -> str:
-    from .errors import UsageError
-    from .layout import DISK_PATH_BYTES
-    from .safefs import unsafe_dir
-
     raw = os.fspath(path)
     if not raw or (isinstance(raw, str) and not raw.strip()):
         raise UsageError("the disk path is empty: give a directory (or leave the option out for the default)")
@@ -673,69 +617,4 @@ def check_disk_path(path: str | os.PathLike) -> str:
     return p
 
 
-__all__ = ["DiskTier", "DiskHit", "Spill", "SPILLING", "key_hash2", "default_disk_entries", "open_log", "check_disk_path",
-           "open_or_make_log", "live_owner", "analyse_index"]
-
-
-def analyse_index(tier: DiskTier, fix: bool) -> list[str]:
-    """Check (and with `fix`, rebuild) the disk index: chains, free list, counters (pool lock held).
-
-    The disk slots are the truth here, as the memory slots are for the memory
-    index; a slot that cannot describe a record is dropped (its record stays
-    on disk and a later restart finds it again).
-    """
-    from .disklog import ALIGN, FILES
-
-    c = tier.cols
-    n = tier._n
-    problems: list[str] = []
-    state = c["state"].copy()
-    bad = np.flatnonzero(state > DPENDING)
-    if bad.size:
-        problems.append(f"{bad.size} disk slot(s) with an invalid state")
-        state[bad] = DFREE
-    pending = np.flatnonzero(state == DPENDING)
-    orphans = np.array([d for d in map(int, pending) if tier.spill_orphaned(d)], dtype=np.int64)
-    if orphans.size:
-        # Spills whose writer died: never written, or written and never confirmed (nothing reads those).
-        problems.append(f"{orphans.size} unfinished spill(s) of dead processes dropped")
-        state[orphans] = DFREE
-        pending = np.setdiff1d(pending, orphans)
-    file_size = tier.log.file_size if tier.log is not None else None
-    live = np.flatnonzero(state == DLIVE)
-    length, off = c["length"][live], c["offset"][live]
-    ok = (c["file"][live] < FILES) & (length >= ALIGN) & (length % ALIGN == 0) & (off % ALIGN == 0)
-    ok &= (c["key_len"][live] >= 1) & (c["value_len"][live] < length)
-    if file_size is not None:
-        ok &= (length <= file_size) & (off <= file_size - np.minimum(length, file_size))
-    if not ok.all():
-        problems.append(f"{int((~ok).sum())} disk entr(y/ies) with an impossible position dropped")
-        state[live[~ok]] = DFREE
-    # One entry per key: keep the newest record.
-    live = np.flatnonzero(state == DLIVE)
-    keys = np.stack([c["key_hash"][live], c["key_hash2"][live], c["key_len"][live].astype(np.uint64)], axis=1)
-    order = np.lexsort((-c["seq"][live].astype(np.float64), keys[:, 2], keys[:, 1], keys[:, 0]))
-    ks = keys[order]
-    dup = np.r_[False, (ks[1:] == ks[:-1]).all(axis=1)] if ks.size else np.zeros(0, dtype=bool)
-    if dup.any():
-        problems.append(f"{int(dup.sum())} duplicate disk entr(y/ies) of one key dropped")
-        state[live[order[dup]]] = DFREE
-    live = np.flatnonzero(state == DLIVE)
-    free = np.flatnonzero(state == DFREE).astype(np.int32)
-    indexed = np.sort(np.concatenate([live, pending]))  # pending spills are in the chains too
-    buckets, nxt = build_chains(indexed, c["key_hash"][indexed], tier._mask, tier.buckets.size, n, free)
-    entries, value_bytes = indexed.size, int(c["value_len"][indexed].sum())
-    hu64, hi64 = tier._hu64, tier._hi64
-    if not fix and not problems:
-        if not np.array_equal(chain_members(tier.buckets, c["next"]), indexed):
-            problems.append("disk index chains out of step with the disk entries")
-        elif hu64[H_DISK_ENTRIES] != entries or hu64[H_DISK_VALUE_BYTES] != value_bytes:
-            problems.append("disk entry counters out of step")
-    if fix:
-        c["state"][:] = state
-        tier.buckets[:] = buckets
-        c["next"][:] = nxt
-        hi64[H_DFREE_SLOT] = int(free[0]) if free.size else -1
-        hu64[H_DISK_ENTRIES] = entries
-        hu64[H_DISK_VALUE_BYTES] = value_bytes
-    return problems
+__all__ = ["DiskTier", "DiskPlan", "SPILL_ASIDE", "check_disk_path", "live_owner", "open_or_make_log"]

@@ -2,15 +2,15 @@
 
 `Pool` is the public facade (docs/design.md, "Layers"): it checks arguments,
 turns keys into bytes and hashes, and calls the layers below -- the core
-(core.py: the mapped segment, its lock and its invariants), the tier
-orchestration (tiers.py: disk and remote tiers), the batched calls
-(batch.py), the configuration (config.py), snapshots (snapshot.py) and
-repair (repair.py).  It holds no state of its own beyond its handles.
+(core.py: the mapped segment, its lock and its invariants), the tiers below
+memory (tiers.py, the one entry point to them: no tier is named here), the
+batched calls (batch.py), the configuration (config.py), snapshots
+(snapshot.py) and repair (repair.py).  It holds no state of its own beyond
+its handles.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import weakref
@@ -22,8 +22,6 @@ from xxhash import xxh3_64_intdigest
 from . import repair as _repair
 from . import batch, config, header, lookups, segment, snapshot
 from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, READ_QUIET, SLOW, Core, Pinned
-from .disklog import DiskLog
-from .disktier import DiskTier, check_disk_path, default_disk_entries, open_or_make_log
 from .errors import (
     CortexCacheError,
     KeyNotFound,
@@ -32,19 +30,17 @@ from .errors import (
     PoolExists,
     PoolFull,
     PoolNotFound,
-    ServiceUnavailable,
     UsageError,
 )
 from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
-from .layout import (
-    ADMIT_ALL, ADMIT_REUSED, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, REMOTE_CLUSTER, REMOTE_ON,
-    Geometry,
-)
+from .layout import ADMIT_ALL, ADMIT_REUSED, HEADER_DTYPE, Geometry
 from .lock import RecordLock
+from .lower import Creating, Plan, Selector
 from .restore import resize as resize_pool
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
 from .tiers import Tiers
+from .tiers import plan as tiers_plan
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes, put_args, show_key, valid_nbytes, writable_bytes
 
@@ -112,7 +108,7 @@ class Pool:
         multi_threaded: bool | None = None,
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
-        _disk_log: DiskLog | None = None,
+        _plans: dict[str, Plan] | None = None,
         verify_reads: bool | None = None,
         snapshot_tier: bool = True,
     ) -> None:
@@ -133,19 +129,10 @@ class Pool:
         self.clock = core.clock
         self.policy = core.policy
         try:
-            disk = DiskTier.attach(seg.mm, core, _disk_log)
-            remote = None
-            rflags = int(core.fields.remote_flags[0])
-            if rflags & REMOTE_ON:
-                from .remote import RemoteTier  # lazily: it starts a thread and loads redis-py when used
-
-                url = bytes(core.fields.remote_url[0]).decode("utf-8", "replace")
-                reopen = functools.partial(Pool.open, self.name, multi_threaded=False)
-                remote = RemoteTier(url, bool(rflags & REMOTE_CLUSTER), core, reopen)
+            self.tiers = Tiers(core, snapshot=snapshot_tier, plans=_plans)
         except BaseException:
             core.close()  # the caller closes the segment
             raise
-        self.tiers = Tiers(core, disk, remote, snapshot=snapshot_tier)
         self._closed = False
         _live_pools.add(self)
 
@@ -165,19 +152,12 @@ class Pool:
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = None,
         prefault: bool = True,
-        tier: str = "cpu",
-        disk_path: str | os.PathLike | None = None,
-        disk_size: int | str | None = None,
-        disk_write: str = "back",
-        disk_o_direct: bool = False,
-        disk_max_entries: int | None = None,
-        remote: str | None = None,
-        remote_cluster: bool = False,
         keep: int | None = None,
         tier_admit: int = 1,
         exist_ok: bool = False,
         allow_other_owner: bool = False,
         _reserve_later: bool = False,
+        **tier_options: Any,
     ) -> "Pool":
         """Create pool `name` whose data region holds `size` bytes and attach to it.
 
@@ -188,17 +168,22 @@ class Pool:
         keeps the reservation but skips mapping every page now (restore does,
         since it writes the pages through the file anyway).
 
-        Disk tier: `tier="disk"` or a `disk_path` adds one (disktier.py).
-        `disk_path` defaults to `<snapshot dir>/../disk/<name>`, `disk_size` to
-        4x `size` (its space is reserved now: NoSpace, exit 73, if the disk
-        lacks it); `disk_write` is "back" (entries evicted from memory go to
-        disk) or "through" (every put also goes to disk).  A directory that
-        already holds a tier is taken over and its entries found again.
+        The tiers below memory take their own keywords (`tier_options`; each
+        tier's OPTIONS, tier_table.py):
 
-        Remote tier: `remote` is a Valkey/Redis URL (redis://, rediss://,
-        unix://, with password and database in it; `remote_cluster` for a
-        cluster); see remote.py.  redis-py must be installed (the `remote`
-        extra): ServiceUnavailable (69) if it is not.
+        Disk tier (disktier.py): `tier="disk"` (default "cpu") or a
+        `disk_path` adds one.  `disk_path` defaults to
+        `<snapshot dir>/../disk/<name>`, `disk_size` to 4x `size` (its space is
+        reserved now: NoSpace, exit 73, if the disk lacks it); `disk_write` is
+        "back" (entries evicted from memory go to disk, the default) or
+        "through" (every put also goes to disk); `disk_o_direct`,
+        `disk_max_entries` (the index rows).  A directory that already holds a
+        tier is taken over and its entries found again.
+
+        Remote tier (remote.py): `remote` is a Valkey/Redis URL (redis://,
+        rediss://, unix://, with password and database in it;
+        `remote_cluster=True` for a cluster).  redis-py must be installed (the
+        `remote` extra): ServiceUnavailable (69) if it is not.
 
         `tier_admit`: 1 (default) sends every entry memory evicts to the disk tier (write-back) and every
         put to the remote; 2 only entries read since their put (seen at least twice), to both, when memory
@@ -217,18 +202,15 @@ class Pool:
         segment.validate_name(name)
         nbytes = parse_size(size)
         bsize = parse_size(block_size)
+        opts = config.tier_options(tier_options)
         if keep is not None and not 1 <= keep < 2**32:
             raise UsageError(f"keep must be at least 1, not {keep}")
         if tier_admit not in (ADMIT_ALL, ADMIT_REUSED):
             raise UsageError(f"tier admission must be 1 (every entry) or 2 (entries seen twice), not {tier_admit!r}")
-        if tier_admit == ADMIT_REUSED and disk_write == "through" and (tier == "disk" or disk_path is not None):
-            raise UsageError("tier admission 2 needs a write-back disk tier: write-through puts every value on disk")
+        wants = config.wanted(opts, lambda tier: tier_home(name, tier), tier_admit)
         if exist_ok and segment.exists(name):
-            return cls._open_as_asked(
-                name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
-                disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
-                allow_other_owner,
-            )
+            return cls._open_as_asked(name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, wants,
+                                      clock, lock_timeout, allow_other_owner)
         if policy not in POLICIES:
             raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
         if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
@@ -237,36 +219,10 @@ class Pool:
         geo = Geometry.compute(nbytes, bsize, max_entries, ghosts=ghosts)
         if lfu_period is not None and lfu_period < 1:
             raise UsageError("lfu_period must be at least 1")
-        if remote is not None:
-            from .remote import check_url, redis_missing
-
-            check_url(remote)
-            why = redis_missing()
-            if why:
-                raise ServiceUnavailable(f"pool {name!r} cannot have a remote tier: {why}")
-        elif remote_cluster:
-            raise UsageError("remote_cluster needs a remote URL")
-        if tier not in ("cpu", "disk"):
-            raise UsageError(f"unknown tier {tier!r}: choose cpu (shared memory) or disk (shared memory + disk)")
-        with_disk = tier == "disk" or disk_path is not None
-        if not with_disk and (disk_size is not None or disk_max_entries is not None or disk_o_direct):
-            raise UsageError("disk tier options need --tier disk (or a disk path)")
-        log = None
-        made_tier = False
-        dflags = 0
-        if with_disk:
-            if disk_write not in ("back", "through"):
-                raise UsageError(f"unknown disk write mode {disk_write!r}: choose back or through")
-            if disk_max_entries is not None and not 1 <= disk_max_entries < 2**31 - 1:
-                raise UsageError(f"invalid disk max entries {disk_max_entries}")
-            dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
-            dsize = parse_size(disk_size) if disk_size is not None else None
-            log, made_tier = open_or_make_log(dpath, dsize, 4 * geo.data_size, disk_o_direct, segment.shm_path(name),
-                                              mode)
-            dflags = DISK_ON | (DISK_WRITE_THROUGH if disk_write == "through" else 0)
-            dflags |= DISK_O_DIRECT if disk_o_direct else 0
-            n_d = disk_max_entries or default_disk_entries(log.capacity, bsize)
-            geo = Geometry.compute(nbytes, bsize, max_entries, disk_entries=n_d, ghosts=ghosts)
+        plans = tiers_plan(wants, opts, Creating(name, segment.shm_path(name), mode, geo.data_size, bsize))
+        if plans:
+            regions = {k: v for p in plans.values() for k, v in p.geometry().items()}
+            geo = Geometry.compute(nbytes, bsize, max_entries, ghosts=ghosts, **regions)
         try:
             if reserve and _reserve_later:
                 # restore's background fill reserves the memory as it goes (fill.py): the room is
@@ -278,52 +234,41 @@ class Pool:
             seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve and not _reserve_later,
                                          reserve_head=geo.data_off)
         except BaseException as e:
-            if log is not None:
-                log.close()
-                if made_tier:
-                    DiskLog.destroy(dpath)
+            for plan in plans.values():
+                plan.undo()
             if exist_ok and isinstance(e, PoolExists):  # another process created it meanwhile
-                return cls._open_as_asked(
-                    name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path, disk_size,
-                    disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock, lock_timeout,
-                    allow_other_owner,
-                )
+                return cls._open_as_asked(name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep,
+                                          wants, clock, lock_timeout, allow_other_owner)
             raise
         init_lock = RecordLock(seg.fd)
         pool = None
+        # A tier with work once attached (the disk tier taken over: its records found again) does it
+        # before the magic goes in, so that no process ever sees the tier half-found.
+        later = any(plan.finishes for plan in plans.values())
         try:
             # Openers that find no magic yet wait on this lock until we are done.
             init_lock.acquire()
             if reserve and prefault and not _reserve_later:
                 seg.prefault()
-            header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=log is None)
+            header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=not later)
+            h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)
             if keep is not None:
-                np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]["snapshot_keep"] = keep
+                h["snapshot_keep"] = keep
             if tier_admit != ADMIT_ALL:
-                np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]["tier_admit"] = tier_admit
-            if remote is not None:
-                h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)[0]
-                h["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if remote_cluster else 0)
-                h["remote_url"] = remote.encode()
-                del h
-            if log is not None:
-                DiskTier.initialise(seg.mm, geo, dflags, log, dpath)
-                log.set_owner(segment.shm_path(name))
-                # The index is filled before the magic goes in, so no process
-                # ever sees the tier half-found.
-                pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
-                           _disk_log=log)
-                log = None  # the pool owns it now
-                if not made_tier:
-                    pool.tiers.disk.rebuild_from_scan()  # type: ignore[union-attr]
+                h["tier_admit"] = tier_admit
+            del h
+            for plan in plans.values():
+                plan.initialise(seg.mm, geo)
+            if not later:
+                init_lock.release()
+            pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout, _plans=plans)
+            if later:
+                for tier_name, plan in plans.items():
+                    plan.finish(pool.tiers.named(tier_name))
                 header.publish(seg)
                 init_lock.release()
-                return pool
-            init_lock.release()
-            return cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout)
+            return pool
         except BaseException:
-            if log is not None:
-                log.close()
             if pool is not None:
                 pool.close()
             else:
@@ -332,30 +277,25 @@ class Pool:
                 segment.unlink(name)
             except PoolNotFound:
                 pass
-            if made_tier:
-                DiskLog.destroy(dpath)
+            for plan in plans.values():
+                plan.undo()
             raise
 
     @property
     def disk_path(self) -> str | None:
         """Directory of this pool's disk tier, or None without one."""
-        d = self.tiers.disk
-        return d.path if d is not None else None
+        return self.tiers.directory()
 
     @classmethod
-    def _open_as_asked(cls, name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, tier, disk_path,
-                       disk_size, disk_write, disk_o_direct, disk_max_entries, remote, remote_cluster, clock,
-                       lock_timeout, allow_other_owner) -> "Pool":
+    def _open_as_asked(cls, name: str, nbytes: int, bsize: int, policy: str, max_entries: int | None, mode: int,
+                       multi_threaded: bool, keep: int | None, wants: dict[str, Any], clock: Any,
+                       lock_timeout: float | None, allow_other_owner: bool) -> "Pool":
         """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
         geo = Geometry.compute(nbytes, bsize, max_entries)
-        dpath = None
-        if tier == "disk" or disk_path is not None:
-            dpath = check_disk_path(disk_path if disk_path is not None else default_disk_path(name))
-        want = config.requested(geo, policy, mode, multi_threaded, keep, dpath, disk_size, disk_write, disk_o_direct,
-                                disk_max_entries, remote, remote_cluster)
+        want = config.requested(geo, policy, mode, multi_threaded, keep, wants)
         pool = cls.open(name, clock=clock, lock_timeout=lock_timeout, require_owner=not allow_other_owner)
         try:
-            config.require_same(pool, want)
+            config.require_same(name, pool.configuration(), want)
         except BaseException:
             pool.close()
             raise
@@ -399,12 +339,6 @@ class Pool:
         `config.redacted()` gives the form to show.
         """
         return config.read(self.core)
-
-    def record_remote(self, url: str, cluster: bool) -> None:
-        """Record a remote tier in the header (restore: for handles opened later, not this one)."""
-        hdr = self.core.header
-        hdr["remote_url"] = url.encode()
-        hdr["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if cluster else 0)
 
     @property
     def snapshot_keep(self) -> int | None:
@@ -519,12 +453,8 @@ class Pool:
         if self._closed:
             return
         core = self.core
-        if core.forked:
-            self.tiers.remote = None  # its thread is the parent's; nothing to drain here
         tiers = self.tiers
-        remote, tiers.remote = tiers.remote, None
-        if remote is not None:
-            remote.close()  # lets queued writes finish (a few seconds at most)
+        tiers.stop(forked=core.forked)  # queued writes to the tiers below finish (a few seconds at most)
         for v in list(self._views):
             try:
                 v.release()
@@ -576,17 +506,17 @@ class Pool:
         core = self.core
         fast = core.fast
         r = SLOW
-        if fast is not None and tiers.disk is None:  # the C write path (_fastpath_put.h)
+        if fast is not None and tiers.fast_ok:  # the C write path (_fastpath_put.h)
             r = fast.put(kb, kh, flags, vb, nblk, ttl, int(priority))
             if r.__class__ is tuple:  # copied; the lock was busy for the seal
                 core.locked(tiers.seal, r[0], r[1], kb, kh, ttl, int(priority))
         if r is not SLOW:
             pass
-        elif tiers.disk is None and vb.nbytes <= COPY_IN_LOCK:  # the common case, in one lock hold
+        elif tiers.fast_ok and vb.nbytes <= COPY_IN_LOCK:  # the common case, in one lock hold
             core.locked(core.put_small, kb, kh, flags, vb, nblk, xxh3_64_intdigest(vb), ttl, int(priority))
         else:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
-        if tiers.takes_puts:  # the remote tier: queued; the caller never waits on the network
+        if tiers.takes_puts:  # a tier that takes every put (the remote: queued, never waited on)
             tiers.offer_put(kb, value if value.__class__ is bytes else vb, flags, ttl)
 
     def reserve_write(
@@ -615,13 +545,13 @@ class Pool:
         core = self.core
         fast = core.fast
         if fast is not None:
-            r = fast.read(kb, kh, None, READ_COUNTED if tiers.disk is None else READ_HITS)
+            r = fast.read(kb, kh, None, READ_COUNTED if tiers.fast_ok else READ_HITS)
             if r is not SLOW:
                 if r is not None:
                     return r
-                value = tiers.from_below(kb, kh, None)  # a miss counted: the remote tier may have it
+                value = tiers.from_below(kb, kh, None)  # a miss counted: a tier below may have it
                 return default if value is None else value
-        if tiers.disk is None:
+        if tiers.fast_ok:
             r = core.locked(core.read, kb, kh, None)
         else:
             r = tiers.settled(tiers.read, kb, kh, None)
@@ -676,10 +606,10 @@ class Pool:
         core = self.core
         fast = core.fast
         if fast is not None:
-            r = fast.read(kb, kh, omv, READ_COUNTED if tiers.disk is None else READ_HITS)
+            r = fast.read(kb, kh, omv, READ_COUNTED if tiers.fast_ok else READ_HITS)
             if r is not SLOW:
                 return r if r is not None else batch.finish_read_into(core, tiers, kb, kh, None, omv)
-        if tiers.disk is None:
+        if tiers.fast_ok:
             r = core.locked(core.read, kb, kh, omv)
         else:
             r = tiers.settled(tiers.read, kb, kh, omv)
@@ -694,7 +624,7 @@ class Pool:
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
-        if core.fast is not None and not tiers.below:
+        if core.fast is not None and not tiers.look_below:
             got = batch.pin_many(core, [(kb, kh)], True)[0]
             if got is None:
                 raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
@@ -709,7 +639,7 @@ class Pool:
             came = tiers.from_below(kb, kh, r) is not None
             r = core.locked(core.pin_live, kb, kh, False) if came else None
             if r is None and came and kb in self:
-                raise PoolFull(f"pool {self.name!r}: {show_key(key)} is on disk and could not be brought "
+                raise PoolFull(f"pool {self.name!r}: {show_key(key)} is in a tier below and could not be brought "
                                "into memory to view (the pool is full of pinned entries)")
         if r is None:
             raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
@@ -720,8 +650,7 @@ class Pool:
 
     def flush_remote(self, timeout: float | None = None) -> bool:
         """Wait until this handle's queued remote writes were sent; False on timeout (True without a remote)."""
-        remote = self.tiers.remote
-        return True if remote is None else remote.flush(timeout)
+        return self.tiers.flush(timeout)
 
     # ------------------------------------------------------------------ batches (batch.py)
 
@@ -833,10 +762,9 @@ class Pool:
         oldest written first), "all" (memory, then disk-only keys) or "remote"
         (this pool's keys on the remote server, in key order; see `remote_entries`).
         """
-        if tier not in ("memory", "disk", "all", "remote"):
-            raise UsageError(f"unknown tier {tier!r}: choose memory, disk, all or remote")
-        if tier == "remote":
-            return [e["key"] for e in self.remote_entries(prefix, limit)]
+        self.tiers.check_tier(tier)
+        if tier not in ("memory", "all"):
+            self._check_open()
         return self.tiers.keys(key_bytes(prefix)[0] if prefix else b"", limit, tier)
 
     def remote_entries(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -845,15 +773,13 @@ class Pool:
         Asks the server (a SCAN of every primary, then each record's header): UsageError without
         a remote tier, ServiceUnavailable (69) if the server cannot be reached.
         """
-        return self._remote_tier().entries(key_bytes(prefix)[0] if prefix else b"", limit)
+        self._check_open()
+        return self.tiers.tier("remote").entries(key_bytes(prefix)[0] if prefix else b"", limit)  # type: ignore[attr-defined]
 
-    def _remote_tier(self) -> Any:
-        """The remote tier, for an operator's request; UsageError without one."""
+    def _check_open(self) -> None:
+        """PoolClosed for a request to a tier below made through a closed handle (its tiers are closed)."""
         if self._closed:
             raise PoolClosed(f"pool {self.name!r} is closed")
-        if self.tiers.remote is None:
-            raise UsageError(f"pool {self.name!r} has no remote tier")
-        return self.tiers.remote
 
     def __iter__(self) -> Iterator[str | bytes]:
         return iter(self.keys())
@@ -898,29 +824,13 @@ class Pool:
         ServiceUnavailable if the server cannot be reached).  "all" never
         touches the remote tier: other hosts share it.
         """
-        if tier not in ("memory", "disk", "all", "remote"):
-            raise UsageError(f"unknown tier {tier!r}: choose memory, disk, all or remote")
+        self.tiers.check_tier(tier)
         target = check_selector(percent, nbytes, expired, keys, prefix, all)
         kbs = [key_bytes(k)[0] for k in keys] if keys is not None else None
         pb = key_bytes(prefix)[0] if prefix is not None else None
-        tiers = self.tiers
-        if tier == "remote":
-            self._remote_tier()
-            if percent is not None or nbytes is not None or expired:
-                raise UsageError("the remote tier evicts by --key, --prefix or --all "
-                                 "(the server expires and evicts by its own policy)")
-            return tiers.evict_remote(kbs, pb)
-        if tier != "memory" and tiers.disk is None:
-            if tier == "disk":
-                raise UsageError(f"pool {self.name!r} has no disk tier")
-            tier = "memory"
-        count = freed = 0
-        if tier in ("memory", "all"):
-            count, freed = tiers.evict_memory(kbs, pb, all, expired, percent, target, spill=tier == "memory")
-        if tier in ("disk", "all"):
-            c, b = tiers.evict_disk(kbs, pb, all, expired, percent, target)
-            count, freed = count + c, freed + b
-        return count, freed
+        if tier != "memory":
+            self._check_open()
+        return self.tiers.evict(Selector(kbs, pb, all, expired, percent, target), tier)
 
     # ------------------------------------------------------------------ stats, snapshots, verify
 
@@ -995,13 +905,18 @@ class Pool:
         Checksums of all sealed entries are verified unless `checksums=False`;
         with `repair`, an entry whose bytes no longer match is dropped.
         """
-        return _repair.verify(self.core, repair=repair, checksums=checksums, disk=self.tiers.disk)
+        return self.tiers.verify(repair, checksums)
+
+
+def tier_home(name: str, tier: str) -> str:
+    """Where a tier that keeps files keeps pool `name`'s when no directory is given: `<tier>/<name>` next to
+    the snapshot directory, namespaced by CORTEX_CACHE_SHM_PREFIX like the segment (snapshot.namespaced)."""
+    return str(snapshot.snapshot_dir().parent / tier / snapshot.namespaced(name))
 
 
 def default_disk_path(name: str) -> str:
-    """Where `--tier disk` puts a pool's tier when no path is given: next to the snapshot directory,
-    namespaced by CORTEX_CACHE_SHM_PREFIX like the segment (snapshot.namespaced)."""
-    return str(snapshot.snapshot_dir().parent / "disk" / snapshot.namespaced(name))
+    """Where `--tier disk` puts a pool's tier when no path is given (tier_home)."""
+    return tier_home(name, "disk")
 
 
-__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "mark_superseded"]
+__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "mark_superseded", "tier_home"]

@@ -1,5 +1,10 @@
 """The remote tier: a Valkey/Redis server (standalone or cluster) below memory and disk.
 
+One `lower.Configured` tier (the contract is lower.py's): its reads, its
+writes, its operator's requests (`keys --tier remote`, `evict --tier
+remote`), its configuration (`--remote`, `--remote-cluster`) and what a
+restore does with it are all here.
+
 Not a distributed store of our own: a server operators already run, shared
 by pools on many hosts.  Each process that uses a pool with a remote tier has
 one `RemoteTier`: a redis-py client (imported lazily; extra `remote`) and
@@ -42,15 +47,17 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
+import numpy as np
 import xxhash
 
 from .stats import hit_stats
-from .errors import UsageError
+from .errors import ServiceUnavailable, UsageError
 from .layout import (
-    SLOT_FLAG_STR_KEY,
+    HEADER_DTYPE, REMOTE_CLUSTER, REMOTE_ON, SLOT_FLAG_STR_KEY,
     H_REMOTE_BYTES_READ, H_REMOTE_BYTES_WRITTEN, H_REMOTE_CORRUPT, H_REMOTE_DROPPED, H_REMOTE_SENT,
     H_REMOTE_ERRORS, H_REMOTE_HITS, H_REMOTE_MISSES, H_REMOTE_PROMOTIONS, H_REMOTE_WRITTEN,
 )
+from .lower import Configured, Context, Creating, Fetched, Plan, Restoring, Selector, too_small
 
 HEADER = struct.Struct("<4sHHQQQ")
 HEADER_SIZE = HEADER.size
@@ -186,8 +193,16 @@ def decode(kb: bytes, data: bytes) -> tuple[memoryview, int, int] | None:
     return value, flags, vcheck
 
 
-class RemoteTier:
+class RemoteTier(Configured):
     """This process's client and writer for one pool's remote tier."""
+
+    name = "remote"
+    distance = 2  # asked last: a round trip to the server
+    shared = True  # other hosts' pools of the same name use it too
+    takes_puts = True  # every put is queued for the server (with admission: what memory evicts, reused)
+    takes_deletes = True
+    OPTIONS = {"remote": None, "remote_cluster": False}
+    HEADER_FIELDS = ("remote_flags", "remote_url")
 
     def __init__(self, url: str, cluster: bool, core: Any, reopen: Callable[[], Any], *,
                  socket_timeout: float = SOCKET_TIMEOUT, backoff: float = BACKOFF,
@@ -215,7 +230,133 @@ class RemoteTier:
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._abandoned = False  # a forked child's copy: the writer thread is its parent's
         self.unavailable = redis_missing()
+
+    @classmethod
+    def attach(cls, core: Any, ctx: Context) -> "RemoteTier | None":
+        flags = int(core.fields.remote_flags[0])
+        if not flags & REMOTE_ON:
+            return None
+        url = bytes(core.fields.remote_url[0]).decode("utf-8", "replace")
+        return cls(url, bool(flags & REMOTE_CLUSTER), core, ctx.reopen)
+
+    # ------------------------------------------------------------------ the tier contract (lower.py)
+
+    def fetch(self, kb: bytes, kh: int, found: Any, room: int | None) -> Fetched | None:
+        got = self.get(kb)  # checked; None on a miss, a bad record or any trouble with the server
+        if got is None:
+            return None
+        value, flags, checksum = got
+        too_small(room, value.nbytes)
+        return Fetched(value, flags & SLOT_FLAG_STR_KEY, checksum, 0.0, 0, None)
+
+    def served(self, got: Fetched, promoted: bool) -> None:
+        self.count_hit(memoryview(got.value).nbytes, int(promoted))
+
+    def offer_put(self, kb: bytes, value: Any, flags: int, ttl: float | None) -> None:
+        self.put(kb, value, flags, ttl)  # queued; the caller never waits on the network
+
+    def offer_delete(self, kb: bytes) -> None:
+        self.delete(kb)
+
+    def evicted(self, i: int, explicit: bool) -> None:
+        """With admission (lock held): memory lets entry `i`, read since its put, go; queued for the server,
+        which is written after the lock is let go."""
+        core = self._core
+        off, vlen = core.value_at(i)
+        e = float(core.columns["expiry"][i])
+        ttl = e - core.clock() if e else None
+        if ttl is None or ttl > 0:
+            self.put(core.key_bytes(i), core.mv[off : off + vlen].tobytes(),
+                     int(core.columns["flags"][i]) & SLOT_FLAG_STR_KEY, ttl)
+
+    def keys(self, pb: bytes, limit: int | None) -> list[Any]:
+        return [e["key"] for e in self.entries(pb, limit)]
+
+    def remove(self, sel: Selector) -> tuple[int, int]:
+        if sel.percent is not None or sel.target is not None or sel.expired:
+            raise UsageError("the remote tier evicts by --key, --prefix or --all "
+                             "(the server expires and evicts by its own policy)")
+        if sel.keys is not None:
+            return self.evict(keys=sel.keys)
+        return self.evict(prefix=sel.prefix or b"")
+
+    def stop(self, forked: bool) -> None:
+        if forked:
+            self._abandoned = True  # its thread is the parent's; nothing to drain here
+        else:
+            self.close()  # lets queued writes finish (a few seconds at most)
+
+    def replaced(self) -> str:
+        return f"left as it is: {redact(self.url)} is shared with other hosts (evict --tier remote empties it)"
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def read_config(cls, core: Any) -> dict[str, Any] | None:
+        h = core.header[0]
+        flags = int(h["remote_flags"])
+        if not flags & REMOTE_ON:
+            return None
+        return {"url": bytes(h["remote_url"]).decode("utf-8", "replace"), "cluster": bool(flags & REMOTE_CLUSTER)}
+
+    @classmethod
+    def decode_config(cls, part: Any, bad: Callable[[str], Exception]) -> dict[str, Any]:
+        if not (isinstance(part, dict) and isinstance(part.get("url"), str) and isinstance(part.get("cluster"), bool)):
+            raise bad("has a bad remote tier")
+        try:
+            check_url(part["url"])  # what `create --remote` refuses, a snapshot may not ask for
+        except UsageError as e:
+            raise bad(f"has a remote tier the command line would refuse: {e}") from None
+        return {"url": part["url"], "cluster": part["cluster"]}
+
+    @classmethod
+    def redacted(cls, part: dict[str, Any]) -> dict[str, Any]:
+        return {**part, "url": redact(part["url"])}
+
+    @classmethod
+    def describe(cls, part: dict[str, Any]) -> str:
+        return redact(part["url"])
+
+    @classmethod
+    def want(cls, opts: dict[str, Any], home: str) -> dict[str, Any] | None:
+        if opts["remote"] is None:
+            if opts["remote_cluster"]:
+                raise UsageError("remote_cluster needs a remote URL")
+            return None
+        return {"url": check_url(opts["remote"]), "cluster": bool(opts["remote_cluster"])}
+
+    @classmethod
+    def differences(cls, want: dict[str, Any] | None, have: dict[str, Any] | None) -> list[str]:
+        if want is None or have is None or want == have:
+            return super().differences(want, have)
+        return [f"remote {redact(have['url'])}{' (cluster)' if have['cluster'] else ''} "
+                f"(asked {redact(want['url'])}{' (cluster)' if want['cluster'] else ''})"]
+
+    @classmethod
+    def plan(cls, want: dict[str, Any], opts: dict[str, Any], pool: Creating) -> Plan:
+        why = redis_missing()
+        if why:
+            raise ServiceUnavailable(f"pool {pool.name!r} cannot have a remote tier: {why}")
+        return _Recorded(cls, want)
+
+    @classmethod
+    def record(cls, header: Any, part: dict[str, Any]) -> None:
+        header["remote_flags"] = REMOTE_ON | (REMOTE_CLUSTER if part["cluster"] else 0)
+        header["remote_url"] = part["url"].encode()
+
+    @classmethod
+    def restoring(cls, part: dict[str, Any], target: str) -> Restoring:
+        why = redis_missing()
+        if why:
+            raise ServiceUnavailable(f"the snapshot's pool has a remote tier ({redact(part['url'])}): {why}")
+        # Recorded under the real name only: the staging handle must never talk to the server.
+        return Restoring({}, True, None)
+
+    @classmethod
+    def restored(cls, part: dict[str, Any], made: dict[str, Any], tier: Configured | None) -> str:
+        return f"attached {redact(part['url'])}" + (" (cluster)" if part["cluster"] else "")
 
     # ------------------------------------------------------------------ connection
 
@@ -482,6 +623,8 @@ class RemoteTier:
 
     def close(self, flush: float = CLOSE_FLUSH) -> None:
         """Let queued writes finish (up to `flush` seconds), then stop the thread and the client."""
+        if self._abandoned:
+            return
         if self._thread is not None:
             self.flush(flush)
         with self._cv:
@@ -525,6 +668,16 @@ class RemoteTier:
             **({"error": self.unavailable} if self.unavailable else {}),
             **({"last_error": self.last_error} if self.last_error else {}),
         }
+
+
+class _Recorded(Plan):
+    """A tier whose configuration is only header fields: written at create, nothing to undo."""
+
+    def __init__(self, kind: type[Configured], part: dict[str, Any]) -> None:
+        self.kind, self.part = kind, part
+
+    def initialise(self, mm: Any, geo: Any) -> None:
+        self.kind.record(np.frombuffer(mm, HEADER_DTYPE, 1, 0), self.part)
 
 
 def _glob_escape(pattern: bytes) -> bytes:

@@ -10,7 +10,7 @@ critical section.  Everything here goes through the core's interface.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import xxhash
@@ -18,12 +18,11 @@ import xxhash
 from . import procs
 from .errors import PoolBusy, SegmentCorrupt
 from .chains import build_chains, chain_members
-from .disklog import CORRUPT, Found
-from .disktier import DiskTier, key_hash2
-from .layout import FREE, H_DISK_CORRUPT, KEY_CELL, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
+from .layout import FREE, KEY_CELL, MAX_KEY_BYTES, SEALED, WRITING, ZOMBIE
 
 if TYPE_CHECKING:
     from .core import Core
+    from .lower import Lower
 
 _CHECKSUM_BATCH = 64
 
@@ -269,9 +268,10 @@ def _pin_or_check(core: "Core", slots: list[int]) -> tuple[list[Any], int, list[
     return pinned, checked, bad
 
 
-def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = None) -> dict[str, Any]:
+def verify(core: "Core", repair: bool, checksums: bool, below: "Sequence[Lower]" = ()) -> dict[str, Any]:
     """Check metadata (lock held briefly) and entry checksums (outside the lock); with `repair`, fix what
-    is wrong and drop entries whose bytes no longer match.  `disk`: the pool's disk tier, if any."""
+    is wrong and drop entries whose bytes no longer match.  `below`: the pool's tiers below memory, each
+    checking what it holds (lower.Lower.verify) with the checksums."""
 
     def check() -> tuple[list[str], list[int]]:
         problems = core.check()
@@ -302,8 +302,9 @@ def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = 
         if repair and bad:
             core.locked(_drop_entries, core, bad)
     report: dict[str, Any] = {}
-    if disk is not None and checksums:
-        report["disk_checked"] = _verify_disk(core, disk, repair, problems)
+    if checksums:
+        for tier in below:
+            report.update(tier.verify(repair, problems))
     return {
         "ok": not problems,
         "problems": problems,
@@ -312,46 +313,6 @@ def verify(core: "Core", repair: bool, checksums: bool, disk: DiskTier | None = 
         "checked": checked,
         **report,
     }
-
-
-def _verify_disk(core: "Core", tier: DiskTier, repair: bool, problems: list[str]) -> int:
-    """Read every record the disk index points at and check it (outside the lock)."""
-    if tier.log is None:
-        problems.append(f"disk tier unavailable: {tier.unavailable}")
-        return 0
-    checked = 0
-    bad: list[tuple[int, int, bool]] = []
-    for d, seq, loc, klen, _flags in core.locked(tier.records):
-        try:
-            found = tier.log.read(loc, None)
-        except OSError as e:
-            problems.append(f"disk tier: cannot read file {loc.file}: {e.strerror}")
-            break
-        checked += 1
-        if isinstance(found, Found):
-            kh = xxhash.xxh3_64_intdigest(found.key)
-            if (kh, key_hash2(found.key), len(found.key)) == (int(tier.cols["key_hash"][d]),
-                                                            int(tier.cols["key_hash2"][d]), klen):
-                continue
-        bad.append((d, seq, found == CORRUPT))
-
-    def confirm() -> list[tuple[int, int, bool]]:
-        return [(d, seq, corrupt) for d, seq, corrupt in bad if tier.is_live(d, seq)]  # not changed meanwhile
-
-    still_bad = core.locked(confirm)
-    for d, _seq, corrupt in still_bad:
-        what = "fails its checksums" if corrupt else "is not the record the index expects"
-        problems.append(f"disk entry in file {int(tier.cols['file'][d])} at {int(tier.cols['offset'][d])}: {what}")
-    if repair and still_bad:
-        def drop() -> None:
-            for d, seq, corrupt in still_bad:
-                if tier.is_live(d, seq):
-                    if corrupt:
-                        tier.count(H_DISK_CORRUPT)
-                    tier.kill_slot(d)
-
-        core.locked(drop)
-    return checked
 
 
 def _show(core: "Core", i: int) -> str:

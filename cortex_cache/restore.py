@@ -22,8 +22,6 @@ import xxhash
 
 from . import fill, interrupts, procs, safefs, segment
 from .core import COPY_IN_LOCK, Core
-from .disklog import DiskLog
-from .disktier import live_owner
 from .errors import (
     CortexCacheError,
     NoSpace,
@@ -33,7 +31,6 @@ from .errors import (
     PersistBusy,
     PoolNotFound,
     SegmentCorrupt,
-    ServiceUnavailable,
     SnapshotCorrupt,
     UsageError,
     ValueTooLarge,
@@ -41,7 +38,6 @@ from .errors import (
 from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY, Geometry
 from .lock import PERSIST_BYTE, RecordLock
 from .policy_names import POLICY_IDS
-from .remote import redact, redis_missing
 from .snapshot import (
     RESTORE_BYTE,
     Record,
@@ -52,6 +48,7 @@ from .snapshot import (
     pool_config,
     snapshots_of,
 )
+from .tier_table import TIERS
 from .units import entries
 
 if TYPE_CHECKING:
@@ -334,10 +331,9 @@ def _pool_mode(name: str | None) -> int:
 def _untrusted_settings(snap: Snapshot, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """What of the snapshot's configuration is not applied from a file this user may not have written."""
     out: dict[str, Any] = {}
-    if cfg["disk"] is not None:
-        out["disk"] = cfg["disk"]["path"]
-    if cfg["remote"] is not None:
-        out["remote"] = redact(cfg["remote"]["url"])
+    for kind in TIERS:
+        if cfg[kind.name] is not None:
+            out[kind.name] = kind.describe(cfg[kind.name])
     if cfg["keep"] is not None:
         out["keep"] = cfg["keep"]
     if not out:
@@ -348,13 +344,7 @@ def _untrusted_settings(snap: Snapshot, cfg: dict[str, Any]) -> dict[str, Any] |
 
 def _tiers_kept(pool: "Pool") -> dict[str, str]:
     """What restore --replace did to an existing pool's tiers (it keeps the pool's configuration)."""
-    out = {}
-    if pool.disk_path is not None:
-        out["disk"] = f"emptied: {pool.disk_path} now holds only what memory spills from the snapshot"
-    st = pool.stats()
-    if st["remote"] is not None:
-        out["remote"] = f"left as it is: {st['remote']['url']} is shared with other hosts (evict --tier remote empties it)"
-    return out
+    return {t.name: t.replaced() for t in pool.tiers.configured}
 
 
 def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
@@ -367,29 +357,26 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     later = snap.header.version == 3 and fill.fits_mark(snap.path)
     if later:
         _check_before_publish(snap)
-    cfg = h.config or {"reserve": True, "keep": None, "disk": None, "remote": None}
+    cfg = h.config or {"reserve": True, "keep": None, **{kind.name: None for kind in TIERS}}
     not_attached = None
     if snap.untrusted is not None and not trust_tiers:
         not_attached = _untrusted_settings(snap, cfg)
-        cfg = {**cfg, "disk": None, "remote": None, "keep": None}
-    disk, remote = cfg["disk"], cfg["remote"]
-    tier_kw: dict[str, Any] = {}
+        cfg = {**cfg, **{kind.name: None for kind in TIERS}, "keep": None}
+    # How each tier of the snapshot's configuration comes back (lower.Configured.restoring): created with
+    # the pool, recorded once it has its real name, or not attached (the report says why).
     tiers: dict[str, str] = {}
-    busy = disk is not None and live_owner(disk["path"], segment.shm_path(target))
-    if busy:
-        # A copy restored beside the live pool that owns the tier (a clone, a check of the snapshot):
-        # the tier stays that pool's, and the copy lives in memory alone.
-        tiers["disk"] = f"not attached: {disk['path']} is the disk tier of a live pool ({busy}); restored into memory only"
-        disk = None
-    if disk is not None:
-        # An existing tier keeps its own capacity (its records are found again); a missing one is made anew.
-        there = DiskLog.exists(disk["path"])
-        tier_kw = {"disk_path": disk["path"], "disk_size": None if there else disk["size"], "disk_write": disk["write"],
-                   "disk_o_direct": disk["o_direct"], "disk_max_entries": disk["max_entries"]}
-    if remote is not None:
-        why = redis_missing()
-        if why:
-            raise ServiceUnavailable(f"the snapshot's pool has a remote tier ({redact(remote['url'])}): {why}")
+    coming: list[tuple[Any, dict[str, Any], Any]] = []  # (tier class, its configuration, how)
+    tier_kw: dict[str, Any] = {}
+    for kind in TIERS:
+        part = cfg[kind.name]
+        if part is None:
+            continue
+        how = kind.restoring(part, target)
+        if how.note is not None:
+            tiers[kind.name] = how.note
+            continue
+        coming.append((kind, part, how))
+        tier_kw.update(how.create)
     new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
     _sweep_stale_staging()
     staging = _staging_name()
@@ -409,10 +396,9 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
                 os.fchown(pool.core.seg.fd, -1, snap.file_gid)
             except PermissionError:
                 pass
-        if disk is not None:
-            d = pool.stats()["disk"]
-            tiers["disk"] = (f"attached {disk['path']}: {entries(d['entries'])} found on it" if tier_kw["disk_size"] is None
-                             else f"made anew in {disk['path']} (it was gone)")
+        for kind, part, how in coming:
+            if not how.later:
+                tiers[kind.name] = kind.restored(part, how.create, pool.tiers.named(kind.name))
         if later:
             core = pool.core
             core.locked(_restore_end, core, h.counters)
@@ -427,13 +413,12 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         else:
             report = _fill_pool(pool, snap, h.counters, progress, xxhash.xxh3_64())
         pool.core.header["name"] = target.encode()
-        if remote is not None:
-            # Set under the real name only: the staging handle must never talk to the server.
-            pool.record_remote(remote["url"], remote["cluster"])
-            tiers["remote"] = f"attached {redact(remote['url'])}" + (" (cluster)" if remote["cluster"] else "")
-        disk_tier = pool.tiers.disk
-        if disk_tier is not None and disk_tier.log is not None:
-            disk_tier.log.set_owner(segment.shm_path(target))
+        for kind, part, how in coming:
+            if how.later:  # under the real name only (the staging handle must never talk to a server)
+                kind.record(pool.core.header, part)
+                tiers[kind.name] = kind.restored(part, how.create, None)
+        for t in pool.tiers.configured:
+            t.renamed(segment.shm_path(target))
         if later:
             # Published, but the restore goes on (the fill): signals wait only until the fill starts.
             quiet.enter_context(interrupts.atomic())
@@ -446,8 +431,9 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         if lock_fd >= 0:
             os.close(lock_fd)
         _discard(Pool, pool, staging)
-        if tier_kw and tier_kw["disk_size"] is not None and not segment.exists(target):
-            DiskLog.destroy(tier_kw["disk_path"])  # the tier this restore made anew goes with it
+        if not segment.exists(target):
+            for kind, _, how in coming:
+                kind.restore_failed(how.create)  # what this restore made anew goes with it
         raise
     pool.close()
     segment.unlink(staging)  # the second name of the published pool (not Pool.unlink: that marks it gone)
@@ -544,13 +530,15 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
             tier_kw: dict[str, Any] = {}
             tmp_tier = None
             try:
-                if old.disk_path is not None:
+                # A tier whose index is in the segment: the new pool gets a throw-away one of its size.
+                stand_ins = [t for t in old.tiers.configured if t.in_segment]
+                if stand_ins:
                     _sweep_stale_tmp()
                     pid, start = procs.me()  # in the name, so the next restore knows a killed one's leftovers
                     with interrupts.atomic():  # made and noted as one step (the finally below removes it)
                         tmp_tier = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{pid}-{start}-")
-                    tier_kw = {"disk_path": os.path.join(tmp_tier, "tier"), "disk_size": 2 * 16 * 4096,
-                               "disk_max_entries": int(old.geometry.n_dslots)}
+                    for t in stand_ins:
+                        tier_kw.update(t.stand_in(tmp_tier))
                 _sweep_stale_staging()
                 staging = _staging_name()
                 pool = _create_staging(
@@ -582,13 +570,15 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                     raise
             finally:
                 if tmp_tier is not None:
-                    DiskLog.destroy(os.path.join(tmp_tier, "tier"))
+                    for kind in TIERS:
+                        kind.remove_stand_in(tmp_tier)
                     os.rmdir(tmp_tier)
-            if old.disk_path is not None:
-                try:  # the old pool's records would come back on a restart scan of the tier
-                    old.evict(all=True, tier="disk")
-                except CortexCacheError:
-                    pass
+            for t in old.tiers.configured:
+                if not t.shared:
+                    try:  # the old pool's records would come back on a restart scan of the tier
+                        old.evict(all=True, tier=t.name)
+                    except CortexCacheError:
+                        pass
         finally:
             running.release()
             lock.release()
@@ -598,11 +588,10 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
 
 
 def _tier_header(core: Core) -> dict[str, Any]:
-    """The header fields that name a pool's disk and remote tiers, and its retention (copied onto its replacement)."""
+    """The header fields that configure a pool's tiers, and its retention (copied onto its replacement)."""
     h = core.header[0]
-    return {f: h[f].copy() if hasattr(h[f], "copy") else h[f]
-            for f in ("disk_flags", "disk_size", "disk_path", "remote_flags", "remote_url", "snapshot_keep",
-                      "tier_admit")}
+    fields = [f for kind in TIERS for f in kind.HEADER_FIELDS]
+    return {f: h[f].copy() if hasattr(h[f], "copy") else h[f] for f in (*fields, "snapshot_keep", "tier_admit")}
 
 
 STAGING_PREFIX = "restoring-"
@@ -672,7 +661,8 @@ def _sweep_stale_tmp() -> None:
     tree walk) and the directory."""
     for d in stale_tmp_dirs():
         try:
-            DiskLog.destroy(os.path.join(d, "tier"))
+            for kind in TIERS:
+                kind.remove_stand_in(d)
             os.rmdir(d)
         except OSError:
             pass
@@ -786,10 +776,9 @@ def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], fl
     t0 = time.perf_counter()
     old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
     try:
-        if old.disk_path is not None:
-            raise UsageError(f"pool {target!r} has a disk tier: resize carries over memory tiers only for now "
-                             "(persist it, delete it, create it again with the new --size and the same tier, "
-                             "then restore it)")
+        for t in old.tiers.configured:
+            if t.resize_refusal:
+                raise UsageError(f"pool {target!r} {t.resize_refusal}")
         if fill.running(old.core):
             raise PersistBusy(fill.busy_reason(old.core) or f"pool {target!r} is being filled")
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)

@@ -28,7 +28,7 @@ from typing import Any
 from . import fill
 from .errors import CortexCacheError
 from .layout import FILL_PRIVATE, FILL_RUNNING, SLOT_FLAG_STR_KEY
-from .lower import Fetched, Lower, too_small
+from .lower import Context, Fetched, Lower, too_small
 from .snapshot import Snapshot
 
 
@@ -36,6 +36,7 @@ class SnapshotBelow(Lower):
     """The filling snapshot of one pool, read only; `ended` once its fill is over (tiers.py drops it)."""
 
     name = "snapshot"
+    distance = 1  # after the disk tier (in the segment), before the server
 
     def __init__(self, core: Any) -> None:
         self.core = core
@@ -46,6 +47,11 @@ class SnapshotBelow(Lower):
         self._lock = threading.Lock()
         with self._lock:  # built now, outside every lock hold: `contains` answers from it
             self._load(int(core.header[0]["fill_gen"]))
+
+    @classmethod
+    def attach(cls, core: Any, ctx: Context) -> "SnapshotBelow | None":
+        """While the pool's fill runs, for a handle that indexes it (`ctx.snapshot`)."""
+        return cls(core) if ctx.snapshot and fill.running(core) else None
 
     def fetch(self, kb: bytes, kh: int, found: Any, room: int | None) -> Fetched | None:
         h = self.core.header[0]

@@ -1,12 +1,15 @@
-"""Tier orchestration: what memory does with the disk and remote tiers below it (docs/design.md, "Layers").
+"""Memory and the tiers below it, behind one entry point (docs/design.md, "One tier contract").
 
-One place for every way the tiers meet: spill on evict (the core's
-`on_evict` hook begins a spill under the lock; `after_unlock` writes it),
-promote on a miss (disk, then remote), write-through puts, and the remote
-tier's write queue.  The memory tier is the core (core.py); the disk tier's
-index and files are disktier.py and disklog.py; the remote tier is remote.py.
-`Tiers` calls their interfaces only.  Without a disk or remote tier the hot
-paths skip all of this (`Tiers.disk is None`, `Tiers.remote is None`).
+`Tiers` holds the tiers a pool has -- each a `lower.Lower`: the configured
+ones (tier_table.py: disk, remote) and, while a restore's fill runs, the
+snapshot it fills from (snaptier.py) -- and drives them: promote on a miss
+(each tier asked in order), every put, delete and eviction offered to the
+tiers that take them, write-through records indexed as memory seals them.
+It names no tier: what a tier does is its own module's.
+
+Above it nothing names a tier either.  The hot paths ask `fast_ok` (no tier
+takes part in memory's lock holds: the C paths and a plain `Core.read` may
+be used) and `look_below` (a memory miss is looked up below).
 """
 
 from __future__ import annotations
@@ -14,34 +17,30 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from . import fill
+from . import fill, header, repair
 from .copyhash import copy_hash
-from .core import COPY_IN_LOCK, Core, Pinned
-from .disklog import DiskLog
-from .disktier import SPILLING, DiskHit, DiskTier, Spill, analyse_index, key_hash2
+from .core import COPY_IN_LOCK, Core
 from .errors import (
     CortexCacheError, PermissionDenied, PoolFull, SpillLost, StorageIOError, TooManyOpenFiles, UsageError,
 )
-from .layout import ADMIT_REUSED, H_DISK_ERRORS, H_TIER_REFUSED, SLOT_FLAG_STR_KEY
-from .lower import DiskBelow, Fetched, Lower, RemoteBelow
+from .layout import ADMIT_REUSED, H_TIER_REFUSED
+from .lower import BUSY, Configured, Context, Creating, Fetched, Lower, Plan, Selector
 from .snaptier import SnapshotBelow
+from .tier_table import TIERS
 
-# How long a reader waits for a key whose spill to disk another process is writing (normally
+# Every tier a pool may have: those it is created with and, while a restore's fill runs, the snapshot it fills
+# from (attached by its own rule: fill.py's mark says whether a fill runs).
+KINDS: tuple[type[Lower], ...] = (*TIERS, SnapshotBelow)
+
+# How long a reader waits for a key a tier is still writing (BUSY: another process's spill to disk, normally
 # microseconds to milliseconds); past it the key reads as a miss, since its writer may have died.
 SPILL_WAIT = 2.0
-# At most this many bytes of spills are copied aside in one lock hold; beyond, they are written in place.
-SPILL_ASIDE = 64 << 20
 spill_pause = time.sleep  # the pause between looks (tests replace it to act at that moment)
 
-# What an eviction refused because its entry cannot go to the disk tier raises (see Tiers._spill).
+# What an eviction refused because its entry cannot go below raises (a tier's `evicted`).
 REFUSED = (StorageIOError, PermissionDenied, TooManyOpenFiles)
-
-# A write-through put's record on disk, indexed when its memory entry is sealed:
-# (location, second key hash, value length, expiry, priority, flags).
-Written = tuple
 
 
 def copy_hashing(mv: memoryview, off: int, vb: memoryview) -> int:
@@ -50,87 +49,95 @@ def copy_hashing(mv: memoryview, off: int, vb: memoryview) -> int:
 
 
 class Tiers:
-    """Memory (a Core) with the tiers below it, each a `lower.Lower`, asked in order on a miss: the disk tier
-    (optional), the snapshot the pool is still being filled from (while its fill runs: snaptier.py), the
-    remote tier (optional)."""
+    """Memory (a Core) with the tiers below it, asked in order of `distance` on a miss."""
 
-    def __init__(self, core: Core, disk: DiskTier | None, remote: Any, snapshot: bool = True) -> None:
+    def __init__(self, core: Core, snapshot: bool = True, plans: dict[str, Any] | None = None,
+                 in_segment_only: bool = False, owns_core: bool = False) -> None:
+        """Attach every tier the pool has (KINDS).  `snapshot=False`: a handle that only reads stats does not
+        index the snapshot a fill brings back (Pool.open); `plans`: a pool being created, its tiers' files
+        (lower.Plan); `in_segment_only`: only the tiers in the segment (a handle for counters, whose
+        repairs must know every region); `owns_core`: `close` closes the core too."""
         self.core = core
-        self.below: list[Lower] = []
-        self.takes_puts: list[Lower] = []  # the tiers that want every put (the remote, without admission)
-        self.takes_deletes: list[Lower] = []  # ... and every delete (the remote)
+        self._owns_core = owns_core
         # Admission (`tier_admit` 2): the tiers below take only evicted entries read since their put (seen
-        # twice); the remote then gets them when memory lets them go (`_admit`), not at every put.
+        # twice); a tier that takes puts then gets them when memory lets them go, not at every put.
         self.admit = int(core.header[0]["tier_admit"]) >= ADMIT_REUSED
-        self.answer_contains: list[Lower] = []
-        self._indexed: Lower | None = None  # the tier looked up in memory's lock hold (the disk)
-        self._disk = disk
-        self._remote = remote  # remote.RemoteTier or None
-        # `snapshot=False`: a handle that only reads stats does not index the snapshot (Pool.open).
-        self._snapshot = SnapshotBelow(core) if snapshot and fill.running(core) else None
+        ctx = Context(plans or {}, self.reopen, snapshot)
+        self.attached: list[Lower] = []
+        try:
+            for kind in KINDS:
+                if in_segment_only and not kind.in_segment:
+                    continue
+                t = kind.attach(core, ctx)
+                if t is not None:
+                    self.attached.append(t)
+        except BaseException:
+            for t in self.attached:
+                t.close()
+            raise
+        self.explicit = False  # an `evict` runs (lock held): tiers write what they take before it leaves
         self._arrange()
-        self._spills: list[Spill] = []  # begun under the lock; written after it (`_write_spills`)
-        self._spill_bytes = 0  # bytes copied aside in `_spills`
-        # An explicit eviction (`evict`) writes its records under the lock, before each entry leaves
-        # memory: a kill at any instant leaves the entry in one tier or the other (a spill copied
-        # aside is lost with its writer).  Evictions that make room for a put copy aside, to keep
-        # the lock short.
-        self.spill_in_place = False
-        # Set once a spill written outside the lock failed: from then on this process spills in place,
-        # so the next failure refuses its eviction instead of losing the entry; cleared by a success.
-        self.spill_failing = False
-        self._no_evict = False  # set while a failed spill's entry is put back: no eviction may make room
-        if disk is not None:
-            core.on_evict = self._spill if not self.admit else self._admit
-            core.repair_hooks.append(lambda fix: analyse_index(disk, fix))
-        elif remote is not None and self.admit:
-            core.on_evict = self._admit
+        if self._evict_takers:
+            core.on_evict = self._on_evict
 
     def _arrange(self) -> None:
-        below: list[Lower] = []
-        if self._disk is not None:
-            below.append(DiskBelow(self.core, self._disk))
-        if self._snapshot is not None:
-            below.append(self._snapshot)
-        if self._remote is not None:
-            below.append(RemoteBelow(self._remote))
+        below = sorted(self.attached, key=lambda t: t.distance)
         self.below = below
-        self._indexed = next((t for t in below if t.in_segment), None)
-        self.takes_deletes = [t for t in below if type(t).offer_delete is not Lower.offer_delete]
-        self.takes_puts = [t for t in below if type(t).offer_put is not Lower.offer_put and not self.admit]
+        self.configured: list[Configured] = [t for t in below if isinstance(t, Configured)]
+        indexed = [t for t in below if t.in_segment]
+        assert len(indexed) <= 1, "one tier at most looked up in memory's lock hold"
+        self._indexed = indexed[0] if indexed else None
+        # In memory's lock holds: told of every value sealed (the C write path steps aside for them).
+        self.sealers = indexed
+        self._writers = [t for t in below if t.writes_first]
+        self.takes_puts = [t for t in below if t.takes_puts and not self.admit]
+        self.takes_deletes = [t for t in below if t.takes_deletes]
+        self._evict_takers = [t for t in below if t.takes_evictions or (self.admit and t.takes_puts)]
         # Tiers that say whether they hold a key in memory's lock hold (`in`, the lookups' leading runs).
         self.answer_contains = [t for t in below if type(t).contains is not Lower.contains]
+        # What the hot paths ask: may the C paths run (no tier in memory's lock holds)?  Is a miss looked
+        # up below?  Does a put write a tier's record before memory seals it?
+        self.fast_ok = not indexed
+        self.look_below = bool(below)
+        self.writes_first = bool(self._writers)
 
-    @property
-    def disk(self) -> DiskTier | None:
-        return self._disk
+    def named(self, name: str) -> Configured | None:
+        """The pool's tier called `name`, or None."""
+        return next((t for t in self.configured if t.name == name), None)
 
-    @disk.setter
-    def disk(self, disk: DiskTier | None) -> None:
-        self._disk = disk
-        self._arrange()
+    def directory(self) -> str | None:
+        """The directory a tier of this pool keeps its files in (the disk tier's), or None."""
+        return next((t.directory for t in self.configured if t.directory is not None), None)
 
-    @property
-    def remote(self) -> Any:
-        return self._remote
+    def reopen(self) -> "Tiers":
+        """Another handle on this pool, for a tier's own thread (the remote tier's writer counts there): a core
+        of its own (a thread shares no OFD lock with its caller's handle) with the tiers in the segment, whose
+        checks a repair it starts must run; `close` closes both."""
+        seg = header.open_segment(self.core.name)
+        try:
+            core = Core(seg, multi_threaded=False, clock=None, lock_timeout=None, repairer=repair.analyse)
+        except BaseException:
+            seg.close()
+            raise
+        try:
+            return Tiers(core, snapshot=False, in_segment_only=True, owns_core=True)
+        except BaseException:
+            core.close()
+            raise
 
-    @remote.setter
-    def remote(self, remote: Any) -> None:
-        self._remote = remote
-        self._arrange()
+    def stop(self, forked: bool = False) -> None:
+        """The handle is closing: each tier finishes its background work (a forked child's abandons it)."""
+        for t in self.attached:
+            t.stop(forked)
 
     def close(self) -> None:
-        """Close the tiers (the remote's queue drains first, a few seconds at most); safe twice."""
-        remote, self.remote = self.remote, None
-        if remote is not None:
-            remote.close()
-        disk, self.disk = self.disk, None
-        if disk is not None:
-            disk.close()
-        snap, self._snapshot = self._snapshot, None
-        if snap is not None:
-            snap.close()
-            self._arrange()
+        """Close the tiers; safe twice."""
+        attached, self.attached = self.attached, []
+        for t in attached:
+            t.close()
+        self._arrange()
+        if self._owns_core:
+            self.core.close()
 
     def offer_put(self, kb: bytes, value: Any, flags: int, ttl: float | None) -> None:
         """A put to memory, told to each tier that wants every put (the remote: queued, never waited on)."""
@@ -141,23 +148,26 @@ class Tiers:
         for t in self.takes_deletes:
             t.offer_delete(kb)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this handle's queued writes to the tiers below were sent; False on timeout."""
+        return all([t.flush(timeout) for t in self.configured])
+
     # ------------------------------------------------------------------ writes
 
     def put(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, ttl: float | None, priority: int,
             checksum: int | None = None) -> None:
-        """Store in memory (and, write-through, on disk); `checksum`: the value's xxh3_64 if already known."""
+        """Store in memory (and write-through below); `checksum`: the value's xxh3_64 if already known."""
         core = self.core
-        d = self.disk
         written = None
-        if d is not None and d.write_through:
-            written = self.write_record(kb, flags, vb, core.clock() + ttl if ttl else 0.0, priority)
+        if self._writers:
+            written = self._write_first(kb, flags, vb, ttl, priority)
             if checksum is None:
                 checksum = xxh3_64_intdigest(vb)
         try:
             if vb.nbytes <= COPY_IN_LOCK:
                 if checksum is None:
                     checksum = xxh3_64_intdigest(vb)
-                if d is None:
+                if self.fast_ok:
                     core.locked(core.put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority)
                 else:
                     core.locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority, written)
@@ -172,59 +182,45 @@ class Tiers:
                 core.fill(i, copy, self.seal, kb, kh, ttl, priority, written)
         except CortexCacheError as e:
             if written is not None and not isinstance(e, SpillLost):
-                d.log.kill(written[0])  # type: ignore[union-attr]  # the put failed: no record may come back
+                for t, token in written.items():  # the put failed: no record may come back
+                    t.unwrite(token)
             raise
 
+    def _write_first(self, kb: bytes, flags: int, vb: memoryview, ttl: float | None,
+                     priority: int) -> dict[Lower, Any]:
+        expiry = self.core.clock() + ttl if ttl else 0.0
+        return {t: t.write_first(kb, flags, vb, expiry, priority) for t in self._writers}
+
     def _put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
-                   ttl: float | None, priority: int, written: Written | None) -> None:
+                   ttl: float | None, priority: int, written: dict[Lower, Any] | None) -> None:
         self.core.put_small(kb, kh, flags, vb, nblk, checksum, ttl, priority)
-        self._sealed_on_disk(kb, kh, written)
+        self._sealed(kb, kh, written)
 
     def seal(self, i: int, checksum: int, kb: bytes, kh: int, ttl: float | None, priority: int,
-             written: Written | None = None) -> None:
-        """Seal reserved slot `i` as `kb`'s value (lock held), and tell the disk tier (`written`: the record a
-        write-through put wrote)."""
+             written: dict[Lower, Any] | None = None) -> None:
+        """Seal reserved slot `i` as `kb`'s value (lock held), and tell the tiers in the segment (`written`: the
+        records a write-through put wrote)."""
         if not self.core.is_writing(i):
             return  # a repair took the reservation back
         self.core.seal(i, kb, kh, checksum, ttl, priority)
-        if self.disk is not None:
-            self._sealed_on_disk(kb, kh, written)
+        if self.sealers:
+            self._sealed(kb, kh, written)
 
-    def _sealed_on_disk(self, kb: bytes, kh: int, written: Written | None) -> None:
-        """A new memory value of `kb` (lock held): index its write-through record, or drop a stale disk copy."""
-        d = self.disk
-        assert d is not None
-        if written is None:
-            d.forget(kb, kh)
-        else:
-            loc, kh2, vlen, expiry, priority, flags = written
-            d.note_written(kh, kh2, len(kb), flags, loc, vlen, expiry, priority)
-
-    def write_record(self, kb: bytes, flags: int, value: memoryview, expiry: float, priority: int) -> Written | None:
-        """Write-through: put a record on disk (outside the lock); what `seal` indexes, or None."""
-        d = self.disk
-        assert d is not None
-        core = self.core
-        where = core.locked(d.reserve, DiskLog.record_length(len(kb), value.nbytes))
-        if where is None:
-            return None
-        try:
-            loc = d.log.write(*where, kb, value, expiry, priority, flags)  # type: ignore[union-attr]
-        except OSError:
-            core.locked(d.count, H_DISK_ERRORS)
-            return None
-        return (loc, key_hash2(kb), value.nbytes, expiry, priority, flags)
+    def _sealed(self, kb: bytes, kh: int, written: dict[Lower, Any] | None) -> None:
+        """A new memory value of `kb` (lock held): each tier in the segment indexes its write-through record,
+        or drops a stale copy."""
+        for t in self.sealers:
+            t.sealed(kb, kh, written.get(t) if written is not None else None)
 
     def commit(self, i: int, kb: bytes, kh: int, flags: int, mv: memoryview, checksum: int, ttl: float | None,
                priority: int) -> None:
-        """Seal a value written in place (Pool.reserve_write), write-through first; queue it for the remote."""
-        d = self.disk
+        """Seal a value written in place (Pool.reserve_write), write-through first; offer it to the tiers."""
         written = None
         core = self.core
         try:
-            if d is not None and d.write_through:
-                written = self.write_record(kb, flags, mv, core.clock() + ttl if ttl else 0.0, priority)
-            if d is None:
+            if self._writers:
+                written = self._write_first(kb, flags, mv, ttl, priority)
+            if self.fast_ok:
                 core.seal_many([(i, kb, kh, checksum, ttl, priority)])  # False (taken back): as seal's silence
             else:
                 core.locked(self.seal, i, checksum, kb, kh, ttl, priority, written)
@@ -234,135 +230,42 @@ class Tiers:
         if self.takes_puts:
             self.offer_put(kb, mv.tobytes(), flags, ttl)
 
-    def _admit(self, i: int) -> None:
-        """`on_evict` with admission: only an entry read since its put goes to the tiers below (lock held)."""
+    def _on_evict(self, i: int) -> None:
+        """`core.on_evict`: memory's sealed entry `i` is about to leave (lock held).  With admission only an
+        entry read since its put goes below; each tier that takes evictions gets it (a tier raising refuses
+        the eviction)."""
         core = self.core
-        if not core.reused(i):
+        if self.admit and not core.reused(i):
             core.counters[H_TIER_REFUSED] += 1
             return
-        if self.disk is not None:
-            self._spill(i)
-        if self.remote is not None:
-            off, vlen = core.value_at(i)
-            e = float(core.columns["expiry"][i])
-            ttl = e - core.clock() if e else None
-            if ttl is None or ttl > 0:  # queued: the server is written after the lock is let go
-                self.remote.put(core.key_bytes(i), core.mv[off : off + vlen].tobytes(),
-                                int(core.columns["flags"][i]) & SLOT_FLAG_STR_KEY, ttl)
-
-    def _spill(self, i: int) -> None:
-        """`on_evict`: begin spilling sealed entry `i`, about to leave memory (lock held): its bytes are
-        copied aside and its disk entry made PENDING here; `_write_spills` writes it once the lock is free.
-
-        An entry whose spill cannot happen never leaves memory: when this process cannot write the tier
-        (it cannot open its files, a reservation or an in-place write fails), this raises and the
-        eviction is refused -- an explicit `evict` fails, and so does a put that needed the room
-        (docs/tiers.md, "When the disk tier cannot be written")."""
-        core = self.core
-        d = self.disk
-        assert d is not None
-        if self._no_evict:
-            raise StorageIOError(f"pool {core.name!r}: no room to put back an entry its disk tier could not take")
-        d.writable(f"pool {core.name!r}: evicting to the disk tier")
-        off, vlen = core.value_at(i)  # each field read once and checked: impossible ones are SegmentCorrupt
-        c = core.columns
-        args = (core.key_bytes(i), int(c["key_hash"][i]), int(c["flags"][i]) & SLOT_FLAG_STR_KEY,
-                core.mv[off : off + vlen], float(c["expiry"][i]), int(c["priority"][i]), core.checksum(i))
-        if self.spill_in_place or self.spill_failing or self._spill_bytes + vlen > SPILL_ASIDE:
-            # One lock hold evicting a lot (evict --all of a big pool): write in place instead of
-            # holding copies of it all.  A write that fails raises here, before the entry leaves memory.
-            d.spill_now(*args)
-            self.spill_failing = False
-            return
-        sp = d.begin_spill(*args)
-        if sp is not None:
-            if not self._spills:
-                core.after_unlock.append(self._write_spills)
-            self._spills.append(sp)
-            self._spill_bytes += vlen
-
-    def _write_spills(self) -> None:
-        """Write the records of spills begun under the lock, without it; then finish them under it.
-
-        The victims' bytes were copied aside, so the lock is free while the disk works: other
-        processes go on, and a reader of a key being spilled waits for it (`settled`)."""
-        spills, self._spills, self._spill_bytes = self._spills, [], 0
-        d = self.disk
-        if d is None or not spills:
-            return
-        written = [d.write_spill(sp) for sp in spills]
-        lost: list[Spill] = []
-
-        def finish() -> None:
-            for sp, ok in zip(spills, written):
-                if not d.finish_spill(sp, ok) and not self._put_back(sp):
-                    lost.append(sp)
-
-        try:
-            self.core.locked(finish)
-        except Exception:  # noqa: BLE001
-            # The caller's own operation is done; this is the tier's business.  Entries left
-            # PENDING read as misses once this process is gone, or go when their key is written.
-            pass
-        if not all(written):
-            self.spill_failing = True  # spill in place from now on: the next failure refuses its eviction
-        if lost:
-            n = len(lost)
-            raise SpillLost(
-                f"pool {self.core.name!r}: {n} {'entry' if n == 1 else 'entries'} evicted to make room could not "
-                f"be written to the disk tier in {d.path!r} and {'was' if n == 1 else 'were'} lost "
-                f"(first: {lost[0].key[:60]!r}); the operation itself completed, and later evictions by this "
-                "process are refused while the tier cannot be written"
-            )
-
-    def _put_back(self, sp: Spill) -> bool:
-        """A spill whose record could not be written: put its value back in memory if there is room
-        without evicting anything else (lock held).  False if it could not be (the entry is lost)."""
-        core = self.core
-        kb = sp.key
-        kh = xxh3_64_intdigest(kb)
-        if core.find(kb, kh) >= 0:
-            return True  # written again meanwhile: nothing was lost
-        if sp.expiry and sp.expiry <= core.clock():
-            return True  # it expired meanwhile: gone anyway
-        vlen = len(sp.value)
-        self._no_evict = True
-        try:
-            i, off = core.reserve(kb, kh, sp.flags, vlen, core.blocks_or_raise(vlen))
-        except CortexCacheError:
-            return False
-        finally:
-            self._no_evict = False
-        core.mv[off : off + vlen] = sp.value
-        core.seal(i, kb, kh, sp.checksum, None, sp.priority, False, sp.expiry)
-        return True
+        for t in self._evict_takers:
+            t.evicted(i, self.explicit)
 
     # ------------------------------------------------------------------ reads
 
-    def read(self, kb: bytes, kh: int, out: memoryview | None) -> bytes | int | Pinned | DiskHit | None:
-        """`Core.read`, and on a memory miss the disk tier's entry (a DiskHit to read outside the lock)."""
+    def read(self, kb: bytes, kh: int, out: memoryview | None) -> Any:
+        """`Core.read`, and on a memory miss what the tier in the segment found (for `from_below`)."""
         r = self.core.read(kb, kh, out)
         if r is None and self._indexed is not None:
             return self._indexed.lookup(kb, kh)
         return r
 
-    def pin_live(self, kb: bytes, kh: int) -> Pinned | DiskHit | None:
-        """`Core.pin_live`, and on a memory miss the disk tier's entry."""
+    def pin_live(self, kb: bytes, kh: int) -> Any:
+        """`Core.pin_live`, and on a memory miss what the tier in the segment found."""
         r = self.core.pin_live(kb, kh)
         if r is None and self._indexed is not None:
             return self._indexed.lookup(kb, kh)
         return r
 
     def settled(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`core.locked(fn, *args)` for a lookup, asked again while the answer is SPILLING (a record
-        being written by another process or thread); a miss after SPILL_WAIT seconds (its writer
-        may have died)."""
+        """`core.locked(fn, *args)` for a lookup, asked again while the answer is BUSY (a record being written
+        by another process or thread); a miss after SPILL_WAIT seconds (its writer may have died)."""
         r = self.core.locked(fn, *args)
-        if r is not SPILLING:
+        if r is not BUSY:
             return r
         deadline = time.monotonic() + SPILL_WAIT
         delay = 20e-6
-        while r is SPILLING:
+        while r is BUSY:
             if time.monotonic() > deadline:
                 return None
             spill_pause(delay)
@@ -370,21 +273,20 @@ class Tiers:
             r = self.core.locked(fn, *args)
         return r
 
-    def from_below(self, kb: bytes, kh: int, hit: DiskHit | None, room: int | None = None) -> bytes | None:
-        """A memory miss: ask each tier below in order (`hit`: what the disk tier's index said in memory's lock
-        hold); promote what the first that has it returns; its bytes.  `room`: the caller's buffer size
+    def from_below(self, kb: bytes, kh: int, found: Any, room: int | None = None) -> bytes | None:
+        """A memory miss: ask each tier below in order (`found`: what the tier in the segment found in memory's
+        lock hold); promote what the first that has it returns; its bytes.  `room`: the caller's buffer size
         (BufferTooSmall for a larger value)."""
         for t in self.below:
-            got = t.fetch(kb, kh, hit if t.in_segment else None, room)
+            got = t.fetch(kb, kh, found if t.in_segment else None, room)
             if got is None:
                 continue
             promoted = self._promote(t, kb, kh, got)
             t.served(got, promoted)
             value = got.value
             return value if value.__class__ is bytes else bytes(value)
-        snap = self._snapshot
-        if snap is not None and snap.ended:  # its fill is over: memory has all it will get from it
-            self._snapshot = None
+        if any(t.ended for t in self.below):  # the snapshot's fill is over: memory has all it will get from it
+            self.attached = [t for t in self.attached if not t.ended]
             self._arrange()
         return None
 
@@ -435,46 +337,79 @@ class Tiers:
     def _seal_promoted(self, tier: Lower, i: int, kb: bytes, kh: int, got: Fetched) -> None:
         self.core.seal(i, kb, kh, got.checksum, None, got.priority, False, got.expiry)
         tier.promoted(got)
-        if self.disk is not None and not tier.in_segment:
-            self.disk.forget(kb, kh)  # a stale disk copy of the key, as a put drops it
-        if self.admit and tier.in_segment:
-            self.core.mark_read(i)  # read from disk: it earned its place there, and goes back when evicted
+        for t in self.sealers:
+            if t is not tier:
+                t.sealed(kb, kh, None)  # a stale copy of the key there goes, as a put drops it
+        if self.admit and tier.promotes_as_read:
+            self.core.mark_read(i)  # it earned its place below, and goes back when evicted
 
     # ------------------------------------------------------------------ delete, membership, metadata
 
     def delete(self, kb: bytes, kh: int) -> bool:
-        """Remove `kb` from memory and disk (lock held); True if it was in either."""
+        """Remove `kb` from memory and the tiers that keep it here (lock held); True if it was in any."""
         below = [t.forget(kb, kh) for t in self.below]  # every tier forgets it
         return self.core.delete(kb, kh, any(below))
 
     def contains(self, kb: bytes, kh: int) -> bool:
-        """Is `kb` live in memory or on disk?  (Lock held.)"""
+        """Is `kb` live in memory or a tier that answers here (the disk)?  (Lock held.)"""
         if self.core.find_live(kb, kh) >= 0:
             return True
         return any(t.contains(kb, kh) for t in self.below)
 
     def info(self, kb: bytes, kh: int) -> dict[str, Any] | None:
-        """Metadata of `kb`'s entry in memory, else on disk, else None (lock held)."""
+        """Metadata of `kb`'s entry in memory, else in the first tier below that has it, else None (lock held)."""
         core = self.core
         i = core.find_live(kb, kh)
         if i >= 0:
             return core.info(i)
-        d = self.disk
-        if d is not None and d.contains(kb, kh):
-            return d.info(d.find(kh, key_hash2(kb), len(kb)))
+        for t in self.below:
+            r = t.info(kb, kh)
+            if r is not None:
+                return r
         return None
 
+    def tier_names(self) -> list[str]:
+        """What `keys` and `evict` take for `tier`: memory, each local tier, all, each shared one."""
+        return ["memory", *(k.name for k in TIERS if not k.shared), "all", *(k.name for k in TIERS if k.shared)]
+
+    def check_tier(self, tier: str) -> None:
+        names = self.tier_names()
+        if tier not in names:
+            raise UsageError(f"unknown tier {tier!r}: choose {', '.join(names[:-1])} or {names[-1]}")
+
+    def tier(self, name: str) -> Configured:
+        """The pool's tier `name`; UsageError without one."""
+        t = self.named(name)
+        if t is None:
+            raise UsageError(f"pool {self.core.name!r} has no {name} tier")
+        return t
+
     def keys(self, pb: bytes, limit: int | None, tier: str) -> list[str | bytes]:
-        """Pool.keys for tier "memory" (live entries, oldest insert first, in one lock hold), "disk" or
-        "all" (memory, then disk-only keys), of those starting with `pb`."""
-        if tier != "memory":
-            mem = [] if tier == "disk" else self.keys(pb, limit, "memory")
-            if limit is not None and len(mem) >= limit:
-                return mem
-            seen = set(mem)
-            more = [k for k in self.disk_keys(pb) if k not in seen]
-            out = mem + more
+        """Pool.keys for tier "memory" (live entries, oldest insert first, in one lock hold), "all" (memory,
+        then the keys only the tiers here hold) or a tier's name (a local tier the pool lacks has none), of
+        those starting with `pb`."""
+        if tier == "memory":
+            return self._memory_keys(pb, limit)
+        if tier == "all":
+            out = self._memory_keys(pb, limit)
+            if limit is not None and len(out) >= limit:
+                return out
+            seen = set(out)
+            for t in self.below:
+                if isinstance(t, Configured) and not t.shared:
+                    more = [k for k in t.keys(pb, None) if k not in seen]
+                    seen.update(more)
+                    out += more
             return out[:limit] if limit is not None else out
+        t = self.named(tier)
+        if t is None:
+            if next(k for k in TIERS if k.name == tier).shared:
+                raise UsageError(f"pool {self.core.name!r} has no {tier} tier")
+            return []
+        out = t.keys(pb, limit)
+        return out[:limit] if limit is not None else out
+
+    def _memory_keys(self, pb: bytes, limit: int | None) -> list[str | bytes]:
         core = self.core
 
         def collect() -> list[str | bytes]:
@@ -489,101 +424,75 @@ class Tiers:
 
         return core.locked(collect)
 
-    def disk_keys(self, pb: bytes = b"", with_slots: bool = False) -> list[Any]:
-        """Keys on disk (read from the records, outside the lock) starting with `pb`, oldest written first."""
-        d = self.disk
-        if d is None or d.log is None:
-            return []
-        out: list[Any] = []
-        for ds, seq, loc, klen, flags in self.core.locked(d.records):
-            try:
-                kb = d.log.read_key(loc, klen)
-            except OSError:
-                continue
-            if kb is None or not kb.startswith(pb):
-                continue  # overwritten since, or not a match
-            k = kb.decode("utf-8", "surrogateescape") if flags & SLOT_FLAG_STR_KEY else kb
-            out.append((ds, seq, kb, k) if with_slots else k)
-        return out
-
     # ------------------------------------------------------------------ eviction
 
-    def evict_memory(self, keys: list[bytes] | None, prefix: bytes | None, all: bool, expired: bool,
-                     percent: float | None, target: int | None, spill: bool) -> tuple[int, int]:
-        """Evict from memory now (Pool.evict's one selector); with `spill` and a disk tier, what has not
-        expired moves to disk as any eviction's does.  (entries, value bytes) freed."""
-        core = self.core
-        # With admission, what memory evicts goes to the remote too (Tiers._admit), disk tier or not.
-        spill = spill and (self.disk is not None or (self.admit and self.remote is not None))
-        if spill and self.disk is not None and not (expired and not all and keys is None and prefix is None):
-            # Refused before anything leaves memory when this process cannot write the tier; expired
-            # entries are dropped, not spilled, so `--expired` needs no tier.
-            self.disk.writable(f"pool {core.name!r}: evicting to the disk tier")  # type: ignore[union-attr]
+    def evict(self, sel: Selector, tier: str) -> tuple[int, int]:
+        """Pool.evict: from memory (what has not expired goes to the tiers that take evictions, as any
+        eviction's does), from every tier here but the shared ones ("all": nothing goes below), or from one
+        tier by name.  (entries, value bytes) freed."""
+        if tier == "memory":
+            return self._evict_memory(sel, True)
+        if tier != "all":
+            return self.tier(tier).remove(sel)
+        count, freed = self._evict_memory(sel, False)
+        for t in self.configured:
+            if not t.shared:
+                c, b = t.remove(sel)
+                count, freed = count + c, freed + b
+        return count, freed
 
-        def in_place(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
-            # Set under the lock: each record is written before its entry leaves memory (see _spill).
-            self.spill_in_place = spill
+    def _evict_memory(self, sel: Selector, spill: bool) -> tuple[int, int]:
+        core = self.core
+        spill = spill and bool(self._evict_takers)
+        if spill and not sel.expired:
+            # Refused before anything leaves memory when this process cannot write a tier that takes the
+            # entries; expired entries are dropped, not spilled, so `--expired` needs no tier.
+            for t in self._evict_takers:
+                t.ready_to_take()
+
+        def explicitly(fn: Callable[..., tuple[int, int]], *args: Any) -> tuple[int, int]:
+            # Set under the lock: each tier writes what it takes before the entry leaves memory.
+            self.explicit = spill
             try:
                 return fn(*args)
-            except StorageIOError as e:  # a record could not be written: that entry and the rest stay
-                raise StorageIOError(f"pool {core.name!r}: evicting stopped: {e}; entries evicted before it "
-                                     "went to disk (evict with --tier all to drop them without spilling)") from None
             finally:
-                self.spill_in_place = False
+                self.explicit = False
 
-        if keys is not None:
-            return core.locked(in_place, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in keys], spill)
-        if all:  # an empty pool means empty: a fill still bringing the snapshot back stops (fill.py)
+        if sel.keys is not None:
+            return core.locked(explicitly, core.evict_keys, [(kb, xxh3_64_intdigest(kb)) for kb in sel.keys], spill)
+        if sel.all:  # an empty pool means empty: a fill still bringing the snapshot back stops (fill.py)
             core.locked(fill.stop, core)
-        if expired or all or prefix is not None:
-            return core.locked(in_place, core.evict_matching, expired, prefix, spill)
-        return core.locked(in_place, core.evict_amount, percent, target, spill)
-
-    def evict_disk(self, keys: list[bytes] | None, prefix: bytes | None, all: bool, expired: bool,
-                   percent: float | None, target: int | None) -> tuple[int, int]:
-        """Remove entries from the disk tier by one selector (their records are killed); (entries, bytes)."""
-        d = self.disk
-        if d is None:
-            return 0, 0
-        core = self.core
-        if keys is not None:
-            def by_key() -> list[int]:
-                slots = (d.find(xxh3_64_intdigest(kb), key_hash2(kb), len(kb)) for kb in keys)
-                return [s for s in slots if s >= 0]
-
-            return core.locked(lambda: d.forget_slots(by_key()))
-        if prefix is not None:
-            chosen = [(s, seq) for s, seq, _, _ in self.disk_keys(prefix, with_slots=True)]
-            return core.locked(lambda: d.forget_slots([s for s, seq in chosen if d.is_live(s, seq)]))
-
-        def select() -> list[int]:
-            c = d.cols
-            if all:  # spills being written too, or they would land after the tier was emptied
-                return list(map(int, d.indexed_slots()))
-            idx = d.live_slots()
-            if expired:
-                e = c["expiry"][idx]
-                return list(map(int, idx[(e > 0) & (e <= core.clock())]))
-            idx = idx[np.argsort(c["seq"][idx], kind="stable")]  # oldest written first
-            goal = target if target is not None else int(np.ceil(int(c["value_len"][idx].sum()) * percent / 100))
-            sizes = np.cumsum(c["value_len"][idx].astype(np.int64))
-            n = int(np.searchsorted(sizes, goal, side="left")) + 1 if goal > 0 else 0
-            return list(map(int, idx[:n]))
-
-        return core.locked(lambda: d.forget_slots(select()))
-
-    def evict_remote(self, keys: list[bytes] | None, prefix: bytes | None) -> tuple[int, int]:
-        if self.remote is None:
-            raise UsageError(f"pool {self.core.name!r} has no remote tier")
-        if keys is not None:
-            return self.remote.evict(keys=keys)
-        return self.remote.evict(prefix=prefix or b"")
+        if sel.expired or sel.all or sel.prefix is not None:
+            return core.locked(explicitly, core.evict_matching, sel.expired, sel.prefix, spill)
+        return core.locked(explicitly, core.evict_amount, sel.percent, sel.target, spill)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "disk": self.disk.stats() if self.disk is not None else None,
-            "remote": self.remote.stats() if self.remote is not None else None,
-        }
+        """Each configured tier's stats under its name (None for a tier the pool lacks)."""
+        out: dict[str, Any] = {}
+        for kind in TIERS:
+            t = self.named(kind.name)
+            out[kind.name] = t.stats() if t is not None else None
+        return out
+
+    def verify(self, fix: bool, checksums: bool) -> dict[str, Any]:
+        """Pool.verify: memory's metadata and checksums, then what each tier below holds (repair.py)."""
+        return repair.verify(self.core, repair=fix, checksums=checksums, below=self.below)
 
 
-__all__ = ["Tiers", "COPY_IN_LOCK", "SPILL_WAIT", "SPILL_ASIDE", "copy_hashing"]
+def plan(wants: dict[str, Any], opts: dict[str, Any], pool: Creating) -> dict[str, Plan]:
+    """Pool.create: each tier asked for (`wants`: config.wanted) checks what it needs and makes its files; their
+    `Plan`s by name.  On a failure, what the ones before made is undone."""
+    plans: dict[str, Plan] = {}
+    try:
+        for kind in TIERS:
+            want = wants[kind.name]
+            if want is not None:
+                plans[kind.name] = kind.plan(want, opts, pool)
+    except BaseException:
+        for p in plans.values():
+            p.undo()
+        raise
+    return plans
+
+
+__all__ = ["Tiers", "COPY_IN_LOCK", "SPILL_WAIT", "copy_hashing", "plan"]

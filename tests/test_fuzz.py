@@ -328,11 +328,11 @@ def _open_and_check(name: str) -> str:
     except CortexCacheError as e:
         _clean_65(e)
         return "refused"
-    if p.tiers.remote is not None:
+    if p.tiers.named("remote") is not None:
         # Damage set the remote-tier flag (the URL is garbage): writes fail and the writer
         # rests BACKOFF (1 s) after each failure, which close() waits out.  Not what is
         # tested here, and seconds per example: no rest.
-        p.tiers.remote.backoff = 0.0
+        p.tiers.named("remote").backoff = 0.0
     try:
         try:
             _exercise_open_pool(p)

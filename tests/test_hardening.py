@@ -186,7 +186,7 @@ def _check_pool(p: Pool) -> int:
     rep = p.verify()
     assert rep["ok"], rep["problems"]
     seen = 0
-    for k in p.keys(tier="all") if p.tiers.disk is not None else p.keys():
+    for k in p.keys(tier="all") if p.disk_path is not None else p.keys():
         if k == "alive":
             continue
         v = p.get(k)

@@ -202,3 +202,103 @@ def test_the_check_sees_a_cycle_and_a_private_use():
     made_up = {f"{PACKAGE}.a": ast.parse("class A:\n    def __init__(self):\n        self._mine = 1\n"
                                          "def f(a, pool):\n    return a._mine, pool._secret\n")}
     assert _private_uses(made_up) == [f"{PACKAGE}.a:5 uses ._secret, which it does not define"]
+
+
+# ---------------------------------------------------------------- the tiers below memory
+
+# The tier layer: the contract of a tier (lower), the one entry point to them (tiers), the table of the tiers a
+# pool is created with (tier_table), and the tiers with what only they use.  Above it nothing names a tier: a
+# tier is a module of its own and a line in tier_table (docs/design.md, "One tier contract").
+TIER_MODULES = {f"{PACKAGE}.{m}" for m in ("disktier", "diskindex", "disklog", "remote", "snaptier")}
+TIER_LAYER = TIER_MODULES | {f"{PACKAGE}.{m}" for m in ("lower", "tiers", "tier_table")}
+# Operator tools that work on a tier's own files and servers by design, not through a pool's tiers:
+# `delete --force --disk-path` removes the files of a deleted pool's disk tier (admin), `doctor` checks the
+# tiers' directories and servers.
+OPERATOR_TOOLS = {f"{PACKAGE}.admin", f"{PACKAGE}.doctor"}
+
+
+def _reachable(g: dict[str, set[str]], start: set[str]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(start)
+    while stack:
+        for w in g[stack.pop()]:
+            if w not in seen:
+                seen.add(w)
+                stack.append(w)
+    return seen
+
+
+def _tier_vocabulary() -> tuple[set[str], set[str], set[str]]:
+    """(tier names, the classes the tier modules define, the header fields that configure a tier)."""
+    from cortex_cache.snaptier import SnapshotBelow
+    from cortex_cache.tier_table import TIERS
+
+    names = {k.name for k in TIERS} | {SnapshotBelow.name}
+    classes = {n.name for m in TIER_MODULES for n in MODULES[m].body if isinstance(n, ast.ClassDef)}
+    fields = {f for k in TIERS for f in k.HEADER_FIELDS}
+    return names, classes, fields
+
+
+def _names_of_tiers(modules: dict[str, ast.Module], checked: set[str]) -> list[str]:
+    """Where a module in `checked` names a tier: imports a tier's module, uses a tier's class, asks a Tiers
+    for a tier by attribute (`tiers.disk`, `pool.tiers.remote`), or handles a header field that configures
+    a tier ("disk_flags")."""
+    names, classes, fields = _tier_vocabulary()
+    problems = []
+    for m in sorted(checked):
+        tree = modules[m]
+        for target, _ in _imports(m, tree):
+            if target in TIER_MODULES:
+                problems.append(f"{m} imports {target}")
+        found = []  # (line, column, what)
+        for node in ast.walk(tree):
+            where = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+            if isinstance(node, ast.Name) and node.id in classes:
+                found.append((*where, f"uses {node.id}"))
+            elif isinstance(node, ast.Attribute):
+                v = node.value
+                on_tiers = (isinstance(v, ast.Name) and v.id == "tiers") or (
+                    isinstance(v, ast.Attribute) and v.attr == "tiers")
+                if node.attr in classes:
+                    found.append((*where, f"uses .{node.attr}"))
+                elif on_tiers and node.attr in names:
+                    found.append((*where, f"uses tiers.{node.attr}"))
+            elif isinstance(node, ast.Constant) and node.value in fields:
+                found.append((*where, f"handles the header field {node.value!r}"))
+        problems += [f"{m}:{line} {what}" for line, _, what in sorted(found)]
+    return problems
+
+
+def _above_the_tiers() -> set[str]:
+    """Every module but the tier layer, what it is built on (what it imports, all the way down) and
+    OPERATOR_TOOLS.  The snapshot tier reads snapshots: snapshot.py, and the configuration a snapshot
+    carries, are below it but above the rest of the layer, so its imports do not count as the layer's base."""
+    g = _graph()
+    base = {m: (set() if m == f"{PACKAGE}.snaptier" else targets) for m, targets in g.items()}
+    below = _reachable(base, TIER_LAYER) - TIER_LAYER
+    return set(MODULES) - TIER_LAYER - below - OPERATOR_TOOLS - {PACKAGE}
+
+
+def test_nothing_above_the_tiers_names_a_tier():
+    above = _above_the_tiers()
+    assert {f"{PACKAGE}.{m}" for m in ("pool", "batch", "lookups", "restore", "config", "persist", "kv", "gpu",
+                                        "cli", "cli_render", "integrations.lmcache")} <= above
+    assert _names_of_tiers(MODULES, above) == []
+
+
+def test_the_tier_check_sees_each_way_of_naming_a_tier():
+    """The check itself, on made-up modules: each way of naming a tier is caught, and names that only look
+    alike (a `disk` that is no Tiers' attribute, a tier's name in a string) are not."""
+    made_up = {
+        f"{PACKAGE}.a": ast.parse("from .disktier import check_disk_path\n"),
+        f"{PACKAGE}.b": ast.parse("def f(pool, tiers):\n    return pool.tiers.remote, tiers.disk\n"),
+        f"{PACKAGE}.c": ast.parse("def f(h, cls):\n    h['remote_url'] = 1\n    return cls.DiskTier\n"),
+        f"{PACKAGE}.d": ast.parse("def f(st, args):\n    return st['disk'], args.disk, 'remote', args.remote\n"),
+    }
+    assert _names_of_tiers(made_up, set(made_up)) == [
+        f"{PACKAGE}.a imports {PACKAGE}.disktier",
+        f"{PACKAGE}.b:2 uses tiers.remote",
+        f"{PACKAGE}.b:2 uses tiers.disk",
+        f"{PACKAGE}.c:2 handles the header field 'remote_url'",
+        f"{PACKAGE}.c:3 uses .DiskTier",
+    ]

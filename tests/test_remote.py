@@ -64,8 +64,8 @@ finally:
 
 
 def _fast(p: Pool, timeout: float = 0.5, backoff: float = 0.0) -> None:
-    p.tiers.remote.socket_timeout = timeout
-    p.tiers.remote.backoff = backoff
+    p.tiers.named("remote").socket_timeout = timeout
+    p.tiers.named("remote").backoff = backoff
 
 
 def test_a_chunk_put_on_one_host_is_found_on_another(make_pool, server, pool_name):
@@ -124,7 +124,7 @@ def test_a_killed_server_raises_nothing_and_recovery_is_automatic(make_pool, ser
     p = make_pool("8M", name=pool_name, remote=server.url)
     _fast(p, timeout=0.5, backoff=60.0)
     clock = [0.0]
-    p.tiers.remote.monotonic = lambda: clock[0]
+    p.tiers.named("remote").monotonic = lambda: clock[0]
     p.put("before", b"b")
     assert p.flush_remote(30)
     server.kill()
@@ -163,7 +163,7 @@ def test_a_stalled_server_costs_a_timeout_not_an_error(make_pool, server):
 def test_a_full_write_queue_drops_and_counts(make_pool, server):
     p = make_pool("8M", remote=server.url)
     _fast(p, timeout=0.5, backoff=60.0)
-    p.tiers.remote.max_entries = 4
+    p.tiers.named("remote").max_entries = 4
     server.kill()
     p.put("first", b"1")  # the writer meets the dead server and rests for a minute
     for i in range(40):
@@ -266,7 +266,7 @@ def test_values_round_trip_through_get_into_and_view(make_pool, server, pool_nam
 
 def test_without_redis_py_writes_are_counted_as_dropped(make_pool, server):
     p = make_pool("2M", remote=server.url)
-    p.tiers.remote.unavailable = "redis-py is not installed"  # as in a process without the `remote` extra
+    p.tiers.named("remote").unavailable = "redis-py is not installed"  # as in a process without the `remote` extra
     p.put("k", b"v")
     assert p.get("k") == b"v"  # memory serves
     st = p.stats()["remote"]

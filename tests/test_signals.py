@@ -300,12 +300,12 @@ def test_a_signal_during_the_fill_of_a_published_pool_keeps_it_for_the_next_rest
 
 def test_a_signal_during_create_leaves_no_segment_and_no_tier(pool_name, tmp_path):
     child = Child("""
-        from cortex_cache.disktier import DiskTier
-        orig = DiskTier.initialise
+        from cortex_cache.diskindex import DiskIndex
+        orig = DiskIndex.initialise
         def initialise(*a):
             stop()
             return orig(*a)
-        DiskTier.initialise = staticmethod(initialise)
+        DiskIndex.initialise = staticmethod(initialise)
         """, ["cache", "create", pool_name, "--size", "1M", "--disk-path", str(tmp_path / "tier"), "--disk-size", "1M"])
     child.wait_stopped()
     assert Pool.exists(pool_name) and (tmp_path / "tier").exists()

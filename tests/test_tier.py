@@ -214,7 +214,7 @@ def test_the_disk_index_is_repaired_after_a_kill_inside_the_lock(make_pool, tier
         p = Pool.open({p.name!r})
         p.core.lock.acquire()
         p.core.fields.dirty[0] = 1
-        t = p.tiers.disk
+        t = p.tiers.named("disk").index
         t.buckets[:] = -1          # half-done changes: chains gone, counters wrong
         p.core.signed_counters[H_DFREE_SLOT] = 3
         p.core.counters[H_DISK_ENTRIES] = 999
@@ -417,9 +417,9 @@ def test_a_spiller_killed_before_confirming_leaves_a_miss_never_a_resurrection(m
 
 
 def test_a_big_eviction_writes_in_place_beyond_what_it_may_copy_aside(make_pool, tier_dir, monkeypatch):
-    import cortex_cache.tiers as tiers_mod
+    import cortex_cache.disktier as disktier_mod
 
-    monkeypatch.setattr(tiers_mod, "SPILL_ASIDE", 3 * VAL)  # 3 copies aside, the rest written in place
+    monkeypatch.setattr(disktier_mod, "SPILL_ASIDE", 3 * VAL)  # 3 copies aside, the rest written in place
     p = make_pool(MEM, disk_path=tier_dir, disk_size="16M")
     _fill(p, 16)
     assert p.evict(all=True) == (16, 16 * VAL)

@@ -273,7 +273,7 @@ class CortexConnector:
         fast = core.fast
         if fast is None:  # not built, CORTEX_CACHE_PURE_PYTHON=1, or closed
             return None
-        below = bool(pool.tiers.below)  # misses are looked up there
+        below = pool.tiers.look_below  # misses are looked up there
         r = fast.load_many(encoded([self.namespace + k for k in keys]), list(mvs), _LOAD_HEADER,
                            b"".join(map(_digest, keys)), READ_HITS if below else READ_COUNTED, self.verify,
                            self._copiers.workers)

@@ -8,14 +8,14 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from ..config import ADAPTER_PARAMS, adapter_options
 from ..errors import PoolExists, UsageError
 from ..pool import Pool
 
 REATTACH_EVERY = 1.0  # seconds between tries to attach a pool that is missing
 
-# The parameters every adapter takes for its pool (see the README).
-POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", "disk_path", "disk_size", "disk_write",
-               "allow_other_owner")
+# The parameters every adapter takes for its pool (see the README); a tier's are its own (ADAPTER_OPTIONS).
+POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", *ADAPTER_PARAMS, "allow_other_owner")
 
 
 def open_or_create(name: str, params: dict[str, Any]) -> Pool:
@@ -36,10 +36,8 @@ def open_or_create(name: str, params: dict[str, Any]) -> Pool:
         return attach(name, other)
     if params.get("size") is None:
         raise UsageError('"create" needs "size" (e.g. "16G")')
-    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru")}
-    if params.get("disk_path") is not None or params.get("disk_size") is not None:
-        kw.update(tier="disk", disk_path=params.get("disk_path"), disk_size=params.get("disk_size"),
-                  disk_write=params.get("disk_write", "back"))
+    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru"),
+                          **adapter_options(params)}
     try:
         return Pool.create(name, params["size"], multi_threaded=True, **kw)
     except PoolExists:  # another process of the engine made it first
