@@ -76,6 +76,9 @@ PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
 SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
 POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
 PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
+# A mapping fenced against SIGBUS (_fastpath.c, Guard): the segment's, and every snapshot file and pack
+# mapped (snapshot.py), so that a file cut short while it is read is an error, never a dead process.
+GUARD = _fastpath.Guard if _fastpath is not None else None
 # Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
 C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
 C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
@@ -1203,6 +1206,6 @@ class Core:
         return freed
 
 
-__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "SLOW", "READ_COUNTED", "READ_HITS",
+__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "GUARD", "SLOW", "READ_COUNTED", "READ_HITS",
            "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA",
            "C_COPY_HASH_MANY"]

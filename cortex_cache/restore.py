@@ -8,6 +8,7 @@ file itself is read by snapshot.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -692,23 +693,31 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
         count = 0
         evictions_before = pool.stats()["evictions"]
         expiring: list[tuple[float, int]] = []  # (expiry, bytes) of restored entries with a TTL
-        for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
-            count += 1
-            if 0 < rec.expiry <= now:
-                expired += 1
-                continue
-            try:
-                _restore_entry(core, rec, base)
-            except (ValueTooLarge, PoolFull) as e:
-                raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
-            restored += 1
-            nbytes += len(rec.value)
-            if rec.expiry:
-                expiring.append((rec.expiry, len(rec.value)))
-            if progress is not None:
-                progress(nbytes, snap.value_bytes)
-        if hasher is not None:
-            snap.check_trailer(count, hasher)
+        try:
+            for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
+                count += 1
+                if 0 < rec.expiry <= now:
+                    expired += 1
+                    continue
+                try:
+                    _restore_entry(core, rec, base)
+                except (ValueTooLarge, PoolFull) as e:
+                    raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
+                restored += 1
+                nbytes += len(rec.value)
+                if rec.expiry:
+                    expiring.append((rec.expiry, len(rec.value)))
+                if progress is not None:
+                    progress(nbytes, snap.value_bytes)
+            if hasher is not None:
+                snap.check_trailer(count, hasher)
+        except OSError as e:
+            if e.errno != errno.EFAULT:  # a copy out of a mapping cut short (the kernel's read of it)
+                raise
+            raise SnapshotCorrupt(f"snapshot {str(snap.path)!r} was cut short while it was read (truncated by "
+                                  "another process?); nothing read from it is used") from None
+        finally:
+            snap.check_whole()  # zeros read from a file cut short (the SIGBUS fence): never published
         # An entry the pool evicted to make room for a later one was not restored.  Evictions are
         # counted apart from expirations, so an entry whose TTL ran out during the restore (it
         # would be gone anyway) is not mistaken for one that did not fit.

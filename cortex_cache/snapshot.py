@@ -79,7 +79,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import xxhash
 
 from . import config, fill, interrupts, packs, safefs, segment
-from .core import Core
+from .core import GUARD, Core
 from .errors import (
     OUT_OF_FILES,
     CannotCreate,
@@ -775,7 +775,7 @@ class _Incremental:
         share = packs.live_share({n: r.size for n, r in sizes.items()}, used)
         for name in sorted(n for n, f in share.items() if f < packs.COMPACT_BELOW):
             try:
-                reader = packs.PackReader(self.directory, sizes[name], self.directory / name, private=True)
+                reader = packs.PackReader(self.directory, sizes[name], self.directory / name, True, GUARD)
             except CortexCacheError:
                 continue
             copies: list = []
@@ -787,6 +787,8 @@ class _Incremental:
                 for off, e, value in copies:
                     self.remap[(name, off)] = writer.add(e.key, value, e.checksum)
                     self.written += e.length
+                if reader.cut_short():  # what it copied may be zeros: those copies are never pointed at
+                    self.remap = {k: v for k, v in self.remap.items() if k[0] != name}
             except CortexCacheError:
                 continue
             finally:
@@ -1119,7 +1121,7 @@ class Snapshot:
     foreign or of a newer version), PermissionDenied (77).
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool | str = False) -> None:
         """Map `path` and check its header; with `verify` (default) check the whole file now.
 
         Without `verify` only the header and the trailer's place are checked:
@@ -1127,19 +1129,18 @@ class Snapshot:
         and call `check_trailer` before trusting anything it read.  Anything
         but a regular file (a FIFO, a device) is refused before a read could
         block on it; with `private` (a file of our snapshot directory) so is
-        a symbolic link or a file that is not ours (PermissionDenied, 77).
+        a symbolic link or a file that is not ours (PermissionDenied, 77);
+        safefs.FOLLOWED: the stricter rules of safefs.open_read, for its packs too.
         `untrusted` says why the file may not be this user's own word (None:
         it is ours, in a directory of ours, and nobody else may write either),
-        for restore to decide whether to attach the tiers it names.
+        for restore to decide whether to attach the tiers it names.  The file
+        and its packs are mapped fenced against SIGBUS: one cut short while it
+        is read gives zeros, and `check_whole` says so.
         """
         self.path = Path(path)
-        self._mv = None
-        flags = os.O_RDONLY | os.O_NONBLOCK  # a FIFO's open would wait for a writer
+        self._mv = self._guard = None
         try:
-            if private:
-                fd = safefs.open_file(self.path, flags, 0, "snapshot")
-            else:
-                fd = os.open(self.path, flags | os.O_CLOEXEC)
+            fd = safefs.open_read(self.path, private, "snapshot")
         except CortexCacheError:
             raise
         except FileNotFoundError:
@@ -1160,6 +1161,7 @@ class Snapshot:
             if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
                 raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            self._guard = GUARD(self._mm) if GUARD is not None else None
         finally:
             os.close(fd)
         self._mv = memoryview(self._mm)
@@ -1183,6 +1185,9 @@ class Snapshot:
         for reader in getattr(self, "_packs", {}).values():
             reader.close()
         self._packs = {}
+        guard, self._guard = getattr(self, "_guard", None), None
+        if guard is not None:
+            guard.close()  # before the unmap: its addresses may be reused
         if self._mv is not None:
             mv, self._mv = self._mv, None
             try:
@@ -1286,7 +1291,7 @@ class Snapshot:
         if reader is None:
             if index >= len(self.pack_refs):
                 raise self._corrupt(f"a record names pack {index}; the table has {len(self.pack_refs)}")
-            reader = packs.PackReader(self.path.parent, self.pack_refs[index], self.path, self.private)
+            reader = packs.PackReader(self.path.parent, self.pack_refs[index], self.path, self.private, GUARD)
             self._packs[index] = reader
         return reader
 
@@ -1294,6 +1299,15 @@ class Snapshot:
     def file_check(self) -> int:
         """The trailer's checksum of the file: what names this snapshot in a pool's fill mark (fill.py)."""
         return self._file_check
+
+    def check_whole(self) -> None:
+        """SnapshotCorrupt (65) naming the file -- this one or a pack -- that was cut short while it was read
+        (a read of its mapping met its end, and read zeros): nothing read from this snapshot is to be used."""
+        cut = [str(self.path)] if self._guard is not None and self._guard.gone else []
+        cut += [str(r.path) for r in self._packs.values() if r.cut_short()]
+        if cut:
+            raise SnapshotCorrupt(f"snapshot {str(self.path)!r}: {cut[0]!r} was cut short while it was read "
+                                  "(truncated by another process?); nothing read from it is used")
 
     def pack_reader(self, index: int) -> packs.PackReader:
         """Version 3: the reader of pack `index` (opened and checked on first use)."""
@@ -1350,18 +1364,21 @@ class Snapshot:
             pos = kpos + klen
 
     def verify(self) -> None:
-        if self.header.version == MANIFEST_VERSION:
-            self.verify_manifest()
-            for _ in self.records(verify=True):  # every value read from its pack and checked
-                pass
-            return
-        end = self.size - TRAILER.size
-        if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
-            raise self._corrupt("file checksum mismatch")
-        # The file hash covers every byte, and the writer checked each value
-        # against its checksum before writing it: here only the structure
-        # (magic, lengths, header checksums) is left to check.
-        self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
+        try:
+            if self.header.version == MANIFEST_VERSION:
+                self.verify_manifest()
+                for _ in self.records(verify=True):  # every value read from its pack and checked
+                    pass
+                return
+            end = self.size - TRAILER.size
+            if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
+                raise self._corrupt("file checksum mismatch")
+            # The file hash covers every byte, and the writer checked each value
+            # against its checksum before writing it: here only the structure
+            # (magic, lengths, header checksums) is left to check.
+            self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
+        finally:
+            self.check_whole()  # zeros read from a file cut short: say that, not what they looked like
 
     def check_trailer(self, count: int, hasher: Any | None) -> None:
         """Compare what a full pass over the records found with the trailer."""
