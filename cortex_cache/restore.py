@@ -49,6 +49,7 @@ from .snapshot import (
     Snapshot,
     busy,
     checked_snapshot_dir,
+    followed,
     latest_path,
     pool_config,
     snapshots_of,
@@ -208,14 +209,28 @@ def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_ow
                 return None, _skipped(name, marked, filling=True)
             raise PersistBusy(f"pool {name!r} is being filled from {marked!r} by another restore; "
                               "status shows how far it got")
-        if path is not None and not _same_file(path, marked):
-            raise UsageError(f"pool {name!r} is being filled from {marked!r}, not from {str(path)!r}: give that "
-                             "file (or none), or start again with --replace")
-        if path is None and not any(_same_file(p, marked) for p in snapshots_of(name)):
-            raise UsageError(f"pool {name!r} is being filled from {marked!r}, which is not one of its snapshots "
-                             "in the snapshot directory: give it with --input, or start again with --replace")
+        if path is not None:  # the operator names the file, which must be the one the mark names
+            if not _same_file(path, marked):
+                if if_missing:
+                    pool.close()
+                    return None, {**_skipped(name, path), "fill_not_resumed": f"it is being filled from {marked!r}"}
+                raise UsageError(f"pool {name!r} is being filled from {marked!r}, not from {str(path)!r}: give "
+                                 "that file (or none), or start again with --replace")
+            snap = Snapshot(path, verify=False)
+        else:  # the mark's word alone: followed only to a snapshot of the pool's this process trusts
+            snap, why = fill.follow(core, followed)
+            if snap is not None and not any(_same_file(p, snap.path) for p in snapshots_of(name)):
+                snap.close()
+                snap, why = None, (f"{marked!r} is not one of its snapshots in the snapshot directory (give it "
+                                   "with --input)")
+            if snap is None:
+                pool.close()
+                if if_missing:  # a boot line: the pool is there, and a mark it does not follow holds nothing up
+                    return None, {**_skipped(name, latest_path(name)), "fill_not_resumed": why}
+                raise UsageError(f"pool {name!r} was being filled from a snapshot this restore does not follow "
+                                 f"({why}): start again with --replace")
         t0 = time.perf_counter()
-        with Snapshot(marked, verify=False, private=path is None) as snap:
+        with snap:
             if snap.file_check != int(core.header[0]["fill_check"]):
                 raise SnapshotCorrupt(f"snapshot {marked!r} has changed since pool {name!r} began filling from it: "
                                       f"the fill cannot go on (the pool keeps its {entries(pool.stats()['entries'])}); "
@@ -799,8 +814,9 @@ def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], fl
             raise UsageError(f"pool {target!r} has a disk tier: resize carries over memory tiers only for now "
                              "(persist it, delete it, create it again with the new --size and the same tier, "
                              "then restore it)")
-        if fill.running(old.core):
-            raise PersistBusy(fill.busy_reason(old.core) or f"pool {target!r} is being filled")
+        waiting = fill.busy_reason(old.core, followed)
+        if waiting is not None:
+            raise PersistBusy(waiting)
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
         if not lock.take_soon():
             raise busy(old.core.seg.fd, target, "resize")

@@ -291,7 +291,7 @@ def write(
         if not lock.take_soon():  # another process persists (or restores) this pool
             raise busy(core.seg.fd, core.name, "persist")
         try:
-            waiting = fill.busy_reason(core)
+            waiting = fill.busy_reason(core, followed)
             if waiting is not None:
                 raise PersistBusy(waiting)
             if keep is not None:
@@ -1022,7 +1022,7 @@ def prune(name: str, keep: int, core: Core | None = None) -> dict[str, Any]:
             raise PersistBusy(f"a persist or restore of pool {name!r} is running; prune its snapshots when it is done")
     try:
         if core is not None:
-            waiting = fill.busy_reason(core)
+            waiting = fill.busy_reason(core, followed)
             if waiting is not None:
                 raise PersistBusy(waiting)
         stem = namespaced(name)
@@ -1454,6 +1454,15 @@ class Snapshot:
         return used
 
 
+def followed(path: str) -> Snapshot:
+    """The snapshot another process's word names (a pool's fill mark: fill.follow), opened as safefs.FOLLOWED
+    (its packs too), and only if it is named as persist names snapshots."""
+    name = os.path.basename(path)
+    if not name.endswith(SUFFIX) or name.startswith("."):
+        raise UsageError(f"{path!r} is not named as a snapshot")
+    return Snapshot(path, verify=False, private=safefs.FOLLOWED)
+
+
 class Reference(NamedTuple):
     """A version 3 manifest's record: an entry's key and metadata, its value in pack `pack` (an index)."""
 
@@ -1473,4 +1482,4 @@ class Reference(NamedTuple):
 
 __all__ = ["write", "Snapshot", "Record", "Reference", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
            "snapshots_of", "list_snapshots", "snapshot_usage", "snapshot_space", "snapshots_and_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced", "pool_config", "COUNTERS",
-           "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]
+           "snapshot_places", "checked_snapshot_dir", "followed", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]
