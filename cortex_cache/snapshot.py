@@ -1057,16 +1057,22 @@ def _unlink_ours(path: Path) -> None:
 
 
 def _prune(name: str, directory: Path, keep: int) -> None:
-    """Retention: the newest `keep` snapshots stay; then every pack none of them refers to goes.  A pack
-    is deleted only once no kept manifest names it, so a kill anywhere in here leaves every kept
-    snapshot whole (what it did not get to, the next persist does)."""
-    for old in snapshots_of(name, directory)[:-keep]:
+    """Retention: the newest `keep` snapshots stay; then every pack that no manifest a name reaches -- a kept
+    one, or whatever `NAME.ccsnap` names -- refers to goes.  A pack is deleted only once no such manifest
+    names it, so a kill anywhere in here leaves every kept snapshot whole (what it did not get to, the next
+    persist does).  A persist killed between renaming its manifest into place and linking `NAME.ccsnap` to it
+    left that name on an older snapshot: it is pointed at the newest first (what the persist meant)."""
+    latest = latest_path(name, directory)
+    stamped = snapshots_of(name, directory)
+    if stamped:
+        _repair_latest(stamped[-1], latest)
+    for old in stamped[:-keep]:
         try:
             old.unlink()
         except FileNotFoundError:
             pass
     referenced: set[str] = set()
-    for path in snapshots_of(name, directory):
+    for path in [*snapshots_of(name, directory), latest]:
         try:
             with Snapshot(path, verify=False, private=True) as snap:
                 referenced.update(r.name for r in snap.pack_refs)
@@ -1076,6 +1082,19 @@ def _prune(name: str, directory: Path, keep: int) -> None:
             # A kept manifest that cannot be read: keep every pack (what it names cannot be known).
             return
     packs.remove_unreferenced(namespaced(name), directory, referenced)
+
+
+def _repair_latest(newest: Path, latest: Path) -> None:
+    """Point `latest` (NAME.ccsnap) at `newest`, the newest timestamped snapshot, if it names none or an older
+    one and `newest` is a whole manifest of ours (it was renamed into place only once written and flushed)."""
+    try:
+        if latest.exists() and latest.stat().st_ino == newest.stat().st_ino:
+            return
+        with Snapshot(newest, verify=False, private=True) as snap:
+            snap.check_manifest_file()
+        _link_latest(newest, latest)
+    except (CortexCacheError, OSError):
+        pass  # left as it is: retention then keeps what it names
 
 
 # ---------------------------------------------------------------- read and verify
