@@ -448,9 +448,9 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
     snap_metrics = [
         ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
         ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
-        ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
-         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch (0: never); alert when it "
-         "gets old."),
+        ("last_snapshot_timestamp_seconds", "last_snapshot", "gauge",
+         "When the pool's latest snapshot was taken (its last persist, or the snapshot it was restored from: "
+         "status's last snapshot), seconds since the epoch (0: never); alert when it gets old."),
         ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot (0: none)."),
     ]
     with_snaps = [r for r in ok if r.get("snapshots")]
@@ -461,7 +461,7 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         for r in with_snaps:
             # A pool never persisted has no latest snapshot: 0, not NaN, so that the staleness alert
             # (time() - cortex_cache_last_snapshot_timestamp_seconds > interval) fires for it too.
-            v = r["snapshots"][key]
+            v = r[key] if key == "last_snapshot" else r["snapshots"][key]  # the first: what status says
             out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else 0}')
     fill_metrics = [
         ("fill_running", "gauge", "1 while the pool is still being filled from its snapshot after a restore "
