@@ -106,6 +106,7 @@ class Pool:
     """
 
     _closed = True  # until __init__ is done: a half-built handle closes cleanly
+    _words = _CLOSED_WORDS  # ... and is never superseded
 
     # ------------------------------------------------------------------ lifecycle
 
