@@ -23,6 +23,8 @@ benchmark's full output.
   boot      restore of a pool that is gone (1, 4, 8 GiB; --quick 0.25, 1):
             first hit after the command starts, the background fill against
             a cold sequential read of the snapshot's files
+  resize    each operation's latency for processes using a pool across its resize
+            (100,000 entries; --quick 20,000) against the same run's before
   tier      disk tier hit rates, spill/promote against plain file write/read
   remote    remote-tier promotes against raw redis-py GETs of the same values
   kv        KV-chunk store/retrieve against plain copies; chunk-key cost
@@ -67,8 +69,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "policies", "persist", "boot", "tier", "remote", "kv", "lookup", "lmcache",
-         "sglang", "gpu", "startup"]
+ORDER = ["peers", "pool", "capacity", "scaling", "eviction", "policies", "persist", "boot", "resize", "tier", "remote", "kv",
+         "lookup", "lmcache", "sglang", "gpu", "startup"]
 SCRIPTS = {name: HERE / f"bench_{name}.py" for name in ORDER}
 SCRIPTS["gpu"] = HERE / "gpu_staging.py"
 
@@ -218,6 +220,15 @@ def rows_boot(d: dict) -> list:
     return rows
 
 
+def rows_resize(d: dict) -> list:
+    m = d["median"]
+    n = d["rounds"][0]["entries"]
+    return [(f"resize at {n:,} entries: worst operation added (ms)", f"{m['added_ms']:.1f}",
+             f"worst before {m['worst_baseline_ms']:.1f} ms; last hold {m['swap_ms']:.1f} ms "
+             f"({m['swap_cpu_ms']:.1f} CPU), longest {m['longest_hold_ms']:.1f} ms ({m['longest_hold_cpu_ms']:.1f} CPU)",
+             None, d["target_met"])]
+
+
 def rows_tier(d: dict) -> list:
     rows = []
     for label, h in d["hit_rate"].items():
@@ -360,7 +371,8 @@ def regressions(name: str, d: dict) -> list[dict]:
 
 
 EXTRACT = {"peers": rows_peers, "pool": rows_pool, "capacity": rows_capacity, "scaling": rows_scaling,
-           "eviction": rows_eviction, "policies": rows_policies, "persist": rows_persist, "boot": rows_boot, "tier": rows_tier,
+           "eviction": rows_eviction, "policies": rows_policies, "persist": rows_persist, "boot": rows_boot,
+           "resize": rows_resize, "tier": rows_tier,
            "remote": rows_remote, "kv": rows_kv,
            "lookup": rows_lookup, "lmcache": rows_lmcache, "sglang": rows_sglang, "gpu": rows_gpu,
            "startup": rows_startup}

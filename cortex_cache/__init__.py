@@ -44,6 +44,7 @@ _EXPORTS = {
     "SnapshotNotFound": ".errors",
     "Snapshot": ".persist",
     "PoolClosed": ".errors",
+    "PoolSuperseded": ".errors",
     "TooManyOpenFiles": ".errors",
     "ServiceUnavailable": ".errors",
     "StorageIOError": ".errors",

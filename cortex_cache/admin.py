@@ -16,7 +16,7 @@ from . import header, interrupts, procs, segment
 from . import persist as snap
 from .disklog import META_NAME, DiskLog
 from .errors import CortexCacheError, PermissionDenied, PoolBusy, PoolNotFound, SegmentCorrupt, UsageError
-from .pool import Pool, disk_tier_of, mark_superseded
+from .pool import Pool, disk_tier_of, unlink_marked
 
 
 def status_word(e: CortexCacheError) -> str:
@@ -174,10 +174,9 @@ def delete_pool(name: str, force: bool = False, disk_path: str | None = None) ->
     tier = disk_tier_of(name)
     removed = force and tier is not None
     with interrupts.commit():
-        mark_superseded(name)  # processes still attached learn it is gone (Pool.superseded)
         if removed:
             DiskLog.destroy(tier)  # type: ignore[arg-type]
-        segment.unlink(name)
+        unlink_marked(name)  # marked in the lock hold that unlinks: processes attached learn it is gone
     return Deleted(squatter=None, disk_tier=tier, tier_removed=removed)
 
 

@@ -120,6 +120,14 @@ def show_key(k: str | bytes) -> str:
     return "".join(out)
 
 
+def shown(text: str) -> str:
+    """A name read from a pool's header (a path, a URL: any writer of the pool may have put it there) fit for a
+    table: control characters and escape sequences as \\xNN (show_key), and no rich markup."""
+    from rich.markup import escape
+
+    return escape(show_key(text))
+
+
 def json_key(doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` (an entry's info) with its key made JSON: shown as text, typed, and exact in hex if bytes."""
     k = doc["key"]
@@ -241,7 +249,7 @@ def print_status(rows: list[dict[str, Any]]) -> None:
             t.add_row("repairs", str(r["repairs"]))
         d = r.get("disk")
         if d is not None:
-            t.add_row("disk tier", f"{d['path']} (write-{d['write']}{', O_DIRECT' if d['o_direct'] else ''})")
+            t.add_row("disk tier", f"{shown(d['path'])} (write-{d['write']}{', O_DIRECT' if d['o_direct'] else ''})")
             if not d["available"]:
                 t.add_row("disk state", f"unavailable: {d['error']}")
             else:
@@ -254,7 +262,7 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                       f"{d['errors']} I/O errors")
         rm = r.get("remote")
         if rm is not None:
-            t.add_row("remote tier", rm["url"] + (" (cluster)" if rm["cluster"] else "")
+            t.add_row("remote tier", shown(rm["url"]) + (" (cluster)" if rm["cluster"] else "")
                       + ("" if rm["available"] else f" - unavailable: {rm.get('error')}"))
             t.add_row("remote hits / misses", f"{rm['hits']} / {rm['misses']} (hit ratio {rm['hit_ratio']:.3f}), "
                       f"{rm['promotions']} promoted, {rm['corrupt']} corrupt")
@@ -272,14 +280,14 @@ def fill_line(f: dict[str, Any], name: str) -> str:
     extra = "".join(f", {f[k]} {what}" for k, what in (("skipped", "skipped"), ("corrupt", "damaged")) if f[k])
     state = f["state"]
     if state == "filling":
-        return f"filling {done}{extra}, from {f['snapshot']}"
+        return f"filling {done}{extra}, from {shown(f['snapshot'])}"
     if state == "interrupted":
         return f"interrupted at {done}{extra}: `cortex cache restore {name} --if-missing` finishes it"
     took = f" in {f['ended'] - f['started']:.1f}s" if f["ended"] else ""
     how = {"done": "complete", "stopped": "stopped early (the pool filled up, or was emptied or deleted)",
            "failed": "failed (the snapshot could not be read)"}[state]
     return (f"{how}{took}: {fmt_size(f['bytes_loaded'])} loaded, {f['entries_done']} of {f['entries_total']} "
-            f"entries{extra}, from {f['snapshot']}")
+            f"entries{extra}, from {shown(f['snapshot'])}")
 
 
 WATCH_HEADER = f"{'time':8} {'puts/s':>9} {'gets/s':>9} {'hit%':>6} {'evict/s':>8} {'spill/s':>8} {'promo/s':>8} {'disk w/s':>9} {'disk r/s':>9} {'entries':>8} {'used':>9}"
@@ -440,9 +448,9 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
     snap_metrics = [
         ("snapshots", "count", "gauge", "Timestamped snapshots of the pool in the snapshot directory."),
         ("snapshot_bytes", "bytes", "gauge", "Bytes of those snapshots."),
-        ("last_snapshot_timestamp_seconds", "latest_time", "gauge",
-         "When the latest snapshot (NAME.ccsnap) was written, seconds since the epoch (0: never); alert when it "
-         "gets old."),
+        ("last_snapshot_timestamp_seconds", "last_snapshot", "gauge",
+         "When the pool's latest snapshot was taken (its last persist, or the snapshot it was restored from: "
+         "status's last snapshot), seconds since the epoch (0: never); alert when it gets old."),
         ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot (0: none)."),
     ]
     with_snaps = [r for r in ok if r.get("snapshots")]
@@ -453,7 +461,7 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         for r in with_snaps:
             # A pool never persisted has no latest snapshot: 0, not NaN, so that the staleness alert
             # (time() - cortex_cache_last_snapshot_timestamp_seconds > interval) fires for it too.
-            v = r["snapshots"][key]
+            v = r[key] if key == "last_snapshot" else r["snapshots"][key]  # the first: what status says
             out.append(f'{name}{{pool="{r["name"]}"}} {v if v is not None else 0}')
     fill_metrics = [
         ("fill_running", "gauge", "1 while the pool is still being filled from its snapshot after a restore "

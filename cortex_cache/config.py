@@ -67,6 +67,8 @@ def encode(cfg: dict[str, Any]) -> bytes:
     part = {k: cfg[k] for k in ("reserve", "keep", *(kind.name for kind in TIERS))}
     if cfg.get("tier_admit", 1) != 1:  # written only when set: older readers see what they know
         part["tier_admit"] = cfg["tier_admit"]
+    if cfg.get("created"):  # when the pool was first created (a restore gives it back; older readers skip it)
+        part["created"] = cfg["created"]
     return json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -83,7 +85,12 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise bad("is not an object")
     out: dict[str, Any] = {"reserve": bool(cfg.get("reserve", True)), "keep": None,
-                           **{kind.name: None for kind in TIERS}, "tier_admit": 1}
+                           **{kind.name: None for kind in TIERS}, "tier_admit": 1, "created": None}
+    created = cfg.get("created")
+    if created is not None:
+        if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 < created < 2**40:
+            raise bad(f"has an impossible creation time {created!r}")
+        out["created"] = float(created)
     admit = cfg.get("tier_admit", 1)
     if admit not in (1, 2) or isinstance(admit, bool):
         raise bad(f"has an impossible tier admission {admit!r}")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -38,6 +40,7 @@ from .errors import (
     PoolBusy,
     PoolClosed,
     PoolFull,
+    PoolSuperseded,
     SegmentCorrupt,
     UsageError,
     ValueCorrupt,
@@ -76,6 +79,9 @@ PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
 SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
 POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
 PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
+# A mapping fenced against SIGBUS (_fastpath.c, Guard): the segment's, and every snapshot file and pack
+# mapped (snapshot.py), so that a file cut short while it is read is an error, never a dead process.
+GUARD = _fastpath.Guard if _fastpath is not None else None
 # Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
 C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
 C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
@@ -112,6 +118,16 @@ class _Fields:
     def __init__(self, arr: np.ndarray) -> None:
         for name in arr.dtype.names:
             setattr(self, name, arr[name])
+
+
+def _unmap(seg: segment.Segment) -> None:
+    try:
+        seg.close()
+    except BufferError:
+        # A buffer exported from the mapping is still alive somewhere
+        # (a numpy array made from a view): the mapping goes when it does.
+        os.close(seg.fd)
+        seg.fd = -1
 
 
 class Core:
@@ -181,6 +197,7 @@ class Core:
         hdr_mv = mv[:HEADER_SIZE]
         # The header's words: `counters[H_*]` (layout.py names them); public for the tiers' counters.
         self.counters, self.signed_counters, self._hu32, self._hf64 = (hdr_mv.cast(f) for f in "QqId")
+        self.header_words = self._hu32  # its u32 words: Pool reads the superseded flag (H_FLAGS) from here
         self._hu64, self._hi64 = self.counters, self.signed_counters
         pins_mv = mv[g.pins_off : g.pins_off + g.n_pins * PIN_SIZE]
         self._pu32, self._pi32, self._pu64 = pins_mv.cast("I"), pins_mv.cast("i"), pins_mv.cast("Q")
@@ -269,6 +286,7 @@ class Core:
         if self.closed:
             return
         self.closed = True
+        retired = self.superseded  # read while the header is still mapped
         if self.fast is not None:
             self.fast.close()  # lets the mapping go (after any call still copying in another thread)
             self.fast = None
@@ -286,13 +304,16 @@ class Core:
         self.mv.release()
         if self.guard is not None:
             self.guard.close()  # before the unmap: its addresses may be reused
-        try:
-            self.seg.close()
-        except BufferError:
-            # A buffer exported from the mapping is still alive somewhere
-            # (a numpy array made from a view): the mapping goes when it does.
-            os.close(self.seg.fd)
-            self.seg.fd = -1
+        if retired and not sys.is_finalizing():  # (no thread starts once the interpreter is exiting)
+            # A segment that lost its name is freed with its last mapping: the unmap that drops it frees
+            # all its memory (~0.3 s per GiB), on a thread of its own (the GIL let go), so that a handle
+            # moving to the pool now under the name (Pool.reopen, the engine adapters) never waits for it.
+            try:
+                threading.Thread(target=_unmap, args=(self.seg,), name="cortex-unmap", daemon=True).start()
+                return
+            except RuntimeError:  # no new threads (the interpreter is shutting down)
+                pass
+        _unmap(self.seg)
 
     def data_region(self) -> tuple[int, int]:
         """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
@@ -1168,9 +1189,48 @@ class Core:
         return bool(self._hu32[H_FLAGS] & FLAG_SUPERSEDED)
 
     def mark_superseded(self) -> None:
-        """Say in the segment that it no longer is the pool of its name (lock held): restore --replace after
-        the swap, delete before the unlink.  Never cleared."""
+        """Say in the segment that it no longer is the pool of its name (lock held).  `retire` does, in the
+        lock hold that takes the name away."""
         self._hu32[H_FLAGS] |= FLAG_SUPERSEDED
+
+    def retire(self, take_name: Callable[[], None]) -> None:
+        """Mark this segment superseded, then `take_name()` (the rename of its replacement over its name, or
+        the unlink of its name), in one lock hold (held): a process killed at any point leaves the mark
+        either unset or set with the name gone or -- killed between the two -- set with the name still
+        here, which a handle that finds it confirms by name, and clears (Pool.superseded).  So no handle
+        is ever left writing to a copy nobody can find without being told.  The mark goes again if
+        `take_name` fails."""
+        self._hu32[H_FLAGS] |= FLAG_SUPERSEDED
+        try:
+            take_name()
+        except BaseException:
+            self._hu32[H_FLAGS] &= ~FLAG_SUPERSEDED
+            raise
+
+    def lost_name(self) -> bool:
+        """Is this segment really no longer the pool of its name?  For a handle that found the mark set (the
+        one-load check); a mark whose segment still has the name was left by a replace or delete killed
+        between `retire`'s two steps, and is cleared here (under the lock: a live `retire` holds it across
+        both).  A stat and an fstat; the lock only in that rare case."""
+        if not self.superseded:
+            return False
+        if not segment.still_named(self.seg):
+            return True
+        return bool(self.locked(self._stale_mark))
+
+    def _stale_mark(self) -> bool:
+        if not self.superseded:
+            return False
+        if segment.still_named(self.seg):
+            self._hu32[H_FLAGS] &= ~FLAG_SUPERSEDED
+            return False
+        return True
+
+    def superseded_error(self, did: str = "") -> PoolSuperseded:
+        """The error of an operation on a handle whose pool lost its name; `did`: what the call may have done
+        to the old copy all the same."""
+        return PoolSuperseded(f"pool {self.name!r} was replaced (restore --replace, resize) or deleted since this "
+                              f"handle opened it{did}: reopen() it")
 
     # ------------------------------------------------------------------ dead processes
 
@@ -1203,6 +1263,6 @@ class Core:
         return freed
 
 
-__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "SLOW", "READ_COUNTED", "READ_HITS",
+__all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "GUARD", "SLOW", "READ_COUNTED", "READ_HITS",
            "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA",
            "C_COPY_HASH_MANY"]

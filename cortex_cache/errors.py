@@ -163,6 +163,13 @@ class PoolClosed(CortexCacheError, ValueError):
     exit_code = EX_SOFTWARE
 
 
+class PoolSuperseded(CortexCacheError):
+    """The pool this handle maps is no longer the pool of its name (replaced by restore --replace or resize,
+    or deleted): `Pool.reopen` gives a handle on the pool now under the name."""
+
+    exit_code = EX_TEMPFAIL
+
+
 class ServiceUnavailable(CortexCacheError):
     """A facility the pool needs is missing (no /dev/shm, no CUDA)."""
 
@@ -210,6 +217,7 @@ __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("
     "SnapshotCorrupt",
     "SnapshotNotFound",
     "PoolClosed",
+    "PoolSuperseded",
     "TooManyOpenFiles",
     "OUT_OF_FILES",
     "too_many_open_files",

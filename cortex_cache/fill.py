@@ -46,6 +46,7 @@ retire the whole one); `evict --all` and `restore --replace` stop it.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import queue
@@ -58,7 +59,7 @@ import numpy as np
 import xxhash
 
 from . import packs
-from .errors import PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
+from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .layout import (
     FILL_DONE,
     FILL_FAILED,
@@ -173,10 +174,60 @@ def stop(core: "Core") -> None:
         h["fill_ended"] = time.time()
 
 
-def busy_reason(core: "Core") -> str | None:
-    """Why a persist of this pool must wait for its fill (None: no fill in the way)."""
+def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot | None", str | None]:
+    """(the snapshot the pool's fill mark names, None), if this process would trust that snapshot as its own;
+    else (None, why not).  The one place a process decides to follow a mark.
+
+    The mark lives in the segment's header: whoever may write the pool (a
+    member of a 0660 pool's group) may write it, and every process that
+    opens the pool reads it.  So it is followed only to a manifest of this
+    user or root, named as persist names them, opened without following a
+    symlink, in a directory nobody else may write (`opener`: snapshot.py's
+    `followed`, which this module, below it, is handed); of the pool's own
+    geometry (what it indexes is then bounded by what the pool can hold);
+    and with the entries, value bytes and file checksum the mark says.
+    Nothing here waits: a FIFO or device is refused before it is read.
+    Whatever was read from the header is read once, into locals.
+    """
+    h = core.header[0]
+    if int(h["fill_state"]) != FILL_RUNNING:
+        return None, "no fill runs"
+    raw = bytes(h["fill_path"]).split(b"\0", 1)[0]
+    check, total, nbytes = int(h["fill_check"]), int(h["fill_total"]), int(h["fill_bytes_total"])
+    no = "the fill mark's snapshot is not followed: "
+    try:
+        path = raw.decode()
+    except UnicodeDecodeError:
+        return None, no + "its path is not text"
+    if not (path.startswith("/") and os.path.normpath(path) == path and path.isprintable()):
+        return None, no + "its path is not an absolute path of printable characters"
+    try:
+        snap = opener(path)
+    except (CortexCacheError, OSError) as e:
+        return None, no + (str(e) if isinstance(e, CortexCacheError) else f"{path!r}: {e.strerror or e}")
+    g, sh = core.geometry, snap.header
+    why = None
+    if sh.version != 3:
+        why = "it is not an incremental snapshot"
+    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.entries > g.n_slots:
+        why = "it is a snapshot of a pool of another size or shape"
+    elif (snap.file_check, snap.entries, snap.value_bytes) != (check, total, nbytes):
+        why = "it is not the snapshot the fill began from (its checksum, entries or bytes differ from the mark's)"
+    if why is not None:
+        snap.close()
+        return None, f"{no}{path!r}: {why}"
+    return snap, None
+
+
+def busy_reason(core: "Core", opener: Callable[[str], "Snapshot"]) -> str | None:
+    """Why a persist of this pool must wait for its fill (None: no fill in the way).  A fill whose mark this
+    process would not follow (`follow`, `opener` its opener) is none of its business: it never holds it up."""
     if not running(core):
         return None
+    snap, _why = follow(core, opener)
+    if snap is None:
+        return None
+    snap.close()
     st = state(core)
     assert st is not None
     pct = 100.0 * st["bytes_loaded"] / st["bytes_total"] if st["bytes_total"] else 100.0
@@ -196,7 +247,13 @@ def manifest_items(snap: "Snapshot") -> list[Item]:
     in pack and offset order.  Every record is checked against its own checksum here.  A function of the
     manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
     reads the fill's progress (fill_done) against it."""
-    refs = [(ref, off) for ref, _pack, off in snap.references(verify=True)]
+    # No more records than the trailer counts: what a process indexes is bounded by what the file says
+    # (and `follow` bounds that by what the pool can hold).
+    refs = [(ref, off) for ref, _pack, off in itertools.islice(snap.references(verify=True), snap.entries + 1)]
+    if len(refs) != snap.entries:
+        raise SnapshotCorrupt(f"snapshot {str(snap.path)!r} is damaged: its trailer says {snap.entries} entries, "
+                              f"it holds {'more' if len(refs) > snap.entries else len(refs)}")
+    snap.check_whole()  # read through a mapping: zeros from a file cut short are never indexed
     if not refs:
         return []
     aseq = np.fromiter((r.access_seq for r, _ in refs), np.uint64, len(refs))
@@ -601,5 +658,5 @@ def _unreserved(core: "Core") -> None:
     h["flags"] = int(h["flags"]) & ~FLAG_RESERVED
 
 
-__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "busy_reason",
+__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "follow", "busy_reason",
            "manifest_items", "run"]

@@ -201,6 +201,9 @@ class EntryWriter:
             self._tiers.commit(self.slot, kb, kh, flags, mv, checksum, ttl, priority)
         finally:
             mv.release()
+        core = self._tiers.core
+        if core.superseded and core.lost_name():  # committed to a copy that lost its name (Pool.superseded)
+            raise core.superseded_error(": the value went to the old copy")
 
     def abort(self) -> None:
         mv, self.memoryview = self.memoryview, None

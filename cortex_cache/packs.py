@@ -152,13 +152,15 @@ class PackRef:
 class PackReader:
     """A pack mapped read-only, its header and size checked against what its manifest says."""
 
-    def __init__(self, directory: Path, ref: PackRef, manifest: Path, private: bool) -> None:
+    def __init__(self, directory: Path, ref: PackRef, manifest: Path, private: bool | str, guard: Any = None) -> None:
+        """`private`: as safefs.open_read takes it.  `guard`: the type that fences a mapping against SIGBUS
+        (core.GUARD; None: unfenced), so that a pack cut short while it is read gives zeros and `cut_short`,
+        never a dead process."""
         self.path = directory / ref.name
         self.ref = ref
-        flags = os.O_RDONLY | os.O_NONBLOCK
+        self._guard = None
         try:
-            fd = safefs.open_file(self.path, flags, 0, "snapshot pack") if private else \
-                os.open(self.path, flags | os.O_CLOEXEC)
+            fd = safefs.open_read(self.path, private, "snapshot pack")
         except CortexCacheError:
             raise
         except FileNotFoundError:
@@ -172,6 +174,7 @@ class PackReader:
                 raise self.corrupt(manifest, f"its size is {st.st_size} bytes, the manifest says {ref.size}")
             self.untrusted = safefs.written_by_us(fd, self.path)
             self._mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_READ)
+            self._guard = guard(self._mm) if guard is not None else None
         except BaseException:
             os.close(fd)
             raise
@@ -213,6 +216,12 @@ class PackReader:
                 hcheck != xxhash.xxh3_64_intdigest(bytes(head[: PACK_REC.size]) + key):
             raise self.corrupt(manifest, f"the record at byte {off} fails its checksum")
 
+    def cut_short(self) -> bool:
+        """Did a read of this pack's mapping meet its end (the file truncated since it was opened)?  What was
+        read from it since may be zeros: the caller throws it away."""
+        g = self._guard
+        return g is not None and g.gone
+
     def advise_sequential(self) -> None:
         try:
             self._mm.madvise(mmap.MADV_SEQUENTIAL)
@@ -223,6 +232,9 @@ class PackReader:
         fd, self.fd = getattr(self, "fd", -1), -1
         if fd >= 0:
             os.close(fd)
+        guard, self._guard = getattr(self, "_guard", None), None
+        if guard is not None:
+            guard.close()  # before the unmap: its addresses may be reused
         mv, self.mv = getattr(self, "mv", None), None
         if mv is not None:
             try:

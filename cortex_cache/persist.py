@@ -62,6 +62,8 @@ def persist(
     default 3); a `keep` given here is stored with the pool first, which
     only the pool's owner (or root) may do: PermissionDenied (77) for
     anyone else, before anything is written."""
+    if pool.superseded:  # a snapshot of an old copy under the name would retire the pool's own
+        raise pool.core.superseded_error()
     return write(pool.core, pool.configuration, path, keep, progress, full, replace)
 
 

@@ -33,7 +33,7 @@ from .errors import (
     UsageError,
 )
 from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
-from .layout import ADMIT_ALL, ADMIT_REUSED, HEADER_DTYPE, Geometry
+from .layout import ADMIT_ALL, ADMIT_REUSED, FLAG_SUPERSEDED, H_FLAGS, HEADER_DTYPE, Geometry
 from .lock import RecordLock
 from .lower import Creating, Plan, Selector
 from .restore import resize as resize_pool
@@ -72,19 +72,23 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 VERIFY_READS_ENV = "CORTEX_CACHE_VERIFY_READS"
 
 
-def mark_superseded(name: str) -> None:
-    """Before pool `name` is unlinked: mark it superseded, so the processes attached to it learn it is gone
-    (best effort: a segment that cannot be opened has no handle to tell)."""
+def unlink_marked(name: str) -> None:
+    """Unlink pool `name`, marking it superseded in the same lock hold (Core.retire), so the processes
+    attached to it learn it is gone whatever the kill point; a segment that cannot be opened as a pool
+    (corrupt, half made) has no handle on it to tell, and is unlinked unmarked."""
     try:
-        pool = Pool.open(name)
+        pool = Pool.open(name, snapshot_tier=False)
     except (CortexCacheError, OSError):
+        segment.unlink(name)
         return
     try:
-        pool.core.locked(pool.core.mark_superseded)
-    except CortexCacheError:
-        pass
+        pool.core.locked(pool.core.retire, lambda: segment.unlink(name))
     finally:
         pool.close()
+
+
+# A closed handle's header words: never marked superseded (its operations raise PoolClosed).
+_CLOSED_WORDS = memoryview(bytes(4 * (H_FLAGS + 1))).cast("I")
 
 
 class Pool:
@@ -98,6 +102,7 @@ class Pool:
     """
 
     _closed = True  # until __init__ is done: a half-built handle closes cleanly
+    _words = _CLOSED_WORDS  # ... and is never superseded
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,6 +122,9 @@ class Pool:
         core = Core(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout,
                     repairer=_repair.analyse, verify_reads=verify_reads)
         self.core = core
+        # The superseded flag, one load away (`superseded`): checked by every operation, as it starts
+        # (reads) or once it is done (writes: what it did may have gone to a copy nobody can find).
+        self._words = core.header_words
         # How this handle was opened: `reopen` opens the pool under its name again alike.
         self._open_kw: dict[str, Any] = {"multi_threaded": multi_threaded, "clock": clock,
                                          "lock_timeout": lock_timeout, "verify_reads": verify_reads,
@@ -418,8 +426,7 @@ class Pool:
         finds its entries): returns that tier's directory, or None without one.  Remove it with
         `cortex cache delete NAME --force --disk-path DIR`."""
         tier = disk_tier_of(name) if segment.exists(name) else None
-        mark_superseded(name)
-        segment.unlink(name)
+        unlink_marked(name)
         return tier
 
     @staticmethod
@@ -434,10 +441,18 @@ class Pool:
     @property
     def superseded(self) -> bool:
         """True once the pool this handle maps is no longer the pool of its name: it was replaced
-        (`restore --replace`) or deleted.  This handle still works on the old segment, which lives on,
-        nameless, until every process closes it; `reopen` gives a handle on the pool now under the name.
-        One load of a header word: cheap enough to ask on every operation that matters."""
-        return self.core.superseded
+        (`restore --replace`, `resize`) or deleted.  From then on every operation of this handle raises
+        PoolSuperseded (a write: once it is done, for it may have gone to the old copy); the old segment
+        lives on, nameless, until every process closes it, and `reopen` gives a handle on the pool now
+        under the name.  One load of a header word while it is not marked: cheap enough to ask on every
+        operation (a mark whose segment still has the name, left by a replace or delete killed before it
+        took it, is confirmed by name and cleared)."""
+        return bool(self._words[H_FLAGS] & FLAG_SUPERSEDED) and self.core.lost_name()
+
+    def _moved(self, did: str = "") -> None:
+        """Raise PoolSuperseded if this handle's pool lost its name (the one-load check found the mark)."""
+        if self.core.lost_name():
+            raise self.core.superseded_error(did)
 
     def reopen(self) -> "Pool":
         """A new handle on the pool now named as this one, opened with the same options (PoolNotFound if
@@ -467,6 +482,7 @@ class Pool:
                 pass
         self._close_hooks = []
         self._closed = True
+        self._words = _CLOSED_WORDS
         _live_pools.discard(self)
         tiers.close()
         core.close()
@@ -518,6 +534,8 @@ class Pool:
             tiers.put(kb, kh, flags, vb, nblk, ttl, int(priority))
         if tiers.takes_puts:  # a tier that takes every put (the remote: queued, never waited on)
             tiers.offer_put(kb, value if value.__class__ is bytes else vb, flags, ttl)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": the value went to the old copy")
 
     def reserve_write(
         self, key: str | bytes, nbytes: int, *, ttl: float | None = None, priority: int = 0
@@ -527,6 +545,8 @@ class Pool:
         The zero-copy put: copy straight into `writer.memoryview` (a device-to-host
         copy into the pool, say), then `commit()`.  Same errors as `put`.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, is_str = key_bytes(key)
         nbytes = valid_nbytes(nbytes)
         kh, flags, nblk = put_args(self.core, kb, is_str, nbytes, ttl, priority)
@@ -539,6 +559,8 @@ class Pool:
 
     def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
@@ -575,6 +597,8 @@ class Pool:
         eviction order (access time and count) as it was, expires nothing and
         does not look in, or promote from, the tiers below memory.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         core = self.core
@@ -599,6 +623,8 @@ class Pool:
 
         Raises BufferTooSmall if `out` is smaller than the value.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, _ = key_bytes(key)
         omv = writable_bytes(out)
         kh = xxh3_64_intdigest(kb)
@@ -620,6 +646,8 @@ class Pool:
 
         Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, _ = key_bytes(key)
         kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
@@ -663,7 +691,10 @@ class Pool:
         pair, None when stored or the error that key met (PoolFull,
         ValueTooLarge, UsageError for a bad key or value).
         """
-        return batch.put_many(self.core, self.tiers, items, ttl, priority)
+        out = batch.put_many(self.core, self.tiers, items, ttl, priority)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": what it put went to the old copy")
+        return out
 
     def reserve_write_many(self, items: Any, *, ttl: float | None = None,
                            priority: int = 0) -> list[EntryWriter | Exception]:
@@ -675,6 +706,8 @@ class Pool:
         `abort_many` them).  A bad `ttl` or `priority` raises before anything
         is reserved.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return batch.reserve_write_many(self.core, self.tiers, items, ttl, priority)
 
     def commit_many(self, writers: Any, checksums: Any = None) -> list[Exception | None]:
@@ -685,7 +718,10 @@ class Pool:
         error (PoolBusy if a repair reclaimed the reservation, UsageError if
         already committed or aborted).
         """
-        return batch.commit_many(self.core, self.tiers, writers, checksums)
+        out = batch.commit_many(self.core, self.tiers, writers, checksums)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": what it committed went to the old copy")
+        return out
 
     def abort_many(self, writers: Any) -> None:
         """Give back the space of many uncommitted writers in one lock hold (others are skipped)."""
@@ -699,12 +735,16 @@ class Pool:
         copied, and unpinned in one; misses are looked up below (disk, remote)
         key by key.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return batch.get_many_into(self.core, self.tiers, keys, outs)
 
     def view_many(self, keys: Any) -> list[EntryView | None | Exception]:
         """Zero-copy views of many keys, pinned in one lock hold: per key an EntryView, None if absent,
         or its error (PoolBusy: out of pin records).  Release them with `release_many` (one lock hold)
         or one by one."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return batch.view_many(self.core, self.tiers, self._views, self.view, keys)
 
     def release_many(self, views: Any) -> None:
@@ -714,17 +754,24 @@ class Pool:
 
     def contains_many(self, keys: Any) -> list[bool]:
         """Is each key live in memory or on disk?  One lock hold for all."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return batch.contains_many(self.core, self.tiers, keys)
 
     def leading(self, keys: Any) -> int:
         """How many leading keys are live in memory or on disk: `contains_many`'s answer up to its first
         False, in one lock hold that stops at the first key not there (a bad key is not there).  A
         `cortex_cache.LookupMemo` remembers such answers per request (docs/python-api.md)."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return lookups.leading(self.core, self.tiers, keys)
 
     def delete_many(self, keys: Any) -> list[bool]:
         """Remove many keys (from every tier) in one lock hold; per key, True if it was in memory or on disk."""
-        return batch.delete_many(self.core, self.tiers, keys)
+        out = batch.delete_many(self.core, self.tiers, keys)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": what it deleted was the old copy's")
+        return out
 
     # ------------------------------------------------------------------ delete, membership
 
@@ -739,6 +786,8 @@ class Pool:
         found = self.core.locked(tiers.delete, kb, xxh3_64_intdigest(kb))
         if tiers.takes_deletes:
             tiers.offer_delete(kb)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": what it deleted was the old copy's")
         return found
 
     def __contains__(self, key: object) -> bool:
@@ -746,10 +795,14 @@ class Pool:
             kb, _ = key_bytes(key)  # type: ignore[arg-type]
         except UsageError:
             return False
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return self.core.locked(self.tiers.contains, kb, xxh3_64_intdigest(kb))
 
     def __len__(self) -> int:
         """Number of live (sealed, unexpired) entries."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         core = self.core
         return int(core.locked(lambda: int(np.count_nonzero(core.live_mask()))))
 
@@ -765,6 +818,8 @@ class Pool:
         self.tiers.check_tier(tier)
         if tier not in ("memory", "all"):
             self._check_open()
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         return self.tiers.keys(key_bytes(prefix)[0] if prefix else b"", limit, tier)
 
     def remote_entries(self, prefix: str | bytes | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -786,6 +841,8 @@ class Pool:
 
     def info(self, key: str | bytes) -> dict[str, Any]:
         """Metadata of `key`'s entry (does not count as an access).  Raises KeyNotFound."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
         kb, _ = key_bytes(key)
         r = self.core.locked(self.tiers.info, kb, xxh3_64_intdigest(kb))
         if r is None:
@@ -830,7 +887,10 @@ class Pool:
         pb = key_bytes(prefix)[0] if prefix is not None else None
         if tier != "memory":
             self._check_open()
-        return self.tiers.evict(Selector(kbs, pb, all, expired, percent, target), tier)
+        done = self.tiers.evict(Selector(kbs, pb, all, expired, percent, target), tier)
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved(": what it evicted was the old copy's")
+        return done
 
     # ------------------------------------------------------------------ stats, snapshots, verify
 
@@ -858,6 +918,8 @@ class Pool:
         replaces one there atomically (`replace=False`: OutputExists, 73,
         instead).  Raises PersistBusy if one is already running.
         """
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()  # a snapshot of the old copy under the name would retire the pool's own
         return snapshot.write(self.core, self.configuration, path, keep=keep, progress=progress, full=full,
                               replace=replace).path
 
@@ -919,4 +981,4 @@ def default_disk_path(name: str) -> str:
     return tier_home(name, "disk")
 
 
-__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "mark_superseded", "tier_home"]
+__all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "tier_home", "unlink_marked"]

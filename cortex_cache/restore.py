@@ -8,6 +8,7 @@ file itself is read by snapshot.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import xxhash
 
 from . import fill, interrupts, procs, safefs, segment
@@ -37,6 +39,7 @@ from .errors import (
 )
 from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY, Geometry
 from .lock import PERSIST_BYTE, RecordLock
+from .lower import Selector
 from .policy_names import POLICY_IDS
 from .snapshot import (
     RESTORE_BYTE,
@@ -44,6 +47,7 @@ from .snapshot import (
     Snapshot,
     busy,
     checked_snapshot_dir,
+    followed,
     latest_path,
     pool_config,
     snapshots_of,
@@ -204,14 +208,28 @@ def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_ow
                 return None, _skipped(name, marked, filling=True)
             raise PersistBusy(f"pool {name!r} is being filled from {marked!r} by another restore; "
                               "status shows how far it got")
-        if path is not None and not _same_file(path, marked):
-            raise UsageError(f"pool {name!r} is being filled from {marked!r}, not from {str(path)!r}: give that "
-                             "file (or none), or start again with --replace")
-        if path is None and not any(_same_file(p, marked) for p in snapshots_of(name)):
-            raise UsageError(f"pool {name!r} is being filled from {marked!r}, which is not one of its snapshots "
-                             "in the snapshot directory: give it with --input, or start again with --replace")
+        if path is not None:  # the operator names the file, which must be the one the mark names
+            if not _same_file(path, marked):
+                if if_missing:
+                    pool.close()
+                    return None, {**_skipped(name, path), "fill_not_resumed": f"it is being filled from {marked!r}"}
+                raise UsageError(f"pool {name!r} is being filled from {marked!r}, not from {str(path)!r}: give "
+                                 "that file (or none), or start again with --replace")
+            snap = Snapshot(path, verify=False)
+        else:  # the mark's word alone: followed only to a snapshot of the pool's this process trusts
+            snap, why = fill.follow(core, followed)
+            if snap is not None and not any(_same_file(p, snap.path) for p in snapshots_of(name)):
+                snap.close()
+                snap, why = None, (f"{marked!r} is not one of its snapshots in the snapshot directory (give it "
+                                   "with --input)")
+            if snap is None:
+                pool.close()
+                if if_missing:  # a boot line: the pool is there, and a mark it does not follow holds nothing up
+                    return None, {**_skipped(name, latest_path(name)), "fill_not_resumed": why}
+                raise UsageError(f"pool {name!r} was being filled from a snapshot this restore does not follow "
+                                 f"({why}): start again with --replace")
         t0 = time.perf_counter()
-        with Snapshot(marked, verify=False, private=path is None) as snap:
+        with snap:
             if snap.file_check != int(core.header[0]["fill_check"]):
                 raise SnapshotCorrupt(f"snapshot {marked!r} has changed since pool {name!r} began filling from it: "
                                       f"the fill cannot go on (the pool keeps its {entries(pool.stats()['entries'])}); "
@@ -389,6 +407,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     lock_fd = -1
     quiet = contextlib.ExitStack()
     try:
+        _came_from(pool.core, snap, h.config.get("created") if h.config else None)
         if new_mode & 0o060 and snap.untrusted is None and snap.file_gid != os.getegid():
             # A group pool comes back in the group its snapshot was persisted for (persist gives the
             # file the pool's group); where we may not give it that group, it stays in ours.
@@ -557,14 +576,15 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                                 f"gid {st.st_gid}); restore it as that user or as root"
                             ) from None
                     report = _fill_pool(pool, snap, cfg["counters"], progress, None)
+                    _came_from(pool.core, snap, float(old.core.header[0]["created"]))
                     pool.core.header["name"] = target.encode()
                     for field, value in keep.items():
                         pool.core.header[field] = value
                     pool.close()
                     with interrupts.commit():  # swapped in: a signal now waits, and the restore reports success
-                        segment.replace(staging, target)
-                        # Processes still on the old segment see it replaced and re-attach by name.
-                        old.core.locked(old.core.mark_superseded)
+                        # Marked superseded and renamed over in one lock hold of the old segment (Core.retire):
+                        # whatever the kill point, no process is left on a copy nobody can find untold.
+                        old.core.locked(old.core.retire, lambda: segment.replace(staging, target))
                 except BaseException:
                     _discard(Pool, pool, staging)
                     raise
@@ -576,7 +596,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
             for t in old.tiers.configured:
                 if not t.shared:
                     try:  # the old pool's records would come back on a restart scan of the tier
-                        old.evict(all=True, tier=t.name)
+                        old.tiers.evict(Selector(None, None, True, False, None, None), t.name)  # (old is superseded)
                     except CortexCacheError:
                         pass
         finally:
@@ -585,6 +605,15 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
     finally:
         old.close()
     return Pool.open(target, clock=clock), report
+
+
+def _came_from(core: Core, snap: Snapshot, created: float | None) -> None:
+    """A restored pool's header says when the pool was first created (`created`: the snapshot's record of it,
+    or the replaced pool's; else the snapshot's own time, the pool was there then) and that its last
+    snapshot is the one it came from: status, --json and the Prometheus gauge all say so."""
+    h = core.header[0]
+    h["created"] = created or snap.header.created
+    h["last_snapshot"] = snap.header.created
 
 
 def _tier_header(core: Core) -> dict[str, Any]:
@@ -682,23 +711,31 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
         count = 0
         evictions_before = pool.stats()["evictions"]
         expiring: list[tuple[float, int]] = []  # (expiry, bytes) of restored entries with a TTL
-        for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
-            count += 1
-            if 0 < rec.expiry <= now:
-                expired += 1
-                continue
-            try:
-                _restore_entry(core, rec, base)
-            except (ValueTooLarge, PoolFull) as e:
-                raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
-            restored += 1
-            nbytes += len(rec.value)
-            if rec.expiry:
-                expiring.append((rec.expiry, len(rec.value)))
-            if progress is not None:
-                progress(nbytes, snap.value_bytes)
-        if hasher is not None:
-            snap.check_trailer(count, hasher)
+        try:
+            for rec in snap.records(verify=hasher is not None, values=False, hasher=hasher):
+                count += 1
+                if 0 < rec.expiry <= now:
+                    expired += 1
+                    continue
+                try:
+                    _restore_entry(core, rec, base)
+                except (ValueTooLarge, PoolFull) as e:
+                    raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
+                restored += 1
+                nbytes += len(rec.value)
+                if rec.expiry:
+                    expiring.append((rec.expiry, len(rec.value)))
+                if progress is not None:
+                    progress(nbytes, snap.value_bytes)
+            if hasher is not None:
+                snap.check_trailer(count, hasher)
+        except OSError as e:
+            if e.errno != errno.EFAULT:  # a copy out of a mapping cut short (the kernel's read of it)
+                raise
+            raise SnapshotCorrupt(f"snapshot {str(snap.path)!r} was cut short while it was read (truncated by "
+                                  "another process?); nothing read from it is used") from None
+        finally:
+            snap.check_whole()  # zeros read from a file cut short (the SIGBUS fence): never published
         # An entry the pool evicted to make room for a later one was not restored.  Evictions are
         # counted apart from expirations, so an entry whose TTL ran out during the restore (it
         # would be gone anyway) is not mistaken for one that did not fit.
@@ -757,7 +794,14 @@ def _seal_restored(i: int, checksum: int, core: Core, kb: bytes, kh: int, priori
 
 # ---------------------------------------------------------------- resize
 
-RESIZE_BATCH_BYTES = 8 << 20  # copied out of the old pool per lock hold
+# Copied out of the old pool per lock hold, whichever comes first (a hold of 80,000 small entries kept
+# readers waiting 0.5 s; 128 take about a millisecond).
+RESIZE_BATCH_BYTES = 8 << 20
+RESIZE_BATCH_ENTRIES = 128
+# Before its last lock hold, a resize copies what was put meanwhile in up to this many rounds, until no
+# more than RESIZE_LAST_ENTRIES are left for that hold to copy (writers wait for it).
+RESIZE_CATCH_UP_ROUNDS = 4
+RESIZE_LAST_ENTRIES = 256
 
 
 def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], float] | None = None,
@@ -768,19 +812,24 @@ def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], fl
     recently used, left out), and renamed over target, which is marked superseded so the processes on it
     move to the new one (Pool.superseded; the engine adapters do by themselves).
 
-    The copy runs while target serves; the last lock hold copies what was put meanwhile and drops what was
-    deleted, then swaps, so nothing written before the swap is lost.  Held meanwhile: target's persist
-    lock (no persist or restore of it runs).  A pool with a disk tier is refused (UsageError): its index
-    lives in the segment and is not carried over yet.  Returns a report: entries kept, left out, bytes,
-    the old and new sizes, seconds."""
+    The copy runs while target serves, then catches up with what was put meanwhile (outside the lock, a few
+    rounds); the last lock hold copies what was put since and drops what was deleted -- a few vectorised
+    passes over the slot columns, however many entries were copied -- then marks the old pool and renames
+    the new one over it (Core.retire), so nothing written before the swap is lost and no writer is left
+    on the old copy untold.  Writers and readers wait once, for that hold alone.  Held meanwhile: target's
+    persist lock (no persist or restore of it runs).  A pool with a disk tier is refused (UsageError): its
+    index lives in the segment and is not carried over yet.  A size that gives the pool its geometry again
+    changes nothing ("unchanged": True).  Returns a report: entries kept, left out, bytes, the old and new
+    sizes, seconds, and the last lock hold's "swap_seconds"."""
     t0 = time.perf_counter()
     old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
     try:
         for t in old.tiers.configured:
             if t.resize_refusal:
                 raise UsageError(f"pool {target!r} {t.resize_refusal}")
-        if fill.running(old.core):
-            raise PersistBusy(fill.busy_reason(old.core) or f"pool {target!r} is being filled")
+        waiting = fill.busy_reason(old.core, followed)
+        if waiting is not None:
+            raise PersistBusy(waiting)
         lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
         if not lock.take_soon():
             raise busy(old.core.seg.fd, target, "resize")
@@ -799,11 +848,18 @@ def _resize_locked(Pool: "type[Pool]", old: "Pool", target: str, size: int, cloc
     core = old.core
     cfg = core.locked(pool_config, core)
     keep = _tier_header(core)
+    keep.update(created=core.header[0]["created"], last_snapshot=core.header[0]["last_snapshot"])  # the same pool
     st = core.seg.stat()
     bs = cfg["block_size"]
     # The entry limit follows the size unless it was set by hand (then it keeps its share of the blocks).
     default_slots = Geometry.compute(cfg["size"], bs).n_slots
     max_entries = None if cfg["max_entries"] == default_slots else max(16, cfg["max_entries"] * size // max(1, cfg["size"]))
+    same = Geometry.compute(size, bs, max_entries)
+    if (same.data_size, same.n_slots) == (cfg["size"], cfg["max_entries"]):  # the pool as it is: nothing to do
+        now = old.stats()
+        return {"pool": target, "old_size": cfg["size"], "size": cfg["size"], "entries": now["entries"],
+                "bytes": now["value_bytes"], "left_out": 0, "full": False, "unchanged": True,
+                "swap_seconds": 0.0, "seconds": round(time.perf_counter() - t0, 6)}
     _sweep_stale_staging()
     staging = _staging_name()
     new = _create_staging(
@@ -819,19 +875,28 @@ def _resize_locked(Pool: "type[Pool]", old: "Pool", target: str, size: int, cloc
             except PermissionError:
                 raise PermissionDenied(f"cannot give the resized pool the owner of {target!r} (uid {st.st_uid} "
                                        f"gid {st.st_gid}); resize it as that user or as root") from None
-        start_seq = core.locked(lambda: int(core.fields.seq[0]))
-        order = [int(i) for i in core.locked(core.live_most_recent_first)]
+        seq, order = _put_since(core, -1)  # every live entry, the most recently used first
         copied: dict[bytes, int] = {}  # key -> its insert_seq in the old pool
         full = _resize_copy(core, new.core, order, copied, progress)
+        for _ in range(RESIZE_CATCH_UP_ROUNDS):  # what was put meanwhile, outside the last lock hold
+            now_seq, changed = _put_since(core, seq)
+            if len(changed) <= RESIZE_LAST_ENTRIES:
+                break  # few enough for the last lock hold, which brings everything put since `seq`
+            full = _resize_copy(core, new.core, changed, copied, None) or full
+            seq = now_seq
         with interrupts.commit():  # the last lock hold swaps: a signal now waits, and resize reports success
-            core.locked(_resize_finish, core, new, copied, start_seq, full, cfg["counters"], keep, target,
+            t1, c1 = time.perf_counter(), time.thread_time()
+            core.locked(_resize_finish, core, new, copied, seq, full, cfg["counters"], keep, target,
                         staging, report)
+            report["swap_seconds"] = round(time.perf_counter() - t1, 6)
+            report["swap_cpu_seconds"] = round(time.thread_time() - c1, 6)  # its work, without the machine's noise
     except BaseException:
         if segment.exists(staging):
             _discard(Pool, new, staging)
         else:
             new.close()
         raise
+    new.close()  # after the last hold: unmapping what this process wrote into it costs milliseconds
     report["seconds"] = round(time.perf_counter() - t0, 6)
     return report
 
@@ -849,13 +914,13 @@ def _resize_copy(old: Core, new: Core, order: list[int], copied: dict[bytes, int
     pos = 0
     while pos < len(order):
         batch, nbytes = [], 0
-        while pos < len(order) and nbytes < RESIZE_BATCH_BYTES:
+        while pos < len(order) and nbytes < RESIZE_BATCH_BYTES and len(batch) < RESIZE_BATCH_ENTRIES:
             batch.append(order[pos])
             nbytes += int(old.columns["value_len"][order[pos]])
             pos += 1
         for e in old.locked(_read_live, old, batch):
-            if e.key in copied:
-                continue
+            if copied.get(e.key, -1) >= e.insert_seq:
+                continue  # copied already, as it is now
             if not _put_live(new, e):
                 return True
             copied[e.key] = e.insert_seq
@@ -863,6 +928,19 @@ def _resize_copy(old: Core, new: Core, order: list[int], copied: dict[bytes, int
         if progress is not None:
             progress(done, total)
     return False
+
+
+def _put_since(core: Core, seq: int) -> tuple[int, list[int]]:
+    """(the sequence number now, the live slots put after `seq`, most recently used first).  The columns are
+    read in one lock hold, and sorted after it: a 100,000-entry sort is not something writers wait for."""
+    def read() -> tuple[int, Any, Any]:
+        c = core.columns
+        live = np.flatnonzero(core.live_mask())
+        changed = live[c["insert_seq"][live] > seq]
+        return int(core.fields.seq[0]), changed, c["access_seq"][changed].copy()
+
+    now, changed, recency = core.locked(read)
+    return now, changed[np.argsort(recency, kind="stable")[::-1]].tolist()
 
 
 def _read_live(core: Core, slots: list[int]) -> list[Record]:
@@ -895,33 +973,40 @@ def _put_live(new: Core, e: Record) -> bool:
         del new.evict_one
 
 
-def _resize_finish(core: Core, new: "Pool", copied: dict[bytes, int], start_seq: int, full: bool,
+def _resize_finish(core: Core, new: "Pool", copied: dict[bytes, int], seq: int, full: bool,
                    counters: dict[str, int], keep: dict[str, Any], target: str, staging: str,
                    report: dict[str, Any]) -> None:
-    """The old pool's lock held: bring what changed since the copy began, swap, mark the old one superseded."""
+    """The old pool's lock held: bring what was put since `seq` and drop what was deleted or replaced since it
+    was copied, then swap (Core.retire: mark the old one superseded and rename the new one over it, in this
+    hold).  Vectorised over the slot columns: a few milliseconds at 100,000 entries, not a lookup per key."""
     c = core.columns
-    live = [int(i) for i in core.live_most_recent_first()]
-    changed = [i for i in live if int(c["insert_seq"][i]) > start_seq]
+    live = np.flatnonzero(core.live_mask())
+    seqs = c["insert_seq"][live]
+    changed = live[seqs > seq].tolist()  # few: the catch-up rounds brought the rest
     for e in _read_live(core, changed):  # put (or put again) meanwhile: the newer value
+        if copied.get(e.key, -1) >= e.insert_seq:
+            continue
         if not _put_live(new.core, e):
             full = True  # no room: left out, as the oldest would be
             continue
         copied[e.key] = e.insert_seq
-    for kb, iseq in list(copied.items()):  # deleted or replaced meanwhile (and not put again): gone here too
-        i = core.find(kb, xxhash.xxh3_64_intdigest(kb))
-        if i < 0 or int(c["insert_seq"][i]) != iseq:
+    # A copied entry whose insert_seq no longer lives in the old pool was deleted or replaced (and not put
+    # again since): gone here too.
+    gone = np.flatnonzero(~np.isin(np.fromiter(copied.values(), np.uint64, len(copied)), seqs))
+    if len(gone):
+        keys = list(copied)
+        for n in gone.tolist():
+            kb = keys[n]
             new.core.locked(new.core.delete, kb, xxhash.xxh3_64_intdigest(kb), False)
             del copied[kb]
-    new.core.locked(_restore_end, new.core, counters)
-    new.core.header["name"] = target.encode()
+    nc = new.core
+    nc.locked(_restore_end, nc, counters)
+    nc.header["name"] = target.encode()
     for field, value in keep.items():
-        new.core.header[field] = value
-    kept = new.stats()
-    report.update(entries=kept["entries"], bytes=kept["value_bytes"], left_out=max(0, len(live) - kept["entries"]),
-                  full=full)
-    new.close()
-    segment.replace(staging, target)
-    core.mark_superseded()
+        nc.header[field] = value
+    entries, nbytes = nc.locked(lambda: (int(nc.fields.n_entries[0]), int(nc.columns["value_len"][nc.live_mask()].sum())))
+    report.update(entries=entries, bytes=nbytes, left_out=max(0, len(live) - entries), full=full)
+    core.retire(lambda: segment.replace(staging, target))
 
 
 def _restore_end(core: Core, counters: dict[str, int] | None) -> None:

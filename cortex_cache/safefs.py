@@ -133,17 +133,19 @@ def _check_dir_fd(fd: int, here: str, path: str, mode: int, what: str) -> None:
         )
 
 
-def written_by_us(fd: int, path: str | os.PathLike) -> str | None:
+def written_by_us(fd: int, path: str | os.PathLike, root_too: bool = False) -> str | None:
     """None if the open file `fd` (found at `path`) is one only this user could have written; else why not.
 
     Only this user: the file is ours and writable by nobody else, and so is
     the directory that holds it (read again now: `path`'s directory as it
     resolves, checked on a descriptor of its own).  What such a file says
-    this user said; anything else may come from another user.
+    this user said; anything else may come from another user.  `root_too`:
+    root's files and directories pass as well (root can change ours anyway).
     """
     st = os.fstat(fd)
     me = os.geteuid()
-    if st.st_uid != me:
+    owners = (me, 0) if root_too else (me,)
+    if st.st_uid not in owners:
         return f"it belongs to uid {st.st_uid}, not to us (uid {me})"
     if st.st_mode & 0o022:
         return f"others may write it (mode {stat.S_IMODE(st.st_mode):04o})"
@@ -162,7 +164,7 @@ def written_by_us(fd: int, path: str | os.PathLike) -> str | None:
         os.close(dfd)
     if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
         return f"it is no longer in {d!r}"
-    if dst.st_uid != me:
+    if dst.st_uid not in owners:
         return f"its directory {d!r} belongs to uid {dst.st_uid}"
     if dst.st_mode & 0o022:
         return f"others may write its directory {d!r} (mode {stat.S_IMODE(dst.st_mode):04o})"
@@ -227,8 +229,10 @@ def remove_dirs(dirs: list[str]) -> None:
             return
 
 
-def open_file(path: str | os.PathLike, flags: int, mode: int = 0o600, what: str = "file") -> int:
-    """`os.open` that never follows a symlink and returns only a regular file owned by us.
+def open_file(path: str | os.PathLike, flags: int, mode: int = 0o600, what: str = "file",
+              root_too: bool = False) -> int:
+    """`os.open` that never follows a symlink and returns only a regular file owned by us (or by root, with
+    `root_too`).
 
     Raises PermissionDenied for a symlink, a non-regular file or another
     user's file; the OSErrors of `os.open` itself (FileNotFoundError,
@@ -242,21 +246,43 @@ def open_file(path: str | os.PathLike, flags: int, mode: int = 0o600, what: str 
             raise PermissionDenied(f"{what} {p!r} is a symbolic link: refused") from None
         raise
     try:
-        check_fd(fd, p, what)
+        check_fd(fd, p, what, root_too)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def check_fd(fd: int, path: str, what: str = "file") -> os.stat_result:
-    """Refuse an open descriptor that is not a regular file owned by us."""
+def check_fd(fd: int, path: str, what: str = "file", root_too: bool = False) -> os.stat_result:
+    """Refuse an open descriptor that is not a regular file owned by us (or by root, with `root_too`)."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise PermissionDenied(f"{what} {path!r} is not a regular file: refused")
-    if st.st_uid != os.geteuid():
+    if st.st_uid != os.geteuid() and not (root_too and st.st_uid == 0):
         raise PermissionDenied(f"{what} {path!r} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}): refused")
     return st
+
+
+# `private` of open_read (snapshot.Snapshot, packs.PackReader): a file that another process's word names (a
+# pool's fill mark, fill.py), followed only if this process would trust it as its own.
+FOLLOWED = "followed"
+
+
+def open_read(path: str | os.PathLike, private: bool | str, what: str) -> int:
+    """Open a snapshot's file to read (O_NONBLOCK: a FIFO's open would wait for a writer).  `private`: False
+    any file; True one of ours, never through a symlink; FOLLOWED one of ours or root's, never through a
+    symlink, that nobody else may write, in a directory nobody else may write (written_by_us): otherwise
+    PermissionDenied (77).  The OSErrors of `os.open` pass through."""
+    flags = os.O_RDONLY | os.O_NONBLOCK
+    if not private:
+        return os.open(path, flags | os.O_CLOEXEC)
+    followed = private == FOLLOWED
+    fd = open_file(path, flags, 0, what, root_too=followed)
+    why = written_by_us(fd, path, root_too=True) if followed else None
+    if why:
+        os.close(fd)
+        raise PermissionDenied(f"{what} {os.fspath(path)!r} is not followed: {why}")
+    return fd
 
 
 def os_error(e: OSError, what: str) -> Exception:
@@ -306,4 +332,4 @@ def publish(tmp: str, path: str, replace: bool) -> None:
 
 
 __all__ = ["check_dir", "check_tree", "written_by_us", "unsafe_dir", "SYSTEM_DIRS", "make_dir", "remove_dirs",
-           "open_file", "check_fd", "dir_mode", "os_error", "refuse_existing", "publish"]
+           "open_file", "open_read", "FOLLOWED", "check_fd", "dir_mode", "os_error", "refuse_existing", "publish"]

@@ -337,6 +337,18 @@ def replace(staging: str, name: str) -> None:
         raise StorageIOError(f"cannot replace pool {name!r}: {e.strerror or e}") from None
 
 
+def still_named(seg: "Segment") -> bool:
+    """Is the open segment still the one under its name (not replaced by a rename, nor unlinked)?  A stat of
+    the name against an fstat of the descriptor: for the rare moment a handle finds its segment marked
+    superseded (Pool.superseded), never on a hot path."""
+    try:
+        named = os.stat(shm_path(seg.name))
+    except OSError:
+        return False
+    here = os.fstat(seg.fd)
+    return (named.st_dev, named.st_ino) == (here.st_dev, here.st_ino)
+
+
 def exists(name: str) -> bool:
     """Whether anything, pool or not, holds pool `name`'s path (a dangling symlink included)."""
     return os.path.lexists(shm_path(name))
@@ -491,5 +503,5 @@ def check_owner_of(name: str, allow_other_owner: bool = False) -> None:
         raise _refuse_owner(name, st.st_uid)
 
 
-__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids",
+__all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "still_named", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids",
            "attached_map", "mapped_generations", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of"]

@@ -79,7 +79,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import xxhash
 
 from . import config, fill, interrupts, packs, safefs, segment
-from .core import Core
+from .core import GUARD, Core
 from .errors import (
     OUT_OF_FILES,
     CannotCreate,
@@ -291,7 +291,7 @@ def write(
         if not lock.take_soon():  # another process persists (or restores) this pool
             raise busy(core.seg.fd, core.name, "persist")
         try:
-            waiting = fill.busy_reason(core)
+            waiting = fill.busy_reason(core, followed)
             if waiting is not None:
                 raise PersistBusy(waiting)
             if keep is not None:
@@ -421,9 +421,16 @@ class WriteBehind:
     cache.  The disk then works while we still hash and copy, the final fsync
     has little left to do, and a multi-GiB snapshot does not flood the page
     cache.  Where `sync_file_range` is missing it is a plain buffered writer.
+
+    At most two windows are handed to the disk and not yet written: what a
+    read by any other process (a command starting, its modules not in the
+    page cache) may queue behind.  64 MiB windows made that up to 128 MiB --
+    a second `persist` or a `status` started during a long persist waited
+    seconds for its own imports on a slow disk (p90 read latency 10-11 ms
+    here, on a 2 GB/s disk); 8 MiB windows wait 1.9 ms and write as fast.
     """
 
-    WINDOW = 64 << 20
+    WINDOW = 8 << 20
     _START, _WAIT = 2, 1 | 2 | 4  # SYNC_FILE_RANGE_WRITE; WAIT_BEFORE | WRITE | WAIT_AFTER
 
     def __init__(self, raw) -> None:
@@ -546,7 +553,7 @@ def _record_head(e: SnapshotEntry) -> bytes:
 def _file_head(core: Core, configuration, now: float, version: int) -> tuple[bytes, bytes]:
     """The file header (with its checksum) and the configuration block of a snapshot of `core`'s pool."""
     cfg = core.locked(pool_config, core)
-    block = config.encode(core.locked(configuration))
+    block = config.encode({**core.locked(configuration), "created": float(core.header[0]["created"])})
     head = FILE_HEAD.pack(
         MAGIC, version, FILE_HEAD.size + HEAD_CHECK.size, now,
         cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
@@ -775,7 +782,7 @@ class _Incremental:
         share = packs.live_share({n: r.size for n, r in sizes.items()}, used)
         for name in sorted(n for n, f in share.items() if f < packs.COMPACT_BELOW):
             try:
-                reader = packs.PackReader(self.directory, sizes[name], self.directory / name, private=True)
+                reader = packs.PackReader(self.directory, sizes[name], self.directory / name, True, GUARD)
             except CortexCacheError:
                 continue
             copies: list = []
@@ -787,6 +794,8 @@ class _Incremental:
                 for off, e, value in copies:
                     self.remap[(name, off)] = writer.add(e.key, value, e.checksum)
                     self.written += e.length
+                if reader.cut_short():  # what it copied may be zeros: those copies are never pointed at
+                    self.remap = {k: v for k, v in self.remap.items() if k[0] != name}
             except CortexCacheError:
                 continue
             finally:
@@ -1020,7 +1029,7 @@ def prune(name: str, keep: int, core: Core | None = None) -> dict[str, Any]:
             raise PersistBusy(f"a persist or restore of pool {name!r} is running; prune its snapshots when it is done")
     try:
         if core is not None:
-            waiting = fill.busy_reason(core)
+            waiting = fill.busy_reason(core, followed)
             if waiting is not None:
                 raise PersistBusy(waiting)
         stem = namespaced(name)
@@ -1055,16 +1064,22 @@ def _unlink_ours(path: Path) -> None:
 
 
 def _prune(name: str, directory: Path, keep: int) -> None:
-    """Retention: the newest `keep` snapshots stay; then every pack none of them refers to goes.  A pack
-    is deleted only once no kept manifest names it, so a kill anywhere in here leaves every kept
-    snapshot whole (what it did not get to, the next persist does)."""
-    for old in snapshots_of(name, directory)[:-keep]:
+    """Retention: the newest `keep` snapshots stay; then every pack that no manifest a name reaches -- a kept
+    one, or whatever `NAME.ccsnap` names -- refers to goes.  A pack is deleted only once no such manifest
+    names it, so a kill anywhere in here leaves every kept snapshot whole (what it did not get to, the next
+    persist does).  A persist killed between renaming its manifest into place and linking `NAME.ccsnap` to it
+    left that name on an older snapshot: it is pointed at the newest first (what the persist meant)."""
+    latest = latest_path(name, directory)
+    stamped = snapshots_of(name, directory)
+    if stamped:
+        _repair_latest(stamped[-1], latest)
+    for old in stamped[:-keep]:
         try:
             old.unlink()
         except FileNotFoundError:
             pass
     referenced: set[str] = set()
-    for path in snapshots_of(name, directory):
+    for path in [*snapshots_of(name, directory), latest]:
         try:
             with Snapshot(path, verify=False, private=True) as snap:
                 referenced.update(r.name for r in snap.pack_refs)
@@ -1074,6 +1089,19 @@ def _prune(name: str, directory: Path, keep: int) -> None:
             # A kept manifest that cannot be read: keep every pack (what it names cannot be known).
             return
     packs.remove_unreferenced(namespaced(name), directory, referenced)
+
+
+def _repair_latest(newest: Path, latest: Path) -> None:
+    """Point `latest` (NAME.ccsnap) at `newest`, the newest timestamped snapshot, if it names none or an older
+    one and `newest` is a whole manifest of ours (it was renamed into place only once written and flushed)."""
+    try:
+        if latest.exists() and latest.stat().st_ino == newest.stat().st_ino:
+            return
+        with Snapshot(newest, verify=False, private=True) as snap:
+            snap.check_manifest_file()
+        _link_latest(newest, latest)
+    except (CortexCacheError, OSError):
+        pass  # left as it is: retention then keeps what it names
 
 
 # ---------------------------------------------------------------- read and verify
@@ -1119,7 +1147,7 @@ class Snapshot:
     foreign or of a newer version), PermissionDenied (77).
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool | str = False) -> None:
         """Map `path` and check its header; with `verify` (default) check the whole file now.
 
         Without `verify` only the header and the trailer's place are checked:
@@ -1127,19 +1155,18 @@ class Snapshot:
         and call `check_trailer` before trusting anything it read.  Anything
         but a regular file (a FIFO, a device) is refused before a read could
         block on it; with `private` (a file of our snapshot directory) so is
-        a symbolic link or a file that is not ours (PermissionDenied, 77).
+        a symbolic link or a file that is not ours (PermissionDenied, 77);
+        safefs.FOLLOWED: the stricter rules of safefs.open_read, for its packs too.
         `untrusted` says why the file may not be this user's own word (None:
         it is ours, in a directory of ours, and nobody else may write either),
-        for restore to decide whether to attach the tiers it names.
+        for restore to decide whether to attach the tiers it names.  The file
+        and its packs are mapped fenced against SIGBUS: one cut short while it
+        is read gives zeros, and `check_whole` says so.
         """
         self.path = Path(path)
-        self._mv = None
-        flags = os.O_RDONLY | os.O_NONBLOCK  # a FIFO's open would wait for a writer
+        self._mv = self._guard = None
         try:
-            if private:
-                fd = safefs.open_file(self.path, flags, 0, "snapshot")
-            else:
-                fd = os.open(self.path, flags | os.O_CLOEXEC)
+            fd = safefs.open_read(self.path, private, "snapshot")
         except CortexCacheError:
             raise
         except FileNotFoundError:
@@ -1160,6 +1187,7 @@ class Snapshot:
             if size < FILE_HEAD.size + HEAD_CHECK.size + TRAILER.size:
                 raise SnapshotCorrupt(f"{str(self.path)!r} is not a cortex snapshot (too short: {size} bytes)")
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            self._guard = GUARD(self._mm) if GUARD is not None else None
         finally:
             os.close(fd)
         self._mv = memoryview(self._mm)
@@ -1183,6 +1211,9 @@ class Snapshot:
         for reader in getattr(self, "_packs", {}).values():
             reader.close()
         self._packs = {}
+        guard, self._guard = getattr(self, "_guard", None), None
+        if guard is not None:
+            guard.close()  # before the unmap: its addresses may be reused
         if self._mv is not None:
             mv, self._mv = self._mv, None
             try:
@@ -1286,7 +1317,7 @@ class Snapshot:
         if reader is None:
             if index >= len(self.pack_refs):
                 raise self._corrupt(f"a record names pack {index}; the table has {len(self.pack_refs)}")
-            reader = packs.PackReader(self.path.parent, self.pack_refs[index], self.path, self.private)
+            reader = packs.PackReader(self.path.parent, self.pack_refs[index], self.path, self.private, GUARD)
             self._packs[index] = reader
         return reader
 
@@ -1294,6 +1325,15 @@ class Snapshot:
     def file_check(self) -> int:
         """The trailer's checksum of the file: what names this snapshot in a pool's fill mark (fill.py)."""
         return self._file_check
+
+    def check_whole(self) -> None:
+        """SnapshotCorrupt (65) naming the file -- this one or a pack -- that was cut short while it was read
+        (a read of its mapping met its end, and read zeros): nothing read from this snapshot is to be used."""
+        cut = [str(self.path)] if self._guard is not None and self._guard.gone else []
+        cut += [str(r.path) for r in self._packs.values() if r.cut_short()]
+        if cut:
+            raise SnapshotCorrupt(f"snapshot {str(self.path)!r}: {cut[0]!r} was cut short while it was read "
+                                  "(truncated by another process?); nothing read from it is used")
 
     def pack_reader(self, index: int) -> packs.PackReader:
         """Version 3: the reader of pack `index` (opened and checked on first use)."""
@@ -1350,18 +1390,21 @@ class Snapshot:
             pos = kpos + klen
 
     def verify(self) -> None:
-        if self.header.version == MANIFEST_VERSION:
-            self.verify_manifest()
-            for _ in self.records(verify=True):  # every value read from its pack and checked
-                pass
-            return
-        end = self.size - TRAILER.size
-        if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
-            raise self._corrupt("file checksum mismatch")
-        # The file hash covers every byte, and the writer checked each value
-        # against its checksum before writing it: here only the structure
-        # (magic, lengths, header checksums) is left to check.
-        self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
+        try:
+            if self.header.version == MANIFEST_VERSION:
+                self.verify_manifest()
+                for _ in self.records(verify=True):  # every value read from its pack and checked
+                    pass
+                return
+            end = self.size - TRAILER.size
+            if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
+                raise self._corrupt("file checksum mismatch")
+            # The file hash covers every byte, and the writer checked each value
+            # against its checksum before writing it: here only the structure
+            # (magic, lengths, header checksums) is left to check.
+            self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
+        finally:
+            self.check_whole()  # zeros read from a file cut short: say that, not what they looked like
 
     def check_trailer(self, count: int, hasher: Any | None) -> None:
         """Compare what a full pass over the records found with the trailer."""
@@ -1437,6 +1480,15 @@ class Snapshot:
         return used
 
 
+def followed(path: str) -> Snapshot:
+    """The snapshot another process's word names (a pool's fill mark: fill.follow), opened as safefs.FOLLOWED
+    (its packs too), and only if it is named as persist names snapshots."""
+    name = os.path.basename(path)
+    if not name.endswith(SUFFIX) or name.startswith("."):
+        raise UsageError(f"{path!r} is not named as a snapshot")
+    return Snapshot(path, verify=False, private=safefs.FOLLOWED)
+
+
 class Reference(NamedTuple):
     """A version 3 manifest's record: an entry's key and metadata, its value in pack `pack` (an index)."""
 
@@ -1456,4 +1508,4 @@ class Reference(NamedTuple):
 
 __all__ = ["write", "Snapshot", "Record", "Reference", "PersistResult", "WriteBehind", "snapshot_dir", "latest_path",
            "snapshots_of", "list_snapshots", "snapshot_usage", "snapshot_space", "snapshots_and_space", "SPACE_BOUND", "MANIFEST_VERSION", "namespaced", "pool_config", "COUNTERS",
-           "snapshot_places", "checked_snapshot_dir", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]
+           "snapshot_places", "checked_snapshot_dir", "followed", "snapshot_file_mode", "check_settings_owner", "TEMP_RE", "busy", "RESTORE_BYTE"]

@@ -13,7 +13,9 @@ that seals each batch) says where that line is.
 Each process that opens the pool while its fill runs builds its index of
 the snapshot (key -> place in the fill's order, which every process
 computes alike: fill.manifest_items) from the manifest alone, checked whole
-first, and drops it once the fill has ended.  With it, `in` and the
+first, and drops it once the fill has ended -- only if it would trust that
+snapshot itself (fill.follow: the mark is in the segment, which another
+member of a group pool may write); otherwise it has no snapshot tier.  With it, `in` and the
 lookups' leading runs (engines' prefix matches) count the entries the fill
 will still bring as there.  A snapshot that cannot be read, has changed since
 the fill began, or a record that fails its checksum is a miss.
@@ -22,14 +24,15 @@ the fill began, or a record that fails its checksum is a miss.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
+
+from xxhash import xxh3_64_intdigest
 
 from . import fill
 from .errors import CortexCacheError
-from .layout import FILL_PRIVATE, FILL_RUNNING, SLOT_FLAG_STR_KEY
+from .layout import FILL_RUNNING, SLOT_FLAG_STR_KEY
 from .lower import Context, Fetched, Lower, too_small
-from .snapshot import Snapshot
+from .snapshot import Snapshot, followed
 
 
 class SnapshotBelow(Lower):
@@ -75,8 +78,12 @@ class SnapshotBelow(Lower):
             too_small(room, it.length)
             pack, off = it.where
             try:
-                # Copied out of the pack's mapping, checked against the manifest's checksum.
-                value = bytes(snap.pack_reader(pack).value(off, it.key, it.length, it.checksum, snap.path, True))
+                # Copied out of the pack's mapping, then checked against the manifest's checksum: what is
+                # checked is what is served, even if the pack is cut short meanwhile (its reads are zeros).
+                reader = snap.pack_reader(pack)
+                value = bytes(reader.value(off, it.key, it.length, it.checksum, snap.path, False))
+                if reader.cut_short() or xxh3_64_intdigest(value) != it.checksum:
+                    return None
             except (CortexCacheError, OSError, ValueError):
                 return None  # a damaged record, or a pack gone: a miss, never wrong bytes
         return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos))
@@ -102,15 +109,10 @@ class SnapshotBelow(Lower):
         """The index of the snapshot the mark names, for fill generation `gen` (empty when it cannot be read)."""
         self._close()
         self._gen = gen
-        h = self.core.header[0]
-        path = bytes(h["fill_path"]).rstrip(b"\0").decode(errors="surrogateescape")
-        try:
-            snap = Snapshot(Path(path), verify=False, private=bool(int(h["fill_flags"]) & FILL_PRIVATE))
-        except (CortexCacheError, OSError):
+        snap, _why = fill.follow(self.core, followed)  # only a snapshot this process would trust itself
+        if snap is None:
             return
         try:
-            if snap.file_check != int(h["fill_check"]):
-                raise CortexCacheError("changed since the fill began")
             self._index = {it.key: (n, it) for n, it in enumerate(fill.manifest_items(snap))}
         except (CortexCacheError, OSError, ValueError):
             snap.close()

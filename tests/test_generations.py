@@ -12,18 +12,22 @@ import select
 
 import pytest
 
-from cortex_cache import Pool, PoolNotFound
+from cortex_cache import Pool, PoolNotFound, PoolSuperseded
 from cortex_cache.integrations.lmcache import CortexConnector
 
 from .helpers import cli, spawn_py
 
 HOLDER = """
 import sys
-from cortex_cache import Pool
+from cortex_cache import Pool, PoolSuperseded
 p = Pool.open(sys.argv[1])
 print("open", flush=True)
 sys.stdin.readline()
-print("superseded" if p.superseded else "current", p.get("k"), flush=True)
+try:
+    got = p.get("k")
+except PoolSuperseded:  # the old copy is never read or written as if it were the pool of the name
+    got = "raised"
+print("superseded" if p.superseded else "current", got, flush=True)
 """
 
 
@@ -45,7 +49,9 @@ def test_restore_replace_marks_the_old_pool_and_a_handle_reopens_the_new_one(mak
         assert not p.superseded
         r = cli("cache", "restore", name, "-i", str(snap), "--replace")
         assert r.returncode == 0, r.stderr
-        assert p.superseded and p.get("k") == b"live"  # the old copy still works, nameless
+        assert p.superseded
+        with pytest.raises(PoolSuperseded):  # the old copy is never served as the pool of the name
+            p.get("k")
         with p.reopen() as q:
             assert not q.superseded and q.get("k") == b"snapshot"
         st = json.loads(cli("cache", "status", name, "--json").stdout)
@@ -58,7 +64,7 @@ def test_restore_replace_marks_the_old_pool_and_a_handle_reopens_the_new_one(mak
         assert Pool.exists(name)
     finally:
         out = _stop(child)
-    assert out.split()[0] == b"superseded"
+    assert out.split() == [b"superseded", b"raised"]
 
 
 def test_delete_marks_the_pool_and_reopen_finds_none_then_the_next_one(make_pool):
@@ -145,7 +151,7 @@ def test_resize_keeps_the_most_recently_used_and_the_processes_on_it_move(make_p
             assert "k4" not in q and "k0" in q
     finally:
         out = _stop(child)
-    assert out.split()[0] == b"superseded"
+    assert out.split() == [b"superseded", b"raised"]
 
 
 def test_resize_brings_what_was_put_and_deleted_while_it_copied(make_pool, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 from cortex_cache import Pool, SnapshotCorrupt, UsageError
 from cortex_cache import packs
 from cortex_cache import persist as snap
+from cortex_cache import snapshot as snapshot_mod
 from tests.helpers import cli, make_value, spawn_py
 
 
@@ -380,3 +381,63 @@ def test_a_header_of_another_version_is_refused(make_pool, snapshot_dir, pool_na
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorrupt, match="version 4"):
         Pool.restore(path, name=pool_name)
+
+
+KILLED_AT_LINK = """
+import os, signal, sys
+from cortex_cache import Pool, persist
+
+def killed(*a, **k):  # the persist's one link(2): NAME.ccsnap onto its new manifest
+    os.kill(os.getpid(), signal.SIGKILL)
+
+os.link = killed
+with Pool.open(sys.argv[1]) as p:
+    persist.persist(p)
+"""
+
+
+def test_prune_after_a_persist_killed_at_its_link_keeps_the_boot_restore_whole(make_pool, snapshot_dir, pool_name):
+    """A persist killed between renaming its manifest into place and linking NAME.ccsnap to it (issue 40,
+    item 3): prune counts what NAME.ccsnap names, and points it at the newest snapshot first."""
+    p = make_pool("4M", block_size="4K")
+    _put_all(p, _values(10, 0))
+    snap.persist(p)
+    first = snap.snapshots_of(p.name, snapshot_dir)
+    _put_all(p, _values(10, 1))  # every value changed: the new snapshot shares no pack with the first
+    child = spawn_py(KILLED_AT_LINK, p.name)
+    assert child.wait(timeout=60) == -signal.SIGKILL, child.stderr.read().decode()[-2000:]
+    for f in (child.stdin, child.stdout, child.stderr):
+        f.close()
+    stamped = snap.snapshots_of(p.name, snapshot_dir)
+    latest = snap.latest_path(p.name, snapshot_dir)
+    assert len(stamped) == 2 and latest.stat().st_ino == first[0].stat().st_ino  # the name still on the old one
+    r = cli("cache", "snapshots", p.name, "--prune", "--keep", "1")
+    assert r.returncode == 0, r.stderr
+    assert snap.snapshots_of(p.name, snapshot_dir) == stamped[1:]
+    assert latest.stat().st_ino == stamped[1].stat().st_ino  # pointed at the newest, whole snapshot
+    with snap.Snapshot(latest):  # verified whole: its packs are all there
+        pass
+    want = {k: p.get(k) for k in p.keys()}
+    name = p.name
+    p.close()
+    Pool.unlink(name)
+    r = cli("cache", "restore", name, "--if-missing")
+    assert r.returncode == 0, r.stderr
+    with Pool.open(name) as q:
+        assert {k: q.get(k) for k in q.keys()} == want
+
+
+def test_retention_keeps_what_the_latest_name_reaches_when_it_cannot_be_pointed_at_the_newest(
+        make_pool, snapshot_dir, monkeypatch):
+    p = make_pool("4M", block_size="4K")
+    _put_all(p, _values(10, 0))
+    snap.persist(p)
+    first = snap.snapshots_of(p.name, snapshot_dir)[0]
+    _put_all(p, _values(10, 1))
+    inode = first.stat().st_ino
+    monkeypatch.setattr(snapshot_mod, "_link_latest", lambda *a: None)  # the link never lands, nor its repair
+    snap.persist(p, keep=1)
+    assert snap.snapshots_of(p.name, snapshot_dir) != [first]  # retention kept only the new one...
+    assert snap.latest_path(p.name, snapshot_dir).stat().st_ino == inode  # ... and NAME.ccsnap names the old
+    with snap.Snapshot(snap.latest_path(p.name, snapshot_dir)):  # its packs were kept for it
+        pass
