@@ -102,6 +102,10 @@ def check_value(value: bytes) -> tuple[int, int]:
 # size of what holds it, never trusted with an allocation.  The fuzz tests run under this bound.
 FUZZ_MEMORY_BOUND = 256 << 20
 
+# Cases the damage fuzz (test_fuzz.py, test_persist.py) draws in its largest tests: 200 in the default
+# run, 1,000 in the long form .ci/run runs (CORTEX_FUZZ_EXAMPLES=1000); the others draw a share of it.
+FUZZ_EXAMPLES = int(os.environ.get("CORTEX_FUZZ_EXAMPLES", "200"))
+
 
 def _vm_size() -> int:
     with open("/proc/self/status") as f:

@@ -88,9 +88,14 @@ def test_readme_quickstart_commands_are_the_ci_ones():
     ci = (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
     test_lines = [line for line in ci.splitlines() if "pytest" in line and not line.lstrip().startswith("#")]
-    assert len(test_lines) == 4  # the suite, the short soak, the crash matrix with more kills, the racing fuzz
+    assert len(test_lines) == 6  # the suite, the engines' tests, -m long, the crash matrix, the fuzz, the short soak
     for line in test_lines:
         assert line in readme, line
+    # Each kind of test the default run leaves out (pyproject's addopts) has a command of its own.
+    addopts = re.search(r'^addopts = "(.*)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert test_lines[0].endswith("pytest -q -n 2 --dist loadfile") and re.findall(r"not (\w+)", addopts) == ["soak", "engine", "long"]
+    for marker in re.findall(r"not (\w+)", addopts):
+        assert any(f"-m {marker}" in line for line in test_lines), marker
     # The two fresh-machine commands stay near the top.
     top = readme[: readme.index("## Install")]
     assert ".venv/bin/cortex cache create demo" in top and test_lines[0] in top

@@ -1,7 +1,8 @@
 """Fuzzed inputs: damaged segments, damaged disk tiers, damaged disk records.
 
 Each test mutates a pristine input (a pool segment, a disk tier directory,
-records of a DiskLog) thousands of times in total and asserts that cortex
+records of a DiskLog) hundreds of times in the default run (thousands in the
+long form, CORTEX_FUZZ_EXAMPLES=1000) and asserts that cortex
 either refuses it with a clean error (a CortexCacheError with exit code 65:
 SegmentCorrupt, IncompatibleVersion, ...) or works correctly: never another
 exception type, never wrong bytes, never a hang (every example runs under a
@@ -45,7 +46,7 @@ from xxhash import xxh3_64_intdigest
 from cortex_cache import CortexCacheError, Pool, segment
 from cortex_cache.disklog import ALIGN, CORRUPT, FILES, HEAD, META_NAME, STALE, DiskLog, Found
 from cortex_cache.layout import DISK_ON, HEADER_DTYPE, HEADER_FIELDS, HEADER_SIZE, SEALED, SLOT_COLUMNS
-from tests.helpers import FUZZ_MEMORY_BOUND, check_value, make_value, memory_bound
+from tests.helpers import FUZZ_EXAMPLES, FUZZ_MEMORY_BOUND, check_value, make_value, memory_bound
 
 EX_DATAERR = 65
 WATCHDOG_S = 10.0  # far above what any example takes (milliseconds), so only a real hang trips it
@@ -356,7 +357,7 @@ def write_path(request, monkeypatch):
     return request.param
 
 
-@settings(max_examples=1000, deadline=None, database=None,
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_damaged_segment_is_refused_or_still_correct(seg_image, write_path, data):
@@ -575,7 +576,7 @@ def _meta_claims_more_than_files(files: dict) -> bool:
     return claimed > len(files["tier-00.log"])
 
 
-@settings(max_examples=500, deadline=None, database=None,
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_damaged_disk_tier_is_refused_or_serves_exact_bytes(tier_image, data):
@@ -677,7 +678,7 @@ def disklog(tmp_path_factory):
         DiskLog.destroy(d)
 
 
-@settings(max_examples=1000, deadline=None, database=None,
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_damaged_record_reads_exact_stale_or_corrupt(disklog, data):

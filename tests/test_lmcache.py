@@ -1,8 +1,8 @@
 """The LMCache adapter: LMCache's own harness (in the LMCache venv), and its promises beyond it.
 
 The harness needs LMCache, which lives in a virtualenv of its own
-(scripts/lmcache_venv.sh; `.ci/run` builds it and sets
-CORTEX_TEST_LMCACHE_PYTHON).  Everything else drives the connector exactly
+(scripts/lmcache_venv.sh; `.ci/run` builds it, sets
+CORTEX_TEST_LMCACHE_PYTHON and runs it with `-m engine`).  Everything else drives the connector exactly
 as LMCache does -- submit, wait on the eventfd, drain -- without LMCache.
 """
 
@@ -40,6 +40,7 @@ def _adapter_json(pool: str, **extra) -> str:
                        "class_name": "CortexConnector", "adapter_params": {"pool": pool, **extra}})
 
 
+@pytest.mark.engine  # refereed by LMCache's own harness: run by `pytest -m engine`
 @pytest.mark.skipif(not LMCACHE_PY, reason="set CORTEX_TEST_LMCACHE_PYTHON to a Python with LMCache "
                                            "(scripts/lmcache_venv.sh; .ci/run does)")
 def test_lmcaches_own_harness_passes_every_phase(make_pool):

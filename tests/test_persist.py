@@ -21,7 +21,7 @@ from cortex_cache import (
     SnapshotNotFound,
 )
 from cortex_cache import persist as snap
-from tests.helpers import check_value, cli, make_value, memory_bound, run_py, spawn_py
+from tests.helpers import FUZZ_EXAMPLES, check_value, cli, make_value, memory_bound, run_py, spawn_py
 
 
 @pytest.fixture(autouse=True)
@@ -372,7 +372,7 @@ def test_truncation_at_every_section_boundary_is_refused(sample_snapshot, tmp_pa
         assert s.entries == 6
 
 
-@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3 * FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_random_damage_is_always_detected(sample_snapshot, tmp_path, data):
     damaged = bytearray(sample_snapshot)

@@ -1,4 +1,7 @@
-"""The pool contract: run once per policy, with and without multi-threaded mode, with and without a disk tier."""
+"""The pool contract: run once per policy, with and without multi-threaded mode, with and without a disk tier.
+
+(The test across processes runs a variant of each kind by default, and every variant with `-m long`.)
+"""
 
 from __future__ import annotations
 
@@ -39,9 +42,11 @@ CONTRACT_VARIANTS = [(p, mt, None, False) for p in POLICY_IDS for mt in (False, 
     (p, False, None, True) for p in POLICY_IDS] + [("lfu", True, "back", True)]
 
 
-@pytest.fixture(params=CONTRACT_VARIANTS,
-                ids=lambda v: f"{v[0]}-{'mt' if v[1] else 'st'}" + (f"-disk-{v[2]}" if v[2] else "")
-                + ("-pure" if v[3] else ""))
+def _variant_id(v) -> str:
+    return f"{v[0]}-{'mt' if v[1] else 'st'}" + (f"-disk-{v[2]}" if v[2] else "") + ("-pure" if v[3] else "")
+
+
+@pytest.fixture(params=CONTRACT_VARIANTS, ids=_variant_id)
 def pool(request, make_pool, tmp_path, monkeypatch):
     policy, mt, disk, pure = request.param
     if pure:
@@ -573,6 +578,15 @@ p.close()
 """
 
 
+# Across processes (a process start each, the longest test of the contract) the default run takes a variant of
+# each kind: both modes, each disk write mode, the queue policies, the pure-Python path; `-m long` runs the rest.
+ACROSS_PROCESSES = {("lru", False, None, False), ("s3fifo", True, None, False), ("arc", False, "back", False),
+                    ("auto", True, "back", False), ("lfu", True, "through", False), ("fifo", False, None, True),
+                    ("lfu", True, "back", True)}
+
+
+@pytest.mark.parametrize("pool", [v if v in ACROSS_PROCESSES else pytest.param(v, marks=pytest.mark.long)
+                                  for v in CONTRACT_VARIANTS], ids=_variant_id, indirect=True)
 def test_batched_reads_across_processes_see_whole_values(pool):
     from tests.helpers import check_value, spawn_py
 

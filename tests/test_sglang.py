@@ -1,10 +1,10 @@
 """The SGLang HiCache backend, driven by SGLang's real classes in the SGLang venv.
 
 SGLang lives in a virtualenv of its own (scripts/sglang_venv.sh; `.ci/run`
-builds it and sets CORTEX_TEST_SGLANG_PYTHON).  Each test runs
-tests/sglang_harness.py there: the backend made by SGLang's storage backend
-factory from the documented JSON, SGLang's own host KV pools, SGLang's own
-page hashes.  SGLang takes ~15 s to import, so each process runs several
+builds it, sets CORTEX_TEST_SGLANG_PYTHON and runs these with `-m engine`).
+Each test runs tests/sglang_harness.py there: the backend made by SGLang's
+storage backend factory from the documented JSON, SGLang's own host KV
+pools, SGLang's own page hashes.  SGLang takes ~15 s to import, so each process runs several
 scenarios.  The tests without SGLang check what needs none.
 """
 
@@ -24,8 +24,14 @@ from cortex_cache.integrations import sglang as cortex_sglang
 from tests.helpers import REPO, cli, run_py
 
 SGLANG_PY = os.environ.get("CORTEX_TEST_SGLANG_PYTHON")
-needs_sglang = pytest.mark.skipif(not SGLANG_PY, reason="set CORTEX_TEST_SGLANG_PYTHON to a Python with SGLang "
-                                                        "(scripts/sglang_venv.sh; .ci/run does)")
+
+
+def needs_sglang(test):
+    """Refereed by SGLang: run by `pytest -m engine`, and skipped there unless CORTEX_TEST_SGLANG_PYTHON is set."""
+    return pytest.mark.engine(pytest.mark.skipif(not SGLANG_PY, reason="set CORTEX_TEST_SGLANG_PYTHON to a Python "
+                                                 "with SGLang (scripts/sglang_venv.sh; .ci/run does)")(test))
+
+
 HARNESS = str(REPO / "tests" / "sglang_harness.py")
 
 

