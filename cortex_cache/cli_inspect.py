@@ -20,6 +20,9 @@ from .cli_render import (
 from .errors import EX_PROBLEM, PoolNotFound, UsageError
 from .units import entries, plural
 
+# The interval of `status --watch`: shorter would spin on the pool's lock, longer is not watching.
+MIN_WATCH, MAX_WATCH = 0.01, 86400.0
+
 def list_pools(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT, debug: bool = DEBUG_OPT) -> None:
     """List every pool under the current prefix (CORTEX_CACHE_SHM_PREFIX).
 
@@ -43,8 +46,8 @@ def list_pools(as_json: bool = JSON_OPT, quiet: bool = QUIET_OPT, debug: bool = 
 def status(
     name: Optional[str] = typer.Argument(None, metavar="NAME", help="Pool name (default: every pool).", show_default=False),
     as_json: bool = JSON_OPT,
-    fmt: Optional[Format] = typer.Option(None, "--format", metavar="FORMAT", help="table (default), json, or prometheus (text exposition format)."),
-    watch: Optional[float] = typer.Option(None, "--watch", metavar="SECONDS", help="Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME."),
+    fmt: Optional[Format] = typer.Option(None, "--format", metavar="FORMAT", case_sensitive=False, help="table (default), json, or prometheus (text exposition format)."),
+    watch: Optional[float] = typer.Option(None, "--watch", metavar="SECONDS", help=f"Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1, from {MIN_WATCH} to {MAX_WATCH:.0f}) until Ctrl-C; needs NAME."),
     count: Optional[int] = typer.Option(None, "--count", min=1, metavar="N", help="With --watch: stop after N lines."),
     quiet: bool = QUIET_OPT,
     debug: bool = DEBUG_OPT,
@@ -69,8 +72,8 @@ def status(
             raise UsageError("--watch needs a pool NAME")
         if fmt is Format.prometheus:
             raise UsageError("--watch prints rates as a table or JSON lines, not prometheus")
-        if not watch > 0:
-            raise UsageError(f"--watch needs a positive number of seconds, not {watch}")
+        if not MIN_WATCH <= watch <= MAX_WATCH:  # nan too: it compares false
+            raise UsageError(f"--watch needs from {MIN_WATCH} to {MAX_WATCH:.0f} seconds, not {watch}")
         _watch(name, watch, count, fmt is Format.json)
         return
     if name is not None:

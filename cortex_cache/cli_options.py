@@ -10,6 +10,7 @@ Like the rest of the CLI it imports nothing heavy: `cortex --help` stays fast.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Optional
 
 import typer
 
@@ -74,6 +75,26 @@ class Format(str, Enum):
 
 # ---------------------------------------------------------------- values
 
+# Bounds of numbers that the segment stores in fixed widths: a larger one is a usage error (2) before
+# anything is made, not an overflow deep down (70).
+MAX_KEEP = 2**32 - 1  # snapshots a pool keeps (u32 in the header)
+MAX_DISK_ENTRIES = 2**31 - 2  # entries of a disk tier's index (i32 slot numbers)
+
+
+def path_given(param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
+    """The callback of every FILE or DIR option and argument: an empty string names no file (the shell's
+    `-o "$unset"`), a usage error here rather than a file called '' or '.' further down."""
+    if value == "":
+        what = "a directory" if param.metavar == "DIR" else "a file name"
+        raise UsageError(f"{_shown(param)} needs {what}, not an empty string")
+    return value
+
+
+def _shown(param: typer.CallbackParam) -> str:
+    """An option as the user wrote it (its long name), or an argument by its metavar."""
+    longs = [o for o in param.opts if o.startswith("--")]
+    return longs[0] if longs and param.param_type_name == "option" else (param.metavar or param.name or "?").split("|")[0]
+
 
 def parse_mode(text: str) -> int:
     """`--mode`: octal permission bits that include the owner's read and write."""
@@ -89,5 +110,5 @@ def parse_mode(text: str) -> int:
 
 __all__ = [
     "EXIT_CODES_HELP", "QUIET_HELP", "QUIET_OPT", "DEBUG_OPT", "HELP_OPTIONS", "NAME_ARG", "JSON_OPT",
-    "Policy", "Tier", "DiskWrite", "WhichTier", "Format", "parse_mode",
+    "Policy", "Tier", "DiskWrite", "WhichTier", "Format", "MAX_KEEP", "MAX_DISK_ENTRIES", "path_given", "parse_mode",
 ]

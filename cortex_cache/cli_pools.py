@@ -7,35 +7,39 @@ looks is cli_render.py.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import typer
 
-from .cli_options import DEBUG_OPT, JSON_OPT, NAME_ARG, QUIET_OPT, DiskWrite, Policy, Tier, parse_mode
+from .cli_options import (
+    DEBUG_OPT, JSON_OPT, MAX_DISK_ENTRIES, MAX_KEEP, NAME_ARG, QUIET_OPT, DiskWrite, Policy, Tier, parse_mode,
+    path_given,
+)
 from .cli_render import fmt_size, print_json, say, say_created, warn
 from .errors import UsageError
-from .policy_names import DEFAULT_POLICY, POLICY_HELP
+from .policy_names import DEFAULT_POLICY, IF_UNSURE, policy_list
 from .units import entries, plural
 
 def create(
     name: str = NAME_ARG,
     size: str = typer.Option(..., "--size", "-s", metavar="SIZE", help="Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)."),
-    tier: Tier = typer.Option(Tier.cpu, "--tier", metavar="TIER", help="Storage tiers: cpu (shared memory only) or disk (shared memory plus a disk tier)."),
+    tier: Tier = typer.Option(Tier.cpu, "--tier", metavar="TIER", case_sensitive=False, help="Storage tiers: cpu (shared memory only) or disk (shared memory plus a disk tier)."),
     block_size: str = typer.Option("64K", "--block-size", metavar="SIZE", help="Allocation unit; a power of two."),
-    policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", metavar="POLICY", help="Eviction policy: " + "; ".join(f"{k}: {v}" for k, v in POLICY_HELP.items()) + "."),
+    policy: Policy = typer.Option(DEFAULT_POLICY, "--policy", metavar="POLICY", case_sensitive=False, help="Eviction policy, in any case: see the policies above."),
     max_entries: Optional[int] = typer.Option(None, "--max-entries", metavar="N", help="Index capacity (default: one entry per block, at most 1,048,576)."),
     mode: str = typer.Option("0600", "--mode", metavar="MODE", help="Permission bits of the segment (octal)."),
     no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
     multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
-    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="Directory of the disk tier (implies --tier disk; default: a folder 'disk/NAME' next to the snapshot directory). A directory that already holds this pool's tier is taken over and its entries found again."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", callback=path_given, help="Directory of the disk tier (implies --tier disk; default: a folder 'disk/NAME' next to the snapshot directory). A directory that already holds this pool's tier is taken over and its entries found again."),
     disk_size: Optional[str] = typer.Option(None, "--disk-size", metavar="SIZE", help="Capacity of the disk tier, reserved now (default: 4x --size, or the existing tier's)."),
-    disk_write: Optional[DiskWrite] = typer.Option(None, "--disk-write", metavar="MODE", help="back (default): entries evicted from memory go to disk; through: every put also goes to disk."),
+    disk_write: Optional[DiskWrite] = typer.Option(None, "--disk-write", metavar="MODE", case_sensitive=False, help="back (default): entries evicted from memory go to disk; through: every put also goes to disk."),
     disk_o_direct: bool = typer.Option(False, "--disk-o-direct", help="Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it."),
-    disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
+    disk_max_entries: Optional[int] = typer.Option(None, "--disk-max-entries", min=1, max=MAX_DISK_ENTRIES, metavar="N", help="Disk index capacity (default: one entry per block of disk, at most 2,097,152)."),
     remote: Optional[str] = typer.Option(None, "--remote", metavar="URL", help="A Valkey/Redis server as a tier below memory and disk, shared by pools of this name on every host: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix:///PATH?db=N."),
     remote_cluster: bool = typer.Option(False, "--remote-cluster", help="The --remote URL names a node of a Valkey/Redis cluster."),
-    keep: Optional[int] = typer.Option(None, "--keep", metavar="N", help="Snapshots of this pool that persist keeps (stored with the pool; default 3)."),
-    tier_admit: int = typer.Option(1, "--tier-admit", metavar="N", help="Admission to the disk and remote tiers: 1 (default) every entry memory evicts goes to a write-back disk tier and every put to the remote; 2: only entries seen at least twice (read since their put; under s3fifo, arc and auto also put again while remembered as a ghost), when memory evicts them (stored with the pool)."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, max=MAX_KEEP, metavar="N", help="Snapshots of this pool that persist keeps (stored with the pool; default 3)."),
+    tier_admit: int = typer.Option(1, "--tier-admit", min=1, max=2, metavar="N", help="Admission to the disk and remote tiers: 1 (default) every entry memory evicts goes to a write-back disk tier and every put to the remote; 2: only entries seen at least twice (read since their put; under s3fifo, arc and auto also put again while remembered as a ghost), when memory evicts them (stored with the pool)."),
     if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs; 77 if it is neither yours nor root's)."),
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     as_json: bool = JSON_OPT,
@@ -44,6 +48,10 @@ def create(
 ) -> None:
     """Create a pool.
 
+    {policies}
+
+    {if_unsure}
+
     Example: cortex cache create llama --size 16G --policy lru --tier disk --disk-size 64G
     """
     from .pool import Pool
@@ -51,8 +59,6 @@ def create(
 
     if disk_write is not None and tier is Tier.cpu and disk_path is None:
         raise UsageError("--disk-write needs --tier disk (or --disk-path)")
-    if keep is not None and keep < 1:
-        raise UsageError(f"--keep must be at least 1, not {keep}")
     from . import segment
 
     existed = if_missing and segment.exists(name)
@@ -91,6 +97,10 @@ def create(
         say_created(name, st)
 
 
+# The list of policies and the line for the undecided, made from policy_names.py (the one place to change them).
+create.__doc__ = inspect.cleandoc(create.__doc__ or "").format(policies=policy_list(), if_unsure=IF_UNSURE)
+
+
 def _warn_on_create(asked_text: str, asked: int, st: dict, no_reserve: bool) -> None:
     """What a new pool's settings do that its creator may not have meant; the pool is made all the same."""
     from . import segment
@@ -112,7 +122,7 @@ def _warn_on_create(asked_text: str, asked: int, st: dict, no_reserve: bool) -> 
 def delete(
     name: str = NAME_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Delete even while other processes have the pool mapped, and remove its disk tier too."),
-    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", callback=path_given, help="With --force, for a pool that is gone: remove the disk tier it left in DIR (no live pool may use it)."),
     quiet: bool = QUIET_OPT,
     debug: bool = DEBUG_OPT,
 ) -> None:
@@ -131,7 +141,7 @@ def delete(
 
     gone = admin.delete_pool(name, force=force, disk_path=disk_path)
     if gone.squatter is not None:
-        say(f"removed {gone.squatter} at {segment.shm_path(name)}", stderr=True)
+        say(f"removed {gone.squatter} at {segment.shm_path(name)}")
         return
     tier = gone.disk_tier
     if gone.orphan:
@@ -141,10 +151,10 @@ def delete(
     if tier is None:
         return
     if gone.tier_removed:
-        say(f"removed disk tier {tier}", stderr=True)
+        say(f"removed disk tier {tier}")
     else:
         say(f"kept disk tier {tier}: a pool created with --disk-path {tier} finds its entries; "
-            "`delete --force` removes it", stderr=True)
+            "`delete --force` removes it")
 
 
 def resize(

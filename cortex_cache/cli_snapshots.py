@@ -13,18 +13,19 @@ from typing import Optional
 
 import typer
 
-from .cli_options import DEBUG_OPT, JSON_OPT, NAME_ARG, QUIET_OPT, parse_mode
+from . import cli_io
+from .cli_options import DEBUG_OPT, JSON_OPT, MAX_KEEP, NAME_ARG, QUIET_OPT, parse_mode, path_given
 from .cli_render import (
-    console, fmt_rate, fmt_size, print_json, print_table, run_with_progress, say, say_published, say_restored,
-    snapshots_table,
+    Output, fmt_rate, fmt_size, print_json, print_table, run_with_progress, say, say_published, say_restored,
+    snapshots_table, warn,
 )
-from .errors import SnapshotCorrupt, UsageError
+from .errors import EX_NOINPUT, SnapshotCorrupt, SnapshotNotFound, UsageError
 from .units import entries, plural
 
 def persist(
     name: str = NAME_ARG,
-    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the snapshot to this file instead of the snapshot directory."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=1, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", callback=path_given, help="Write the snapshot to this file instead of the snapshot directory."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, max=MAX_KEEP, metavar="N", help="Keep the newest N snapshots of the pool in the snapshot directory, now and at every later persist (stored with the pool, so only its owner or root may set it: 77 for anyone else; default 3)."),
     full: bool = typer.Option(False, "--full", help="Write every value again, sharing nothing with the snapshots kept (in the snapshot directory; --output always writes a whole file)."),
     force: bool = typer.Option(False, "--force", "-f", help="With --output: replace an existing file (atomically: the old one stays whole until the new one is)."),
     as_json: bool = JSON_OPT,
@@ -67,16 +68,14 @@ def persist(
             f"in {doc['seconds']:.2f}s ({fmt_rate(doc['bytes'], doc['seconds'])})"
         )
         if result.skipped_corrupt:
-            console(stderr=True).print(
-                f"cortex: warning: {entries(result.skipped_corrupt)} failed their checksum in memory and were left out"
-            )
+            warn(f"{entries(result.skipped_corrupt)} failed their checksum in memory and were left out")
 
 
 def restore(
     name: str = NAME_ARG,
-    input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
+    input_: Optional[str] = typer.Option(None, "--input", "-i", metavar="FILE", callback=path_given, help="Snapshot file (default: NAME.ccsnap in the snapshot directory)."),
     replace: bool = typer.Option(False, "--replace", help="Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)."),
-    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Exit 0 and change nothing if the pool exists; restore it if it does not; without a snapshot of it (a first boot) exit 66 with a note, not an error."),
     mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help="Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool's); never wider than the snapshot file's."),
     allow_other_owner: bool = typer.Option(False, "--allow-other-owner", help="With --if-missing or --replace: accept an existing pool of another user (by default only your own or root's: another user may have taken the name first)."),
     trust_tiers: bool = typer.Option(False, "--trust-tiers", help="Attach the snapshot's disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)."),
@@ -126,8 +125,19 @@ def restore(
                             mode=parse_mode(mode) if mode is not None else None, trust_tiers=trust_tiers,
                             allow_other_owner=allow_other_owner, detach=background)
 
-    # --background forks the filler: no progress bar (its refresh thread) may be running then.
-    pool, report = run(None) if background else run_with_progress(f"restore {name}", run)
+    try:
+        # --background forks the filler: no progress bar (its refresh thread) may be running then.
+        pool, report = run(None) if background else run_with_progress(f"restore {name}", run)
+    except SnapshotNotFound:
+        if not (if_missing and input_ is None) or os.path.lexists(snap.latest_path(name)):
+            raise
+        # The boot line on a first boot: no fault, so a note, not an error; exit 66 all the same, for the
+        # `|| create --if-missing` after it (and systemd's SuccessExitStatus=66).
+        if as_json or not Output.quiet:
+            cli_io.error(f"no snapshot of {name} in {snap.snapshot_dir()} yet: nothing to restore (a first boot; "
+                         f"`cortex cache create {name} ... --if-missing` makes the pool)", EX_NOINPUT, as_json,
+                         kind="note")
+        raise typer.Exit(EX_NOINPUT) from None
     if pool is None:  # --if-missing, and the pool is there
         if as_json:
             print_json(report)
@@ -154,16 +164,14 @@ def restore(
                 f"{label} {left[k]}" for k, label in (("disk", "disk tier"), ("remote", "remote tier"),
                                                       ("keep", "retention")) if k in left
             )
-            console(stderr=True).print(
-                f"cortex: warning: not attached: {what} ({left['why']}); restore --trust-tiers attaches them"
-            )
+            warn(f"not attached: {what} ({left['why']}); restore --trust-tiers attaches them")
 
 
 def snapshots(
     name: str = NAME_ARG,
     verify: bool = typer.Option(False, "--verify", help="Also read every value back and check it against its checksum; exit 65 if a snapshot is damaged or misses a pack."),
     prune: bool = typer.Option(False, "--prune", help="Remove all but the newest --keep snapshots (and the packs only they used), then list what is left."),
-    keep: Optional[int] = typer.Option(None, "--keep", min=0, metavar="N", help="With --prune: how many to keep (default: as many as the pool keeps, 3 for a pool that is gone; 0 removes every one, NAME.ccsnap too)."),
+    keep: Optional[int] = typer.Option(None, "--keep", min=0, max=MAX_KEEP, metavar="N", help="With --prune: how many to keep (default: as many as the pool keeps, 3 for a pool that is gone; 0 removes every one, NAME.ccsnap too)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
     debug: bool = DEBUG_OPT,
@@ -173,8 +181,12 @@ def snapshots(
     Shows each one's time, entries and value bytes, the bytes on disk that
     are its own and those it shares with the others (the packs of
     incremental snapshots), and which one NAME.ccsnap (what restore reads by
-    default) names; then what they take on disk together.  Reads the
-    snapshot files, not the values, unless --verify.  --prune removes the
+    default) names; then what they take on disk together, and that over
+    what the kept snapshots need (their files and every pack record one of
+    them names): above 1.00x is bytes in packs that no kept snapshot needs
+    any more, which a persist's compaction keeps within 1.5x (doctor flags
+    more).  Reads the snapshot files, not the values, unless --verify.
+    --prune removes the
     older ones first, as persist's retention does (the pool need not
     exist; while it does, a persist, restore or fill running exits 75).
 
@@ -189,11 +201,14 @@ def snapshots(
     pruned = None
     if prune:
         pruned = _prune_snapshots(name, keep)
-        say(f"removed {plural(len(pruned['removed']), 'file', 'files')} of {name}'s snapshots, "
-            f"{fmt_size(pruned['freed_bytes'])}; {plural(pruned['kept'], 'snapshot', 'snapshots')} kept",
-            stderr=True)
+        if not as_json:  # the JSON document carries it as "pruned"
+            say(f"removed {plural(len(pruned['removed']), 'file', 'files')} of {name}'s snapshots, "
+                f"{fmt_size(pruned['freed_bytes'])}; {plural(pruned['kept'], 'snapshot', 'snapshots')} kept")
     rows, space = snap.snapshots_and_space(name, verify=verify)
     bad = [r for r in rows if "error" in r]
+    # One ratio: the bytes on disk over what the kept snapshots need, which compaction bounds (SPACE_BOUND)
+    # and doctor checks; on disk over the largest snapshot says nothing of waste (two --full snapshots: 2x).
+    space = {k: v for k, v in space.items() if k != "ratio"}
     if as_json:
         print_json({"pool": name, "directory": str(snap.snapshot_dir()), "snapshots": rows, "space": space,
                     **({"pruned": pruned} if pruned is not None else {})})
@@ -201,7 +216,8 @@ def snapshots(
         say(f"no snapshots of {name} in {snap.snapshot_dir()}", stderr=True)
     else:
         print_table(snapshots_table(rows))
-        ratio = f", {space['ratio']:.2f}x the largest" if space["ratio"] else ""
+        ratio = (f", {space['waste_ratio']:.2f}x what the kept snapshots need (at most {snap.SPACE_BOUND}x "
+                 "after a persist)" if space["waste_ratio"] else "")
         say(f"on disk: {fmt_size(space['total_bytes'])} ({fmt_size(space['pack_bytes'])} in packs){ratio}"
             + (f"; {len(rows) - len(bad)} of {len(rows)} verified whole" if verify else ""))
     if verify and bad:

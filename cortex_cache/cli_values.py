@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from . import cli_io
-from .cli_options import DEBUG_OPT, JSON_OPT, NAME_ARG, QUIET_OPT, WhichTier
+from .cli_options import DEBUG_OPT, JSON_OPT, NAME_ARG, QUIET_OPT, WhichTier, path_given
 from .cli_render import fmt_size, json_key, key_table, keys_table, print_json, print_table, say, show_key
 from .errors import KeyNotFound, UsageError
 from .units import entries
@@ -21,7 +21,7 @@ from .units import entries
 def put(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., metavar="KEY", help="Key (UTF-8 string).", show_default=False),
-    source: Optional[str] = typer.Argument(None, metavar="FILE|-", help="Read the value from FILE, or from stdin with '-'.", show_default=False),
+    source: Optional[str] = typer.Argument(None, metavar="FILE|-", callback=path_given, help="Read the value from FILE, or from stdin with '-'.", show_default=False),
     ttl: Optional[float] = typer.Option(None, "--ttl", metavar="SECONDS", help="Seconds until the entry expires."),
     priority: int = typer.Option(0, "--priority", metavar="N", help="Priority (the priority policy evicts lowest first)."),
     quiet: bool = QUIET_OPT,
@@ -44,7 +44,7 @@ def put(
 def get(
     name: str = NAME_ARG,
     key: str = typer.Argument(..., metavar="KEY", help="Key to read.", show_default=False),
-    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", help="Write the value to this file (mode 0600) instead of stdout ('-': stdout); an existing file is refused unless --force."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", metavar="FILE", callback=path_given, help="Write the value to this file (mode 0600) instead of stdout ('-': stdout); an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", "-f", help="With -o: replace an existing file (atomically: the old one stays whole until the new one is)."),
     peek: bool = typer.Option(False, "--peek", help="Read from memory without counting a hit or miss or changing the eviction order (tiers below memory are not looked at)."),
     verify: bool = typer.Option(False, "--verify", help="Check the value against the checksum taken at put; exit 65 (and write nothing) if it does not match. CORTEX_CACHE_VERIFY_READS=1 turns it on too."),
@@ -87,7 +87,7 @@ def keys(
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Only keys starting with this."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, metavar="N", help="At most this many keys."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size, age, TTL, accesses and priority."),
-    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool's keys on the remote server, in key order)."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", case_sensitive=False, help="memory (default), disk (reads each key from its record), all (memory and disk), or remote (this pool's keys on the remote server, in key order)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
     debug: bool = DEBUG_OPT,
@@ -158,14 +158,17 @@ def evict(
     key: Optional[list[str]] = typer.Option(None, "--key", metavar="KEY", help="Evict this key; repeat the option for more keys (--key a --key b)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", metavar="PREFIX", help="Evict every key starting with this."),
     all_: bool = typer.Option(False, "--all", help="Evict everything."),
-    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
+    tier: WhichTier = typer.Option(WhichTier.memory, "--tier", metavar="TIER", case_sensitive=False, help="memory (default; with a disk tier, evicted entries move to disk), disk (removed from the disk tier, oldest first for --percent/--bytes), all (removed from both), or remote (deleted from the remote server, for every host; --key, --prefix or --all only)."),
     as_json: bool = JSON_OPT,
     quiet: bool = QUIET_OPT,
     debug: bool = DEBUG_OPT,
 ) -> None:
     """Evict entries now and report what was freed.  Give exactly one selector.
 
-    Several keys: repeat the option, --key a --key b.
+    Several keys: repeat the option, --key a --key b.  A key given with
+    --key that is not in the tier is named on stderr and the command exits
+    66, as get does, after evicting the keys that were there (--json: their
+    document, with the keys not found as "missing").
 
     Example: cortex cache evict llama --percent 25
     """
@@ -173,13 +176,27 @@ def evict(
 
     check_selector(percent, nbytes, expired, key or None, prefix, all_,
                    names=("--percent", "--bytes", "--expired", "--key", "--prefix", "--all"))
+    missing: list[str] = []
     with Pool.open(name, lock_timeout=10) as p:
-        count, freed = p.evict(
-            percent=percent, nbytes=nbytes, expired=expired, keys=key or None, prefix=prefix, all=all_,
-            tier=tier.value,
-        )
+        if key:
+            # One key at a time, so that each one not there can be named.
+            count = freed = 0
+            for k in dict.fromkeys(key):
+                c, b = p.evict(keys=[k], tier=tier.value)
+                count, freed = count + c, freed + b
+                if not c:
+                    missing.append(k)
+        else:
+            count, freed = p.evict(percent=percent, nbytes=nbytes, expired=expired, prefix=prefix, all=all_,
+                                   tier=tier.value)
     if as_json:
-        print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed})
-    else:
+        print_json({"pool": name, "tier": tier.value, "entries": count, "bytes": freed,
+                    **({"missing": [show_key(k) for k in missing]} if key else {})})
+    elif count or not missing:
         where = " from the remote server" if tier is WhichTier.remote else ""
         say(f"evicted {entries(count)}, {fmt_size(freed)} ({freed} bytes){where}")
+    if missing:
+        shown = ", ".join(f"'{show_key(k)}'" for k in missing)
+        one = len(missing) == 1
+        raise KeyNotFound(f"no key{'' if one else 's'} {shown} in pool {name!r} ({tier.value} tier): nothing to "
+                          f"evict for {'it' if one else 'them'}")
