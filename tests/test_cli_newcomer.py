@@ -346,34 +346,33 @@ def _world(name: str, snapshot_dir: Path, cwd: Path) -> tuple:
     return tuple(st[k] for k in seen), listing, shm, sorted(p.name for p in cwd.iterdir())
 
 
-ODD = [
-    ["get", "{p}", "k", "-o", ""],
-    ["get", "{p}", "k", "--verify", "-o", ""],
-    ["persist", "{p}", "--keep", "99999999999"],
-    ["persist", "{p}", "--keep", "99999999999", "--full"],
-    ["persist", "{p}", "--keep", "18446744073709551616"],
-    ["persist", "{p}", "-o", ""],
-    ["create", "{new}", "--size", "1M", "--keep", "99999999999"],
-    ["create", "{new}", "--size", "1M", "--keep", "0"],
-    ["create", "{new}", "--size", "1M", "--tier-admit", "3"],
-    ["create", "{new}", "--size", "1M", "--tier-admit", "-1"],
-    ["create", "{new}", "--size", "1M", "--tier", "disk", "--disk-max-entries", "99999999999"],
-    ["create", "{new}", "--size", "1M", "--max-entries", b"\xff"],
-    ["create", "{new}", "--size", "1M", "--disk-path", ""],
-    ["snapshots", "{p}", "--prune", "--keep", "99999999999"],
-    ["status", "{p}", "--watch", "99999999999", "--count", "1"],
-    ["status", "{p}", "--watch", "inf", "--count", "1"],
-    ["status", "{p}", "--watch", "1e-300", "--count", "1"],
-    ["put", "{p}", "k2", "/dev/null", "--ttl", "inf"],
-    ["put", "{p}", "k2", "/dev/null", "--ttl", "1e400"],
-    ["put", "{p}", "k2", "/dev/null", "--ttl", "nan"],
-    ["put", "{p}", "k2", "/dev/null", "--ttl", "1e12"],
-    ["put", "{p}", "k2", ""],
-    ["restore", "{p}", "--replace", "-i", ""],
-    ["delete", "{new}", "--force", "--disk-path", ""],
-    ["keys", "{p}", "--limit", "0"],
+ODD = [  # (arguments, what the one line must say)
+    (["get", "{p}", "k", "-o", ""], '--output needs a file name'),
+    (["get", "{p}", "k", "--verify", "-o", ""], '--output needs a file name'),
+    (["persist", "{p}", "--keep", "99999999999"], 'at most 4294967295'),
+    (["persist", "{p}", "--keep", "99999999999", "--full"], 'at most 4294967295'),
+    (["persist", "{p}", "--keep", "18446744073709551616"], 'at most 4294967295'),
+    (["persist", "{p}", "-o", ""], '--output needs a file name'),
+    (["create", "{new}", "--size", "1M", "--keep", "99999999999"], 'at most 4294967295'),
+    (["create", "{new}", "--size", "1M", "--keep", "0"], 'at least 1'),
+    (["create", "{new}", "--size", "1M", "--tier-admit", "3"], 'at most 2'),
+    (["create", "{new}", "--size", "1M", "--tier-admit", "-1"], 'at least 1'),
+    (["create", "{new}", "--size", "1M", "--tier", "disk", "--disk-max-entries", "99999999999"], 'at most 2147483646'),
+    (["create", "{new}", "--size", "1M", "--max-entries", b"\xff"], 'not UTF-8'),
+    (["create", "{new}", "--size", "1M", "--disk-path", ""], '--disk-path needs a directory'),
+    (["snapshots", "{p}", "--prune", "--keep", "99999999999"], 'at most 4294967295'),
+    (["status", "{p}", "--watch", "99999999999", "--count", "1"], 'from 0.01 to 86400 seconds'),
+    (["status", "{p}", "--watch", "inf", "--count", "1"], 'from 0.01 to 86400 seconds'),
+    (["status", "{p}", "--watch", "1e-300", "--count", "1"], 'from 0.01 to 86400 seconds'),
+    (["put", "{p}", "k2", "/dev/null", "--ttl", "inf"], 'at most 3155760000 (100 years'),
+    (["put", "{p}", "k2", "/dev/null", "--ttl", "1e400"], 'at most 3155760000 (100 years'),
+    (["put", "{p}", "k2", "/dev/null", "--ttl", "nan"], 'at most 3155760000 (100 years'),
+    (["put", "{p}", "k2", "/dev/null", "--ttl", "1e12"], 'at most 3155760000 (100 years'),
+    (["put", "{p}", "k2", ""], 'FILE needs a file name'),
+    (["restore", "{p}", "--replace", "-i", ""], '--input needs a file name'),
+    (["delete", "{new}", "--force", "--disk-path", ""], '--disk-path needs a directory'),
+    (["keys", "{p}", "--limit", "0"], 'at least 1'),
 ]
-
 
 @pytest.fixture(scope="module")
 def odd_pool():
@@ -390,9 +389,10 @@ def odd_pool():
     snap.prune(name, 0)
 
 
-@pytest.mark.parametrize("argv", ODD, ids=[" ".join(a if isinstance(a, str) else repr(a) for a in argv) or "-"
-                                           for argv in ODD])
-def test_an_odd_number_or_path_is_one_line_exit_2_and_changes_nothing(odd_pool, pool_name, cleanup, tmp_path, argv):
+@pytest.mark.parametrize("argv, says", ODD, ids=[" ".join(a if isinstance(a, str) else repr(a) for a in argv)
+                                                  for argv, _ in ODD])
+def test_an_odd_number_or_path_is_one_line_exit_2_and_changes_nothing(odd_pool, pool_name, cleanup, tmp_path, argv,
+                                                                       says):
     name, snapshot_dir = odd_pool, Path(os.environ["CORTEX_CACHE_SNAPSHOT_DIR"])
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -406,6 +406,7 @@ def test_an_odd_number_or_path_is_one_line_exit_2_and_changes_nothing(odd_pool, 
                        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     msg = failed(r, 2)
     assert "Input should" not in msg and "Value error" not in msg and "internal error" not in msg, msg
+    assert says in msg, msg  # the bound broken, or what is missing: never a wrong bound
     assert _world(name, snapshot_dir, cwd) == before
 
 
