@@ -108,7 +108,7 @@ complete -c cortex -n '__cortex_at group' -a doctor -d 'Check this host\'s set-u
 complete -c cortex -n '__cortex_using create' -s s -l size -x -d 'Data capacity, e.g. 16G, 512MiB, 1.5G (K/M/G/T = powers of 1024, KB/MB/GB = 1000)'
 complete -c cortex -n '__cortex_using create' -l tier -x -a 'cpu disk' -d 'Storage tiers'
 complete -c cortex -n '__cortex_using create' -l block-size -x -d 'Allocation unit; a power of two'
-complete -c cortex -n '__cortex_using create' -l policy -x -a 'lru lfu fifo priority ttl size s3fifo arc auto' -d 'Eviction policy'
+complete -c cortex -n '__cortex_using create' -l policy -x -a 'lru lfu fifo priority ttl size s3fifo arc auto' -d 'Eviction policy, in any case'
 complete -c cortex -n '__cortex_using create' -l max-entries -x -d 'Index capacity (default: one entry per block, at most 1,048,576)'
 complete -c cortex -n '__cortex_using create' -l mode -x -d 'Permission bits of the segment (octal)'
 complete -c cortex -n '__cortex_using create' -l no-reserve -d 'Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)'
@@ -136,7 +136,7 @@ complete -c cortex -n '__cortex_using list' -l help -d 'Show this message and ex
 
 complete -c cortex -n '__cortex_using status' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using status' -l format -x -a 'table json prometheus' -d 'table (default), json, or prometheus (text exposition format)'
-complete -c cortex -n '__cortex_using status' -l watch -x -d 'Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1) until Ctrl-C; needs NAME'
+complete -c cortex -n '__cortex_using status' -l watch -x -d 'Print one line of rates (puts/s, gets/s, hit ratio, evictions/s, disk spills and promotions/s) every SECONDS (default 1, from 0.01 to 86400) until Ctrl-C; needs NAME'
 complete -c cortex -n '__cortex_using status' -l count -x -d 'With --watch: stop after N lines'
 complete -c cortex -n '__cortex_using status' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'
 complete -c cortex -n '__cortex_using status' -l debug -d 'Show the traceback of an error (also CORTEX_CACHE_DEBUG=1); accepted anywhere before a -- argument'
@@ -216,7 +216,7 @@ complete -c cortex -n '__cortex_using persist 0' -a '(__cortex_pools)' -d pool
 
 complete -c cortex -n '__cortex_using restore' -s i -l input -r -F -d 'Snapshot file (default: NAME.ccsnap in the snapshot directory)'
 complete -c cortex -n '__cortex_using restore' -l replace -d 'Replace an existing pool: a new one with its size, policy and tiers is filled from the snapshot and swapped in atomically (its disk tier is emptied; a remote tier is left alone)'
-complete -c cortex -n '__cortex_using restore' -l if-missing -d 'Exit 0 and change nothing if the pool exists; restore it if it does not (exit 66 without a snapshot)'
+complete -c cortex -n '__cortex_using restore' -l if-missing -d 'Exit 0 and change nothing if the pool exists; restore it if it does not; without a snapshot of it (a first boot) exit 66 with a note, not an error'
 complete -c cortex -n '__cortex_using restore' -l mode -x -d 'Permission bits of the restored segment (octal; default 0600, with --replace the replaced pool\'s); never wider than the snapshot file\'s'
 complete -c cortex -n '__cortex_using restore' -l allow-other-owner -d 'With --if-missing or --replace: accept an existing pool of another user (by default only your own or root\'s: another user may have taken the name first)'
 complete -c cortex -n '__cortex_using restore' -l trust-tiers -d 'Attach the snapshot\'s disk and remote tiers and retention even from a file another user could have written (by default only from snapshots this user wrote)'

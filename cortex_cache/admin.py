@@ -54,8 +54,11 @@ def pool_summary(name: str) -> dict[str, Any]:
 
 def listed_names() -> list[str]:
     """The pools `list` and `status` show: every segment under the prefix but restore's staging ones
-    (not pools yet; `doctor` reports those left behind, and anyone may plant such a name)."""
-    return [e.name for e in segment.scan() if not e.name.startswith(snap.STAGING_PREFIX)]
+    (not pools yet; `doctor` reports those left behind, and anyone may plant such a name) and the pools of
+    a longer prefix (`nc.sd.`'s pool `x` is the segment `nc.sd.x`, which `nc.` would list as `sd.x`: the
+    header's prefix mark says whose it is)."""
+    return [e.name for e in segment.scan()
+            if not e.name.startswith(snap.STAGING_PREFIX) and not header.made_under_another_prefix(e.name)]
 
 
 def all_pool_summaries() -> list[dict[str, Any]]:
@@ -95,6 +98,18 @@ def add_operating_facts(row: dict[str, Any], attached: dict[str, list[int]] | No
     row["attached"] = [dict(described[p]) for p in row["attached_pids"]]
     row["attached_old"] = [dict(described[p]) for p in row["attached_old_pids"]]
     row["snapshots"] = snap.snapshot_usage(row["name"])
+    row["snapshots"]["latest_value_bytes"] = latest_value_bytes(row["name"])
+
+
+def latest_value_bytes(name: str) -> int | None:
+    """The value bytes pool `name`'s latest snapshot (NAME.ccsnap) holds, what a restore of it loads, from
+    the file's trailer (its manifest's, for an incremental snapshot, whose values are in packs: the file
+    alone is a small part of them); None without one, or one that cannot be read."""
+    try:
+        with snap.Snapshot(snap.latest_path(name), verify=False, private=True) as s:
+            return int(s.value_bytes)
+    except (CortexCacheError, OSError):
+        return None
 
 
 def pool_status(name: str, missing_ok: bool = False) -> dict[str, Any]:
@@ -231,5 +246,5 @@ def orphaned_tier(name: str) -> str | None:
 
 
 __all__ = ["status_word", "pool_summary", "all_pool_summaries", "others_attached", "others_on_old_copies", "add_operating_facts",
-           "pool_status", "all_pool_statuses", "listed_names", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier",
+           "pool_status", "all_pool_statuses", "listed_names", "latest_value_bytes", "open_listed", "disk_tier_of", "Deleted", "delete_pool", "remove_disk_tier",
            "orphaned_tier"]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from . import interrupts, safefs
-from .cli_render import now_iso
+from .cli_render import JSON_SCHEMA, now_iso
 from .errors import EX_IOERR, EX_SOFTWARE, EX_USAGE, CortexCacheError, UsageError
 from .interrupts import Interrupted
 
@@ -150,19 +150,39 @@ def one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
-def error(msg: str, code: int, as_json: bool) -> None:
-    """An error: one line on stderr; with --json a JSON document {"time", "error", "exit"}."""
+def error(msg: str, code: int, as_json: bool, kind: str = "error") -> None:
+    """An error: one line on stderr; with --json a JSON document {"time", "schema", "error", "exit"}.
+    `kind` "note": what ends the command is no fault (`restore --if-missing` on a first boot), said as
+    `cortex: note: ...` (and "note" in the JSON document) with its exit code all the same."""
     if as_json:
-        sys.stderr.write(json.dumps({"time": now_iso(), "error": msg, "exit": code}, separators=(",", ":")) + "\n")
+        doc = {"time": now_iso(), "schema": JSON_SCHEMA, kind: msg, "exit": code}
+        sys.stderr.write(json.dumps(doc, separators=(",", ":")) + "\n")
     else:
-        sys.stderr.write(f"cortex: error: {msg}\n")
+        sys.stderr.write(f"cortex: {kind}: {msg}\n")
+
+
+# The parser's messages in our words: no validation-library phrasing ("Input should be ...", "Value error,").
+_USAGE_WORDS = [
+    (r"Invalid value for '([^']+)': Value error, '(.*)' is not one of (.*?)\.?$",
+     lambda m: f"invalid {m[1]} '{m[2]}': choose one of {m[3].replace(chr(39), '')} (in any case)"),
+    (r"Invalid value for '([^']+)': Input should be a valid integer.*$", r"invalid \1: give a whole number"),
+    (r"Invalid value for '([^']+)': Input should be a valid number.*$", r"invalid \1: give a number"),
+    (r"Invalid value for '([^']+)': Input should be a valid string.*$", r"invalid \1: not UTF-8 text"),
+    (r"Input should be greater than or equal to (\S+)", r"must be at least \1"),
+    (r"Input should be less than or equal to (\S+)", r"must be at most \1"),
+    (r"Input should be greater than (\S+)", r"must be more than \1"),
+    (r"Input should be less than (\S+)", r"must be less than \1"),
+    (r"Invalid value for '([^']+)': ", r"invalid \1: "),
+    (r"Value error, ", ""),
+]
 
 
 def usage_words(msg: str) -> str:
-    """The parser's message in our words: no validation-library phrasing ("Input should be ...")."""
+    """The parser's message in our words, one line."""
     msg = one_line(msg)
-    return re.sub(r"Input should be (greater|less) than or equal to (\S+)", r"must be at \1 \2", msg).replace(
-        "at greater", "at least").replace("at less", "at most")
+    for pattern, words in _USAGE_WORDS:
+        msg = re.sub(pattern, words, msg)
+    return msg
 
 
 def is_usage_error(e: BaseException) -> bool:
@@ -235,9 +255,15 @@ def run_guarded(command: Callable[[], Any], debug: bool, as_json: bool) -> int:
         drop_stdout()
         code = EX_IOERR
     except Exception as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `cortex` / `cortex cache`: show help
-            sys.stderr.write(e.format_message() + "\n")  # type: ignore[attr-defined]
-            return EX_USAGE
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `cortex` / `cortex cache`: the help asked for
+            sys.stdout.write(e.format_message() + "\n")  # type: ignore[attr-defined]
+            sys.stdout.flush()
+            return 0
+        if is_usage_error(e) and getattr(e, "ctx", None) is not None and e.format_message() == "Missing command.":
+            # Options but no command (`cortex -q`, `cortex cache --debug`): no command either, so the help too.
+            sys.stdout.write(e.ctx.get_help() + "\n")  # type: ignore[attr-defined]
+            sys.stdout.flush()
+            return 0
         if is_usage_error(e):
             # The parser's own errors (unknown option, bad choice): one line, exit 2.
             error(f"{usage_words(e.format_message())} (see --help)", EX_USAGE, as_json)  # type: ignore[attr-defined]

@@ -52,10 +52,16 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 
+# The version of every --json document's shape (docs/cli.md, "JSON output"): a field may be added in any
+# release without changing it; a field removed or renamed, or one whose type or meaning changes, raises it.
+JSON_SCHEMA = 1
+
+
 def print_json(doc: Any) -> None:
-    """One JSON document on one line (fit for a log), with the time it was made (UTC, ISO 8601)."""
+    """One JSON document on one line (fit for a log), with the time it was made (UTC, ISO 8601) and the
+    version of its shape (`schema`)."""
     if isinstance(doc, dict):
-        doc = {"time": now_iso(), **doc}
+        doc = {"time": now_iso(), "schema": JSON_SCHEMA, **doc}
     sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
 
 
@@ -165,7 +171,8 @@ def say_restored(report: dict[str, Any]) -> None:
         f"from {report['path']} in {report['seconds']:.2f}s"
         + (f" (serving after {published:.2f}s)" if published is not None and not report.get("resumed") else "")
         + (f"; {entries(report['expired_skipped'], 'expired entries')} skipped" if report["expired_skipped"] else "")
-        + (f"; {entries(report['present_skipped'])} kept as put meanwhile" if report.get("present_skipped") else "")
+        + (f"; {entries(report['present_skipped'])} skipped, there already (put, or read early, meanwhile)"
+           if report.get("present_skipped") else "")
     )
     if report.get("ended") == "stopped":
         say("the fill stopped early: the pool filled up with newer entries, or was emptied or deleted meanwhile")
@@ -277,7 +284,11 @@ def fill_line(f: dict[str, Any], name: str) -> str:
     pct = 100.0 * f["bytes_loaded"] / f["bytes_total"] if f["bytes_total"] else 100.0
     done = (f"{pct:.0f}%: {fmt_size(f['bytes_loaded'])} of {fmt_size(f['bytes_total'])}, "
             f"{f['entries_done']} of {f['entries_total']} entries")
-    extra = "".join(f", {f[k]} {what}" for k, what in (("skipped", "skipped"), ("corrupt", "damaged")) if f[k])
+    # Skipped: entries the fill found in the pool already (put meanwhile, or read from the snapshot when asked
+    # for before the fill came to them) or expired by then; damaged: failed their checksum, left out.
+    extra = "".join(f", {f[k]} {what}" for k, what in (
+        ("skipped", "skipped (there already: put, or read early; or expired)"),
+        ("corrupt", "damaged (failed their checksum: left out)")) if f[k])
     state = f["state"]
     if state == "filling":
         return f"filling {done}{extra}, from {shown(f['snapshot'])}"
@@ -451,7 +462,8 @@ def prometheus(rows: list[dict[str, Any]]) -> str:
         ("last_snapshot_timestamp_seconds", "last_snapshot", "gauge",
          "When the pool's latest snapshot was taken (its last persist, or the snapshot it was restored from: "
          "status's last snapshot), seconds since the epoch (0: never); alert when it gets old."),
-        ("last_snapshot_bytes", "latest_bytes", "gauge", "Size of the latest snapshot (0: none)."),
+        ("last_snapshot_bytes", "latest_value_bytes", "gauge",
+         "Value bytes the latest snapshot holds, what a restore of it loads (0: none)."),
     ]
     with_snaps = [r for r in ok if r.get("snapshots")]
     for metric, key, kind, help_ in snap_metrics if with_snaps else []:
@@ -520,7 +532,7 @@ def run_with_progress(description: str, fn: Callable[[Any], Any]) -> Any:
 
 
 __all__ = [
-    "Output", "console", "print_table", "now_iso", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
+    "Output", "console", "print_table", "now_iso", "JSON_SCHEMA", "print_json", "say", "fmt_size", "fmt_time", "fmt_age",
     "show_key", "json_key", "warn", "fmt_rate", "key_table", "say_created", "say_restored", "say_published", "pools_table", "show_attached", "print_status",
     "WATCH_HEADER", "watch_line", "keys_table", "snapshots_table", "prometheus", "progress_bar", "run_with_progress",
 ]

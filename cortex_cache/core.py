@@ -385,7 +385,7 @@ class Core:
         """The error for one of METADATA_ERRORS met under the lock."""
         return SegmentCorrupt(
             f"pool {self.name!r} has damaged metadata ({type(e).__name__}: {e}); "
-            "it is repaired on its next use, or with `cortex cache verify --repair`"
+            f"it is repaired on its next use, or with `cortex cache verify {self.name} --repair`"
         )
 
     def gone_error(self) -> SegmentCorrupt:
@@ -859,7 +859,7 @@ class Core:
             i = self._c_next[i]
             steps += 1
             if steps > self._n_slots:
-                raise SegmentCorrupt(f"pool {self.name!r}: hash chain loop; run `cortex cache verify --repair`")
+                raise SegmentCorrupt(f"pool {self.name!r}: hash chain loop; run `cortex cache verify {self.name} --repair`")
         return -1
 
     def remove(self, i: int) -> None:
@@ -937,7 +937,7 @@ class Core:
         if first + nblk > self._n_blocks or vlen > nblk * bs or (nblk and vlen <= (nblk - 1) * bs):
             raise SegmentCorrupt(
                 f"pool {self.name!r}: entry {i} has impossible metadata (block {first} + {nblk}, "
-                f"{vlen} bytes); it is repaired on the pool's next use, or with `cortex cache verify --repair`"
+                f"{vlen} bytes); it is repaired on the pool's next use, or with `cortex cache verify {self.name} --repair`"
             )
         return self._data_off + first * bs, vlen
 
@@ -972,7 +972,7 @@ class Core:
         """The error of a read whose value does not match its checksum."""
         return ValueCorrupt(
             f"pool {self.name!r}: a value does not match its checksum (its slot points at other bytes, or "
-            "they were changed in place); `cortex cache verify --repair` drops such entries"
+            f"they were changed in place); `cortex cache verify {self.name} --repair` drops such entries"
         )
 
     def pin_live(self, kb: bytes, kh: int, count_miss: bool = True) -> Pinned | None:

@@ -115,7 +115,8 @@ def check_snapshots(pools) -> list[Finding]:
 
     need = sum(info["stats"]["value_bytes"] for _, info, _ in pools if info)
     out = check_directory("snapshot", snapshot_dir(), need)
-    # Incremental snapshots share packs; compaction keeps them within SPACE_BOUND of the largest one.
+    # Incremental snapshots share packs; compaction keeps what they take within SPACE_BOUND of what the kept
+    # snapshots need (the one ratio `snapshots` prints too).
     over = []
     for name, _, _ in pools:
         try:
@@ -127,9 +128,9 @@ def check_snapshots(pools) -> list[Finding]:
             over.append((name, space))
     out.append(_finding(
         "snapshot-space", not over,
-        f"snapshots take at most {SPACE_BOUND}x what the kept ones need" if not over else
-        "; ".join(f"snapshots of {n} take {format_size(sp['total_bytes'])}, {sp['waste_ratio']:.1f}x what the kept "
-                  f"ones need" for n, sp in over),
+        f"snapshots take at most {SPACE_BOUND}x what the kept snapshots need" if not over else
+        "; ".join(f"snapshots of {n} take {format_size(sp['total_bytes'])}, {sp['waste_ratio']:.2f}x what the kept "
+                  f"snapshots need (at most {SPACE_BOUND}x after a persist)" for n, sp in over),
         "; ".join(f"`cortex cache persist {n}`: it deletes what no snapshot needs and compacts the rest (a pack "
                   f"it cannot read stays until the snapshots naming it age out; `persist {n} --full` shares "
                   "nothing with them)" for n, _ in over)))

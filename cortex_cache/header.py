@@ -12,12 +12,13 @@ import os
 import time
 
 import numpy as np
+import xxhash
 
 from . import segment
 from .errors import CortexCacheError, IncompatibleVersion, SegmentCorrupt
 from .eviction import POLICY_IDS, policy_by_id
 from .layout import (
-    DISK_ON, FLAG_MULTI_THREADED, FLAG_RESERVED, FORMAT_VERSION, HEADER_DTYPE, HEADER_SIZE, MAGIC,
+    DISK_ON, FLAG_MULTI_THREADED, FLAG_RESERVED, FORMAT_VERSION, HEADER_DTYPE, HEADER_FIELDS, HEADER_SIZE, MAGIC,
     QUEUE_HEADER_DTYPE, Geometry, ghost_buckets,
 )
 from .lock import RecordLock
@@ -43,6 +44,7 @@ def initialise(seg: segment.Segment, geo: Geometry, name: str, policy: str, mode
     h["created"] = time.time()
     h["mode"] = mode
     h["name"] = name.encode()
+    h["prefix_mark"] = prefix_mark()
     h["lfu_period"] = lfu_period or max(1024, geo.n_slots)
     h["cand_next_expiry"] = np.inf
     pol = policy_by_id(int(h["policy"]))
@@ -69,6 +71,37 @@ def initialise(seg: segment.Segment, geo: Geometry, name: str, policy: str, mode
 def publish(seg: segment.Segment) -> None:
     """Write the magic: the segment is a complete pool from now on."""
     np.frombuffer(seg.mm, np.uint8, 8, 0)[:] = np.frombuffer(MAGIC, np.uint8)
+
+def prefix_mark(prefix: str | None = None) -> int:
+    """What a pool made under `prefix` (default: the prefix in force) carries in its header's prefix_mark:
+    a checksum of the prefix, never 0 (0 is "made before the mark existed")."""
+    p = segment.prefix() if prefix is None else prefix
+    return xxhash.xxh3_64_intdigest(b"cortex-cache prefix " + p.encode()) or 1
+
+
+_MARK_AT = {f[0]: f[2] for f in HEADER_FIELDS}["prefix_mark"]
+
+
+def made_under_another_prefix(name: str) -> bool:
+    """True when the segment listed as pool `name` under the prefix in force was made under a longer prefix:
+    `nc.sd.` + `pool1` is also `nc.` + `sd.pool1`, and the header's prefix_mark says whose it is.  False when
+    it was made under this prefix, carries no mark (made before it existed, or still being made), or cannot
+    be read, or is no pool at all (no magic: junk is listed as corrupt under every prefix)."""
+    try:
+        fd = os.open(segment.shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        magic, raw = os.pread(fd, len(MAGIC), 0), os.pread(fd, 8, _MARK_AT)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if magic != MAGIC or len(raw) < 8:
+        return False
+    mark = int.from_bytes(raw, "little")
+    return mark != 0 and mark != prefix_mark()
+
 
 def open_segment(name: str, wait: bool = True) -> segment.Segment:
     """Open and validate pool `name`'s segment, waiting (bounded) for a creator still initialising it;
@@ -167,4 +200,4 @@ def _validate(seg: segment.Segment) -> None:
         raise SegmentCorrupt(f"pool {seg.name!r} has a damaged header: a disk tier without a disk index")
 
 
-__all__ = ["initialise", "publish", "open_segment"]
+__all__ = ["initialise", "publish", "open_segment", "prefix_mark", "made_under_another_prefix"]

@@ -238,7 +238,10 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("tier_admit", "<u4", 984),  # 0 or 1: every evicted entry goes below; 2: only entries read since their put
     ("tier_pad", "<u4", 988),
     ("tier_refused", "<u8", 992),  # evicted entries the lower tiers were not offered (not admitted)
-    # 1000..1023 reserved (zero).
+    # 1000..1015 reserved (zero).
+    # Which CORTEX_CACHE_SHM_PREFIX the pool was made under (header.prefix_mark; 0: made before this field),
+    # so that a listing under a shorter prefix ("nc.") leaves out the pools of a longer one ("nc.sd.").
+    ("prefix_mark", "<u8", 1016),
     ("disk_path", "S2048", 1024),  # absolute path of the tier's directory, NUL padded
     ("remote_url", "S1024", 3072),  # the server's URL (password included: the segment is private)
 ]

@@ -1,9 +1,11 @@
-"""Names of the eviction policies, in the order of their ids in the segment.
+"""Names of the eviction policies, in the order of their ids in the segment, and how `--help` lists them.
 
 Kept free of numpy so the CLI can offer `--policy` choices without loading
 it; the implementations are in eviction.py, which checks it covers exactly
 these names.  Append only: a segment stores a policy as its index here.
 """
+
+import textwrap
 
 POLICY_HELP: dict[str, str] = {
     "lru": "least recently read or written first",
@@ -18,3 +20,26 @@ POLICY_HELP: dict[str, str] = {
 }
 POLICY_IDS: list[str] = list(POLICY_HELP)
 DEFAULT_POLICY = "lru"
+# The line `create --help` gives someone who does not know which to choose.  It names the default and
+# why, with the figures in docs/performance.md ("Eviction policies"): change it with DEFAULT_POLICY.
+IF_UNSURE = (
+    f"If unsure: {DEFAULT_POLICY}, the default (what most caches do, and the easiest to predict); auto had "
+    "the best hit ratio on the KV-cache traces measured (docs/performance.md, \"Eviction policies\")."
+)
+
+
+def policy_list(width: int = 76) -> str:
+    """The policies as `--help` shows them: a heading, then one policy a line (its description wrapped under
+    itself), the default marked.  Starts with click's \\b, which keeps the lines as they are."""
+    name_width = max(map(len, POLICY_IDS)) + 2
+    lines = ["\b", "Policies (--policy, in any case):"]
+    for name, what in POLICY_HELP.items():
+        if name == DEFAULT_POLICY:
+            what += " (the default)"
+        wrapped = textwrap.wrap(what, width - 2 - name_width)
+        lines.append(f"  {name:<{name_width}}{wrapped[0]}")
+        lines += [" " * (2 + name_width) + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+__all__ = ["POLICY_HELP", "POLICY_IDS", "DEFAULT_POLICY", "IF_UNSURE", "policy_list"]

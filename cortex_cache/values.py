@@ -60,13 +60,18 @@ def key_bytes(key: str | bytes | bytearray | memoryview) -> tuple[bytes, bool]:
     return kb, is_str
 
 
+# The longest TTL: an expiry further off is no expiry a clock or a calendar can show (time_t, dates).
+MAX_TTL = 100 * 365.25 * 86400
+
+
 def put_args(core: Any, kb: bytes, is_str: bool, nbytes: int, ttl: Any, priority: Any) -> tuple[int, int, int]:
     """Check the arguments every put shares (key already made bytes): (key hash, slot flags, blocks).
 
     `core` is the pool's Core (core.py), which knows how many blocks `nbytes` takes.
     """
-    if ttl is not None and not ttl > 0:
-        raise UsageError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    if ttl is not None and not 0 < ttl <= MAX_TTL:  # nan and inf fail too
+        raise UsageError(f"ttl must be a number of seconds above 0 and at most {MAX_TTL:.0f} (100 years; "
+                         f"an entry without one never expires), not {ttl!r}")
     if priority.__class__ is not int and not isinstance(priority, (int, np.integer)) or not (
         -(2**63) <= priority < 2**63
     ):

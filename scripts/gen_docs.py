@@ -106,8 +106,10 @@ class Model:
 
 
 def _split_help(text: str) -> tuple[str, list[str], list[str]]:
-    """(summary, other paragraphs, examples) of a command's help text."""
-    paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text or "") if p.strip()]
+    """(summary, other paragraphs, examples) of a command's help text.  A paragraph that starts with click's
+    \\b (keep these lines as they are: a heading and a list, like create's policies) keeps its lines."""
+    paras = [p.strip("\n") if p.startswith("\b") else " ".join(p.split())
+             for p in re.split(r"\n\s*\n", text or "") if p.strip()]
     examples = [p.removeprefix("Example:").strip() for p in paras if p.startswith("Example:")]
     paras = [p for p in paras if not p.startswith("Example:")]
     first, rest = (paras[0], paras[1:]) if paras else ("", [])
@@ -662,6 +664,20 @@ def _line(text: str) -> str:
     return "\n".join(("\\&" + ln) if ln[:1] in (".", "'") else ln for ln in lines)
 
 
+def _definitions(block: str) -> tuple[str, list[tuple[str, str]]]:
+    """A \\b paragraph as (heading, [(term, text)]): "  term   text" starts an item, a line indented
+    further goes on with the one before."""
+    lines = block.removeprefix("\b").strip("\n").splitlines()
+    items: list[tuple[str, str]] = []
+    for ln in lines[1:]:
+        m = re.match(r"  (\S+)\s+(.*)$", ln)
+        if m and not ln.startswith("   "):
+            items.append((m[1], m[2]))
+        elif items:
+            items[-1] = (items[-1][0], items[-1][1] + " " + ln.strip())
+    return lines[0], items
+
+
 def _mv(metavar: str) -> str:
     return "\\fI" + metavar.replace("-", "\\-") + "\\fR"
 
@@ -727,7 +743,11 @@ def man(m: Model) -> str:
     w(
         "Data goes to standard output; diagnostics go to standard error as one line, "
         "\\fBcortex: error:\\fR \\fImessage\\fR, with an exit status from \\fBEXIT STATUS\\fR below.  "
-        "Commands that report take \\fB\\-\\-json\\fR: one JSON document on standard output, with exact byte counts.  "
+        "Commands that report take \\fB\\-\\-json\\fR: one JSON document on standard output, with exact byte counts, "
+        "its time and its \\fBschema\\fR (the version of the documents' shape: within one, fields are only added).  "
+        "Confirmations of what a command did go to standard output too; notes that there is nothing to show or do "
+        "(\\fBcortex: note:\\fR ...) and warnings go to standard error.  \\fBcortex\\fR and "
+        f"\\fBcortex {m.group}\\fR alone print their help and exit 0.  "
         "Tables are coloured only when standard output is a terminal and \\fBNO_COLOR\\fR is not set; "
         "progress bars go to standard error, only when it is a terminal."
     )
@@ -749,7 +769,19 @@ def man(m: Model) -> str:
         w(_line(_esc(c.summary)))
         for p in c.paragraphs:
             w(".PP")
-            w(_line(_esc(p)))
+            if not p.startswith("\b"):
+                w(_line(_esc(p)))
+                continue
+            heading, items = _definitions(p)
+            w(_line(_esc(heading)))
+            w(".RS 4")
+            w(".PD 0")  # one line per item, as --help shows them
+            for term, text in items:
+                w(".TP 10")
+                w(f"\\fB{_esc(term)}\\fR")
+                w(_line(_esc(text)))
+            w(".PD")
+            w(".RE")
         for a in c.args:
             w(".TP")
             w(_mv(a.metavar))
@@ -853,7 +885,7 @@ def man(m: Model) -> str:
     w(".PP")
     w(
         "Boot: one line that restores pool \\fIllama\\fR after a reboot, creates it on a first boot (no snapshot "
-        "yet: exit 66) and does nothing when it exists.  Cron and systemd do not read your PATH: name \\fBcortex\\fR "
+        "yet: exit 66, with a note rather than an error) and does nothing when it exists.  Cron and systemd do not read your PATH: name \\fBcortex\\fR "
         "by its absolute path (\\fBcommand \\-v cortex\\fR prints it; \\fBcortex cache doctor\\fR says which one "
         "a cron job would run):"
     )

@@ -115,7 +115,8 @@ def test_quiet_keeps_data_json_and_errors(new_pool, pool_name, cleanup, tmp_path
     assert f'cortex_cache_entries{{pool="{name}"}} 2' in prom
     doc = json.loads(ok(cli("cache", "evict", name, "--key", "k2", "--json", "-q")).stdout)
     assert isinstance(doc.pop("time"), str)  # every --json document says when it was made
-    assert doc == {"pool": name, "tier": "memory", "entries": 1, "bytes": 3}
+    assert doc.pop("schema") == 1  # ... and the version of its shape (docs/cli.md, "JSON output")
+    assert doc == {"pool": name, "tier": "memory", "entries": 1, "bytes": 3, "missing": []}
     created = f"{pool_name}-json"
     cleanup.append(created)
     doc = json.loads(ok(cli("cache", "create", created, "--size", "1M", "--json", "--quiet")).stdout)

@@ -58,6 +58,8 @@ FROZEN_HEADER = [
     # to the lower tiers.
     ("qslots_off", "<u8", 968), ("n_ghosts0", "<u4", 976), ("n_ghosts1", "<u4", 980),
     ("tier_admit", "<u4", 984), ("tier_pad", "<u4", 988), ("tier_refused", "<u8", 992),
+    # ... and the prefix the pool was made under (0 in older pools: listed under any prefix, as before).
+    ("prefix_mark", "<u8", 1016),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
 ]
 FROZEN_SLOT_COLUMNS = [

@@ -59,7 +59,8 @@ def test_snapshots_listing_status_and_prometheus(pool, pool_name):
     assert space["total_bytes"] == sum(r["bytes"] for r in rows) + space["pack_bytes"]
     prom = cli("cache", "status", pool_name, "--format", "prometheus").stdout.decode()
     assert f'cortex_cache_snapshots{{pool="{pool_name}"}} 2' in prom
-    assert f'cortex_cache_last_snapshot_bytes{{pool="{pool_name}"}} {rows[1]["bytes"]}' in prom
+    # The latest snapshot's bytes are its values' (100), not its manifest file's.
+    assert f'cortex_cache_last_snapshot_bytes{{pool="{pool_name}"}} {rows[1]["value_bytes"]}' in prom
     m = re.search(rf'cortex_cache_last_snapshot_timestamp_seconds{{pool="{pool_name}"}} (\S+)', prom)
     assert m and abs(float(m.group(1)) - rows[1]["time"]) < 5
     gone = cli("cache", "status", pool_name + "-gone", "--format", "prometheus")

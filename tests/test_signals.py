@@ -163,7 +163,7 @@ def test_a_signal_during_delete_force_waits_and_the_tier_goes_with_the_pool(make
     child.proc.send_signal(signal.SIGTERM)
     rc, out, err = child.finish()
     assert rc == 0, (rc, err)
-    assert f"deleted pool {name}" in out and "removed disk tier" in err
+    assert f"deleted pool {name}" in out and "removed disk tier" in out
     assert not Pool.exists(name) and not (tmp_path / "tier").exists()
 
 

@@ -581,7 +581,7 @@ def test_cli_create_status_keys_evict_delete_with_a_tier(tmp_path, pool_name):
     assert r.returncode == 0 and b"disk records verified" in r.stdout
     # delete keeps the tier, and says so; --force removes it.
     r = cli("cache", "delete", pool_name, env=env)
-    assert r.returncode == 0 and b"kept disk tier" in r.stderr and default_dir.exists()
+    assert r.returncode == 0 and b"kept disk tier" in r.stdout and default_dir.exists()
     assert cli("cache", "create", pool_name, "--size", "1M", "--tier", "disk", env=env).returncode == 0
     r = cli("cache", "delete", pool_name, "--force", env=env)
     assert r.returncode == 0 and not default_dir.exists()
