@@ -272,7 +272,8 @@ _SAME_HEADER = ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "h
                 "evictions", "expirations", "bytes_evicted", "lfu_epoch", "ops", "used_kcells", "key_hint",
                 "gone_seq", "cand_valid", "cand_count", "cand_pos")
 _QUEUE_HEADER = ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
-                 "g1_live", "cand1_valid", "cand1_count", "cand1_pos")
+                 "g1_live", "cand1_valid", "cand1_count", "cand1_pos", "q_regime", "q_ghost_rate", "q_hit_rate",
+                 "q_hits_seen")
 
 
 def _writes(p: Pool, seed: int) -> list:
