@@ -274,6 +274,7 @@ class Core:
             self.fast = None
         if self.queues is not None:
             self.queues.__dict__.pop("evicted", None)  # the fast path's: no cycle left through it
+        self.repair_hooks = []  # bound to the queues' and tiers' views of the mapping: they must go with it
         self.victims = None  # type: ignore[assignment]
         self.queues = None
         self.columns = None  # type: ignore[assignment]

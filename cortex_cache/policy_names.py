@@ -17,4 +17,4 @@ POLICY_HELP: dict[str, str] = {
     "auto": "S3-FIFO with ARC's adaptation and a longer memory: hits best on KV-cache traces",
 }
 POLICY_IDS: list[str] = list(POLICY_HELP)
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "auto"
