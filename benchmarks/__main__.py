@@ -17,8 +17,10 @@ benchmark's full output.
   scaling   get_into throughput of two reader processes against one
   eviction  put latency and throughput in a full pool against an empty one
   policies  every eviction policy's hit rate on the Mooncake traces through a pool
-            and through the KV layer, beside exact LRU of the same run; each
-            policy's full-pool put p50/p99 beside LRU's (issue 27)
+            and through the KV layer, beside exact LRU of the same run, and on
+            the access patterns of benchmarks/workloads.py (auto beside the
+            best of the others); each policy's full-pool put p50/p99 beside
+            LRU's (issues 27, 42)
   persist   snapshot persist/restore against plain file write/read
   boot      restore of a pool that is gone (1, 4, 8 GiB; --quick 0.25, 1):
             first hit after the command starts, the background fill against
@@ -189,6 +191,12 @@ def rows_policies(d: dict) -> list:
         kv = ", ".join(f"{n} {p['kv']['hit_rate']:.3f}" for n, p in per.items() if "kv" in p)
         if kv:
             rows.append((f"{r['trace']} {r['capacity']:,} blocks: hit rate through kv.py", kv, "", None, None))
+    for w in d.get("workloads", {}).get("rows", []):
+        per = w["policies"]
+        rates = ", ".join(f"{n} {per[n]['hit_rate']:.3f}" for n in ("auto", "lru", "s3fifo", "arc"))
+        rows.append((f"workload {w['class']}, {w['capacity']:,} entries: hit rate", rates + f", {w['best_other']} "
+                     f"{per[w['best_other']]['hit_rate']:.3f}", f"best of lru/s3fifo/arc {w['best_classic']:.3f}",
+                     per["auto"]["hit_rate"] / max(w["best_classic"], 1e-9), None))
     for a in d.get("admission", {}).get("rows", []):
         rows.append((f"{a['trace']} {a['policy']} over a disk tier, tier_admit {a['tier_admit']}",
                      f"hit rate {a['hit_rate']:.3f}, disk share {a['disk_hit_share']:.3f}",

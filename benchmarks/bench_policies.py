@@ -18,12 +18,19 @@
 3. per op     Put into a full pool (every put evicts; 4 KB values, 20,000 entries), p50 and p99, each
               policy beside LRU's of the same round, interleaved; target: s3fifo, arc, auto <= 1.5x LRU.
 
+5. workloads  Every class of benchmarks/workloads.py (loops, scans, shifting and mixed hot sets, frequency-
+              and recency-heavy patterns; fixed seeds) through pools of 1,000 and 4,000 entries of 4 KiB
+              values, for every policy: auto beside lru, s3fifo, arc and the best of the others, and each
+              simulated policy against its simulation.  Target: auto >= the best of lru, s3fifo and arc
+              - 0.01 on every class at both capacities.
+
 4. admission  Both traces through a pool of 2,000 entries of 4 KiB over a write-back disk tier of 4x
               its size (in the system's temporary directory), lru and auto, with tier_admit 1 (every
               evicted entry goes to disk) and 2 (only entries seen twice): the hit rate of memory and disk
               together, the disk's share of the hits, and the bytes written to disk.
 
---quick: the synthetic trace only, capacities 2,000 and 6,000, the KV layer at 6,000, fewer puts.
+--quick: the synthetic trace only, capacities 2,000 and 6,000, the KV layer at 6,000, fewer puts, the
+workloads at 1,000 entries only.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import numpy as np  # noqa: E402
 
 import bench_eviction  # noqa: E402  (its put-latency measure and pool clean-up)
 import sim_eviction  # noqa: E402
+import workloads  # noqa: E402
 from cortex_cache import Pool, PoolNotFound  # noqa: E402
 from cortex_cache.policy_names import POLICY_IDS  # noqa: E402
 
@@ -55,6 +63,8 @@ ISSUE_TABLE = {  # issue 27's simulated table: exact LRU, S3-FIFO (10% small que
     "synthetic": {2000: (0.144, 0.146, 0.142), 6000: (0.311, 0.321, 0.322), 20000: (0.571, 0.594, 0.593)},
 }
 WITHIN = 0.005
+WORKLOAD_WITHIN = 0.01
+WORKLOAD_VALUE = bytes(4096)
 COST_LIMIT = 1.5
 CHUNK = 16
 
@@ -246,6 +256,84 @@ def bench_admission(data: Path, traces: list[str], cap: int) -> dict:
     return {"rows": rows}
 
 
+def replay_keys(get, put, keys: list[int], value) -> int:
+    """Hits of `keys` replayed as single-key requests: a get, and on a miss a put of `value`."""
+    hits = 0
+    for k in keys:
+        if get(k) is not None:
+            hits += 1
+        else:
+            put(k, value)
+    return hits
+
+
+class _Sim:
+    """A simulated policy behind the pool's get/put (a hit answers True, a miss None)."""
+
+    def __init__(self, policy) -> None:
+        self.p = policy
+
+    def get(self, k):
+        return True if self.p.get(k) else None
+
+    def put(self, k, value) -> None:
+        self.p.put(k)
+
+
+def bench_workloads(caps: list[int]) -> dict:
+    rows, goals = [], []
+    for cls in workloads.CLASSES:
+        for cap in caps:
+            keys = workloads.generate(cls, cap).tolist()
+            encoded = [b"%d" % k for k in keys]
+            per: dict = {}
+            for policy in POLICY_IDS:
+                p = _pool(f"wl-{policy}-{cap}", cap * len(WORKLOAD_VALUE), block_size=len(WORKLOAD_VALUE),
+                          max_entries=cap, policy=policy)
+                try:
+                    t = time.perf_counter()
+                    hits = replay_keys(p.get, p.put, encoded, WORKLOAD_VALUE)
+                    secs = time.perf_counter() - t
+                finally:
+                    _close(p)
+                sim = sim_eviction.POLICIES.get(policy)
+                simmed = None
+                if sim is not None:
+                    s = _Sim(sim(cap))
+                    simmed = replay_keys(s.get, s.put, keys, None) / len(keys)
+                per[policy] = {"hit_rate": hits / len(keys), "sim": simmed, "seconds": secs}
+            others = {n: r["hit_rate"] for n, r in per.items() if n not in CLASSIC + ["auto"]}
+            other = max(others, key=others.get)
+            best = max(per[n]["hit_rate"] for n in CLASSIC)
+            auto = per["auto"]["hit_rate"]
+            rows.append({"class": cls, "capacity": cap, "accesses": len(keys), "policies": per,
+                         "best_other": other, "best_classic": best})
+            print(f"  {cls:<12}{cap:>6,}  auto {auto:.4f}  lru {per['lru']['hit_rate']:.4f}  s3fifo "
+                  f"{per['s3fifo']['hit_rate']:.4f}  arc {per['arc']['hit_rate']:.4f}  {other} "
+                  f"{others[other]:.4f}", file=sys.stderr, flush=True)
+            same = [n for n, r in per.items() if r["sim"] is not None and r["sim"] != r["hit_rate"]]
+            goals.append({"target": f"policies: workload {cls} {cap:,} every simulated policy hits exactly as "
+                          "simulated", "value": "yes" if not same else "no: " + ",".join(same),
+                          "baseline": "sim_eviction.py", "ratio": None, "met": not same})
+            goals.append({"target": f"policies: workload {cls} {cap:,} auto >= best of lru/s3fifo/arc - "
+                          f"{WORKLOAD_WITHIN}", "value": f"{auto:.4f}", "baseline": f"best {best:.4f}",
+                          "ratio": auto / max(best, 1e-9), "met": auto >= best - WORKLOAD_WITHIN})
+    return {"rows": rows, "goals": goals, "value_bytes": len(WORKLOAD_VALUE)}
+
+
+def print_workloads(w: dict) -> None:
+    print(f"\n== 5. workload classes (benchmarks/workloads.py) through pools of {w['value_bytes']:,}-byte values: "
+          "hit rate ==")
+    print(f"  {'class':<13}{'capacity':>9}{'auto':>8}{'lru':>8}{'s3fifo':>8}{'arc':>8}  {'best other':<16}"
+          f"{'auto - best':>12}")
+    for r in w["rows"]:
+        per = r["policies"]
+        other = f"{r['best_other']} {per[r['best_other']]['hit_rate']:.3f}"
+        print(f"  {r['class']:<13}{r['capacity']:>9,}{per['auto']['hit_rate']:>8.3f}{per['lru']['hit_rate']:>8.3f}"
+              f"{per['s3fifo']['hit_rate']:>8.3f}{per['arc']['hit_rate']:>8.3f}  {other:<16}"
+              f"{per['auto']['hit_rate'] - r['best_classic']:>+12.4f}")
+
+
 def print_admission(a: dict) -> None:
     print("\n== 4. admission to the disk tier (memory 2,000 x 4 KiB entries, disk 4x, write-back) ==")
     print(f"  {'trace':<13}{'policy':<7}{'admit':>6}{'hit rate':>10}{'disk hits':>11}{'disk share':>11}"
@@ -285,7 +373,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--data", type=Path, default=bench_eviction.DEFAULT_DATA)
-    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs", "admission"])
+    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs", "admission", "workloads"])
     args = ap.parse_args()
     q = args.quick
     out: dict = {"quick": q, "goals": []}
@@ -299,6 +387,10 @@ def main() -> int:
                 out["hits"] = bench_hit_rates(args.data, traces, caps, [6000] if q else caps)
                 print_hit_rates(out["hits"])
                 out["goals"] += out["hits"]["goals"]
+        if "workloads" not in args.skip:
+            out["workloads"] = bench_workloads([1000] if q else [1000, 4000])
+            print_workloads(out["workloads"])
+            out["goals"] += out["workloads"]["goals"]
         if "admission" not in args.skip and (args.data / "mooncake_synthetic_trace.jsonl").exists():
             out["admission"] = bench_admission(args.data, ["synthetic"] if q else ["conversation", "synthetic"], 2000)
             print_admission(out["admission"])

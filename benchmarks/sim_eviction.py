@@ -150,7 +150,7 @@ class PaperARC:
 class Ghosts:
     """A ghost ring as the pool keeps one (queues.Ghosts): a key is remembered while fewer than
     `factor` x the entries (at the time) were added after it; taking it back or adding it again
-    forgets the old one."""
+    forgets the old one.  `take` answers the ghost's depth: how many ghosts were added after it."""
 
     def __init__(self, factor: int) -> None:
         self.factor, self.d, self.head = factor, OrderedDict(), 0  # key -> sequence number
@@ -168,11 +168,20 @@ class Ghosts:
                 break
             del self.d[k0]
 
-    def take(self, key) -> bool:
-        return self.d.pop(key, None) is not None
+    def take(self, key) -> int | None:
+        s = self.d.pop(key, None)
+        return None if s is None else self.head - 1 - s
+
+    def __contains__(self, key) -> bool:
+        return key in self.d
 
     def __len__(self) -> int:
         return len(self.d)
+
+
+# auto's constants (eviction.Auto and queues.py hold the pool's; these must equal them).
+AUTO = dict(target=0.1, taper=3.0, near=0.05, boost=(12.0, 4.0), recency=0.3, loop_enter=0.5, loop_leave=0.4,
+            loop_share=0.05)
 
 
 class Queues:
@@ -182,16 +191,19 @@ class Queues:
     holds more than its target (arc: p entries; the others: a share of the entries), else from queue 1.
     arc: both queues LRU, a read in queue 0 moves the key to queue 1.  s3fifo and auto: both FIFO, reads
     counted (at most 3); a victim read since it was queued moves on (queue 0 -> queue 1, or round queue 1
-    with one read less).  arc and auto adapt the target on ghost hits, by max(1, other ghosts / these).
+    with one read less).  arc moves p on ghost hits by max(1, other ghosts / these).  auto: see `_auto_put`.
     """
 
-    KINDS = {"s3fifo": (0.1, (1, 0)), "arc": (0.0, (1, 1)), "auto": (0.1, (3, 1))}
+    KINDS = {"s3fifo": (0.1, (1, 0)), "arc": (0.0, (1, 1)), "auto": (AUTO["target"], (3, 1))}
 
     def __init__(self, cap: int, kind: str) -> None:
         self.cap, self.kind = cap, kind
         self.t, factors = self.KINDS[kind]
         self.Q = [OrderedDict(), OrderedDict()]  # key -> reads; first = next victim
         self.G = [Ghosts(factors[0]), Ghosts(factors[1])]
+        # auto's regime: adaptive, or loop (LOOP_SHARE, no readmission); its two rates, per put.
+        self.loop, self.ghost_rate, self.hit_rate, self.hits = False, 0.0, 0.0, 0
+        self.hits_seen = 0
 
     def __len__(self) -> int:
         return len(self.Q[0]) + len(self.Q[1])
@@ -200,6 +212,7 @@ class Queues:
         q0, q1 = self.Q
         for q in (q0, q1):
             if k in q:
+                self.hits += 1
                 if self.kind != "arc":
                     q[k] = min(3, q[k] + 1)
                 elif q is q0:
@@ -213,28 +226,73 @@ class Queues:
     def put(self, k) -> None:
         while len(self) >= self.cap:
             self.evict()
+        if self.kind == "auto":
+            self.Q[self._auto_put(k)][k] = 0
+            return
         g0, g1 = self.G
         live0, live1, entries = len(g0), len(g1), len(self)
-        if g0.take(k):
-            self._adapt(1, live1, live0, entries)
+        if g0.take(k) is not None:
+            if self.kind == "arc":
+                self.t = min(float(entries), max(0.0, self.t + max(1, live1 // max(1, live0))))
             self.Q[1][k] = 0
-        elif g1.take(k):
-            self._adapt(-1, live0, live1, entries)
+        elif g1.take(k) is not None:
+            if self.kind == "arc":
+                self.t = min(float(entries), max(0.0, self.t - max(1, live0 // max(1, live1))))
             self.Q[1][k] = 0
         else:
             self.Q[0][k] = 0
 
-    def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
-        if self.kind == "arc":
-            self.t = min(float(entries), max(0.0, self.t + sign * max(1, other // max(1, this))))
-        elif self.kind == "auto":
-            self.t = min(1.0, max(0.0, self.t + sign * max(1.0, other / max(1, this)) / max(1, entries)))
+    def _auto_put(self, k) -> int:
+        """auto's admission of key k (a miss): its queue.  Two rates, kept per put over about a pool's
+        worth of puts, tell the regime: the share of puts whose key is a ghost, and the hits per put.  When
+        most puts bring back ghosts and they outnumber the hits, the pool is cycling through more than it
+        holds (a loop): it keeps a fixed small queue and sends keys back from queue 1's ghosts to queue 0,
+        so the main queue keeps what it has.  Otherwise a ghost moves queue 0's share as ARC moves p, by
+        max(1, other ghosts / these) / entries, weighted by its depth d: (1 - d / (TAPER n)) falling with
+        age, and (1 + BOOST) for one lost just now (d < NEAR n, tapering)."""
+        a = AUTO
+        g0, g1 = self.G
+        live0, live1, n = len(g0), len(g1), max(1, len(self))
+        ghost = k in g0 or k in g1
+        self.ghost_rate += ((1.0 if ghost else 0.0) - self.ghost_rate) / n
+        self.hit_rate += ((self.hits - self.hits_seen) - self.hit_rate) / n
+        self.hits_seen = self.hits
+        if self.loop and self.ghost_rate < a["loop_leave"]:
+            self.loop = False
+        elif not self.loop and self.ghost_rate > a["loop_enter"] and self.hit_rate < self.ghost_rate:
+            self.loop = True
+        d0 = g0.take(k)
+        d1 = None if d0 is not None else g1.take(k)
+        if self.loop:
+            return 1 if d0 is not None else 0
+        if d0 is not None:
+            w = self._weight(d0, n, a["boost"][0]) * max(1.0, live1 / max(1, live0))
+            self.t = min(1.0, self.t + w / n)
+            return 1
+        if d1 is not None:
+            w = self._weight(d1, n, a["boost"][1]) * max(1.0, live0 / max(1, live1))
+            self.t = max(0.0, self.t - w / n)
+            return 1 if self.t < a["recency"] else 0
+        return 0
+
+    @staticmethod
+    def _weight(d: int, n: int, boost: float) -> float:
+        a = AUTO
+        return max(0.0, 1.0 - d / (a["taper"] * n)) * (1.0 + boost * max(0.0, 1.0 - d / (a["near"] * n)))
+
+    def regime(self) -> str:
+        """auto's regime: loop, recency (queue 0's share at least RECENCY) or frequency."""
+        return "loop" if self.loop else "recency" if self.t >= AUTO["recency"] else "frequency"
+
+    def share(self) -> float:
+        """Queue 0's target as a share of the entries (auto's regime decides it)."""
+        return AUTO["loop_share"] if self.kind == "auto" and self.loop else self.t
 
     def _from_queue0(self) -> bool:
         n0, n1 = len(self.Q[0]), len(self.Q[1])
         if not n0 or not n1:
             return bool(n0)
-        return n0 > self.t if self.kind == "arc" else n0 >= self.t * (n0 + n1)
+        return n0 > self.t if self.kind == "arc" else n0 >= self.share() * (n0 + n1)
 
     def evict(self):
         """Evict one key; return it."""
@@ -242,7 +300,9 @@ class Queues:
             q = 0 if self._from_queue0() else 1
             k, f = self.Q[q].popitem(last=False)
             if f and self.kind != "arc":  # read since it was queued: it moves on
-                self.Q[1][k] = 0 if q == 0 else f - 1
+                # auto outside its frequency regime gives queue 1 one round per read, not three.
+                again = 0 if q == 0 or (self.kind == "auto" and self.regime() != "frequency") else f - 1
+                self.Q[1][k] = again
                 continue
             self.G[q].add(k, len(self) + 1)
             return k

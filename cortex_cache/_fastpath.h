@@ -50,7 +50,7 @@ enum { POL_LRU, POL_LFU, POL_FIFO, POL_PRIORITY, POL_TTL, POL_SIZE };
  * from queue 0 to queue 1 (arc). */
 enum { Q_NONE, Q_COUNT_READS, Q_PROMOTE };
 /* ... and how a ghost hit moves queue 0's target (QueuePolicy.adapt): not, ARC's p, a share of entries. */
-enum { ADAPT_NONE, ADAPT_ARC, ADAPT_SHARE };
+enum { ADAPT_NONE, ADAPT_ARC, ADAPT_AUTO };
 /* Modes of a read: GET counts hits and misses; HITS counts hits, and a miss is SLOW (a tier below looks);
  * QUIET counts nothing and moves nothing in the eviction order (Pool.peek). */
 enum { MODE_GET = 0, MODE_HITS = 1, MODE_QUIET = 2 };
@@ -123,6 +123,10 @@ typedef struct {
     uint64_t *qseq, *qcount, *qclock;
     double *qtarget, *cand1_next_expiry;
     GhostRing ghost[2];
+    /* auto's regime and its two rates (queues.QueueVictims._auto_admit) */
+    uint32_t *qregime;
+    double *qghost_rate, *qhit_rate;
+    uint64_t *qhits_seen;
 } Fast;
 
 /* ------------------------------------------------------------------ Guard (_fastpath_guard.c) */

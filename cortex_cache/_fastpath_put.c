@@ -254,10 +254,10 @@ static void remove_entry(Fast *s, int64_t i) {
         free_entry_here(s, i);
 }
 
-/* Ghosts.take: forget hash kh if ring g holds it; 1 if it did.  Links are checked: a damaged chain ends
- * the walk (the next repair rebuilds it). */
-static int ghost_take(GhostRing *g, uint64_t kh) {
-    if (!g->n) return 0;
+/* Ghosts.take: forget hash kh if ring g holds it; its depth (ghosts added after it) if it did, else -1.
+ * Links are checked: a damaged chain ends the walk (the next repair rebuilds it). */
+static int64_t ghost_take(GhostRing *g, uint64_t kh) {
+    if (!g->n) return -1;
     if (!kh) kh = 1; /* 0 marks an empty place */
     int32_t *link = &g->bkt[kh & g->mask];
     for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
@@ -267,9 +267,23 @@ static int ghost_take(GhostRing *g, uint64_t kh) {
             g->hash[p] = 0;
             g->next[p] = -1;
             if (*g->live) *g->live -= 1;
-            return 1;
+            /* place p holds the ghost whose sequence number s has s % n == p, the last one before head */
+            uint64_t last = *g->head ? *g->head - 1 : 0;
+            return (int64_t)((last % g->n + g->n - (uint64_t)p) % g->n);
         }
         link = &g->next[p];
+    }
+    return -1;
+}
+
+/* Ghosts.__contains__: whether ring g holds hash kh (the same walk, nothing changed). */
+static int ghost_has(GhostRing *g, uint64_t kh) {
+    if (!g->n) return 0;
+    if (!kh) kh = 1;
+    int32_t p = g->bkt[kh & g->mask];
+    for (uint64_t steps = 0; p >= 0 && (uint64_t)p < g->n && steps <= g->n; steps++) {
+        if (g->hash[p] == kh) return 1;
+        p = g->next[p];
     }
     return 0;
 }
@@ -326,25 +340,72 @@ PyObject *do_evicted(Fast *s, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-/* QueueVictims._adapt: a ghost of queue 0 (sign 1) or 1 (sign -1) moves queue 0's target. */
-static void queue_adapt(Fast *s, int sign, uint64_t other, uint64_t this, uint64_t entries) {
-    double t = *s->qtarget;
-    if (s->qadapt == ADAPT_ARC) {
-        uint64_t step = other / (this ? this : 1);
-        t += sign * (double)(step ? step : 1);
-        t = t < 0.0 ? 0.0 : t;
-        *s->qtarget = t < (double)entries ? t : (double)entries;
-    } else if (s->qadapt == ADAPT_SHARE) {
-        double step = (double)other / (double)(this ? this : 1);
-        step = (step < 1.0 ? 1.0 : step) / (double)(entries ? entries : 1);
-        t += sign * step;
-        t = t < 0.0 ? 0.0 : t;
-        *s->qtarget = t < 1.0 ? t : 1.0;
+/* QueueVictims._adapt_arc: a ghost of queue 0 (sign 1) or 1 (sign -1) moves ARC's p. */
+static void queue_adapt_arc(Fast *s, int sign, uint64_t other, uint64_t this, uint64_t entries) {
+    uint64_t step = other / (this ? this : 1);
+    double t = *s->qtarget + sign * (double)(step ? step : 1);
+    t = t < 0.0 ? 0.0 : t;
+    *s->qtarget = t < (double)entries ? t : (double)entries;
+}
+
+/* eviction.Auto's constants (the Python reference reads them there; these must be the same). */
+#define AUTO_TAPER 3.0
+#define AUTO_NEAR 0.05
+#define AUTO_RECENCY 0.3
+#define AUTO_LOOP_ENTER 0.5
+#define AUTO_LOOP_LEAVE 0.4
+enum { AUTO_ADAPTIVE, AUTO_LOOP };
+static const double AUTO_NEAR_BOOST[2] = {12.0, 4.0};
+
+/* queues._auto_weight: how much a ghost `depth` deep moves auto's share. */
+static double auto_weight(int64_t depth, double n, double boost) {
+    double far = 1.0 - (double)depth / (AUTO_TAPER * n), near = 1.0 - (double)depth / (AUTO_NEAR * n);
+    far = far > 0.0 ? far : 0.0;
+    near = near > 0.0 ? near : 0.0;
+    return far * (1.0 + boost * near);
+}
+
+/* QueueVictims._auto_admit: auto's regime from its two rates, then the queue of key hash kh (and, outside
+ * the loop regime, the move of queue 0's share), in the Python reference's order of operations. */
+static uint8_t auto_admit(Fast *s, uint64_t kh, uint64_t entries, uint64_t live0, uint64_t live1) {
+    double n = (double)(entries ? entries : 1);
+    double ghost = ghost_has(&s->ghost[0], kh) || ghost_has(&s->ghost[1], kh) ? 1.0 : 0.0;
+    uint64_t hits = *s->hits, seen = *s->qhits_seen;
+    double fresh = hits >= seen ? (double)(hits - seen) : 0.0; /* a counter reset is no burst of hits */
+    *s->qhits_seen = hits;
+    double rate = *s->qghost_rate + (ghost - *s->qghost_rate) / n;
+    double hit_rate = *s->qhit_rate + (fresh - *s->qhit_rate) / n;
+    *s->qghost_rate = rate;
+    *s->qhit_rate = hit_rate;
+    if (*s->qregime == AUTO_LOOP) {
+        if (rate < AUTO_LOOP_LEAVE) *s->qregime = AUTO_ADAPTIVE;
+    } else if (rate > AUTO_LOOP_ENTER && hit_rate < rate) {
+        *s->qregime = AUTO_LOOP;
     }
+    int64_t d0 = ghost_take(&s->ghost[0], kh);
+    int64_t d1 = d0 < 0 ? ghost_take(&s->ghost[1], kh) : -1;
+    if (*s->qregime == AUTO_LOOP) return d0 >= 0 ? 1 : 0;
+    double t = *s->qtarget;
+    if (d0 >= 0) {
+        double ratio = (double)live1 / (double)(live0 ? live0 : 1);
+        double w = auto_weight(d0, n, AUTO_NEAR_BOOST[0]) * (ratio > 1.0 ? ratio : 1.0);
+        t = t + w / n;
+        *s->qtarget = t < 1.0 ? t : 1.0;
+        return 1;
+    }
+    if (d1 >= 0) {
+        double ratio = (double)live0 / (double)(live1 ? live1 : 1);
+        double w = auto_weight(d1, n, AUTO_NEAR_BOOST[1]) * (ratio > 1.0 ? ratio : 1.0);
+        t = t - w / n;
+        t = t > 0.0 ? t : 0.0;
+        *s->qtarget = t;
+        return t < AUTO_RECENCY ? 1 : 0;
+    }
+    return 0;
 }
 
 /* QueueVictims.admit (lock held): slot i, just given a new value, joins queue 1 if its key is a ghost of
- * either queue (the target moved), else queue 0. */
+ * either queue (the target moved), else queue 0 -- auto: as auto_admit says. */
 static void queue_admit(Fast *s, int64_t i) {
     if (s->state[i] == SEALED) { /* written over in place: it leaves its queue first */
         uint8_t q = s->queue[i] & 1;
@@ -353,11 +414,13 @@ static void queue_admit(Fast *s, int64_t i) {
     uint64_t kh = s->khash[i], entries = *s->n_entries;
     uint64_t live0 = *s->ghost[0].live, live1 = *s->ghost[1].live;
     uint8_t q = 1;
-    if (ghost_take(&s->ghost[0], kh))
-        queue_adapt(s, 1, live1, live0, entries);
-    else if (ghost_take(&s->ghost[1], kh))
-        queue_adapt(s, -1, live0, live1, entries);
-    else
+    if (s->qadapt == ADAPT_AUTO)
+        q = auto_admit(s, kh, entries, live0, live1);
+    else if (ghost_take(&s->ghost[0], kh) >= 0) {
+        if (s->qadapt == ADAPT_ARC) queue_adapt_arc(s, 1, live1, live0, entries);
+    } else if (ghost_take(&s->ghost[1], kh) >= 0) {
+        if (s->qadapt == ADAPT_ARC) queue_adapt_arc(s, -1, live0, live1, entries);
+    } else
         q = 0;
     s->queue[i] = q;
     s->qfreq[i] = 0;

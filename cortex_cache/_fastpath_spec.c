@@ -73,7 +73,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     uint64_t qkind = 0, qadapt = 0, c_queue = 0, c_qfreq = 0, c_qseq = 0, o_qcount = 0, o_cnext1 = 0;
     uint64_t o_qtarget = 0, o_qclock = 0, g_n[2] = {0, 0}, g_hash[2] = {0, 0}, g_next[2] = {0, 0};
     uint64_t g_bkt[2] = {0, 0}, g_nb[2] = {0, 0}, g_live[2] = {0, 0}, g_head[2] = {0, 0}, g_tail[2] = {0, 0};
-    uint64_t g_factor[2] = {0, 0};
+    uint64_t g_factor[2] = {0, 0}, o_qregime = 0, o_qgrate = 0, o_qhrate = 0, o_qhseen = 0;
     struct { const char *name; uint64_t *out; } qfields[] = {
         {"queue_col", &c_queue}, {"freq_col", &c_qfreq}, {"qseq_col", &c_qseq}, {"h_q_count0", &o_qcount},
         {"h_cand1_next_expiry", &o_cnext1}, {"h_q_target", &o_qtarget}, {"h_q_seq", &o_qclock},
@@ -82,10 +82,12 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {"g1_hash", &g_hash[1]}, {"g1_next", &g_next[1]}, {"g1_buckets", &g_bkt[1]}, {"g1_n_buckets", &g_nb[1]},
         {"h_g1_live", &g_live[1]}, {"h_g0_head", &g_head[0]}, {"h_g0_tail", &g_tail[0]}, {"h_g1_head", &g_head[1]},
         {"h_g1_tail", &g_tail[1]}, {"g0_factor", &g_factor[0]}, {"g1_factor", &g_factor[1]},
+        {"h_q_regime", &o_qregime}, {"h_q_ghost_rate", &o_qgrate}, {"h_q_hit_rate", &o_qhrate},
+        {"h_q_hits_seen", &o_qhseen},
     };
     if (PyDict_GetItemString(spec, "queues") != NULL) {
         if (get_u64(spec, "queues", &qkind) < 0) return -1;
-        if (qkind > Q_PROMOTE || qadapt > ADAPT_SHARE) {
+        if (qkind > Q_PROMOTE || qadapt > ADAPT_AUTO) {
             PyErr_SetString(PyExc_ValueError, "fast path: bad queue kind");
             return -1;
         }
@@ -120,7 +122,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         struct { uint64_t off, len; } qregions[] = {
             {c_queue, n}, {c_qfreq, n}, {c_qseq, n * 8}, {o_qcount, 16}, {o_cnext1, 8}, {o_qtarget, 8},
             {o_qclock, 8}, {g_live[0], 8}, {g_live[1], 8}, {g_head[0], 8}, {g_head[1], 8}, {g_tail[0], 8},
-            {g_tail[1], 8},
+            {g_tail[1], 8}, {o_qregime, 4}, {o_qgrate, 8}, {o_qhrate, 8}, {o_qhseen, 8},
             {g_hash[0], g_n[0] * 8}, {g_next[0], g_n[0] * 4}, {g_bkt[0], g_nb[0] * 4},
             {g_hash[1], g_n[1] * 8}, {g_next[1], g_n[1] * 4}, {g_bkt[1], g_nb[1] * 4},
         };
@@ -203,6 +205,10 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         self->qclock = (uint64_t *)(b + o_qclock);
         self->qtarget = (double *)(b + o_qtarget);
         self->cand1_next_expiry = (double *)(b + o_cnext1);
+        self->qregime = (uint32_t *)(b + o_qregime);
+        self->qghost_rate = (double *)(b + o_qgrate);
+        self->qhit_rate = (double *)(b + o_qhrate);
+        self->qhits_seen = (uint64_t *)(b + o_qhseen);
         for (int r = 0; r < 2; r++) {
             GhostRing *g = &self->ghost[r];
             g->n = g_n[r];

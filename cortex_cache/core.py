@@ -95,7 +95,7 @@ READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
 _POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5, "s3fifo": 0, "arc": 0, "auto": 0}
 # ... and what a hit does in a queue policy (its Q_* enum): count the read, or promote to queue 1.
 _QUEUE_KINDS = {"s3fifo": 1, "arc": 2, "auto": 1}
-_ADAPT_KINDS = {"": 0, "arc": 1, "share": 2}  # ... and how a ghost hit moves the target (its ADAPT_* enum)
+_ADAPT_KINDS = {"": 0, "arc": 1, "auto": 2}  # ... and how a ghost hit moves the target (its ADAPT_* enum)
 SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
 # What damaged metadata raises under the lock (an index out of range, a counter at its limit).
 METADATA_ERRORS = (IndexError, ValueError, OverflowError, ZeroDivisionError)
@@ -272,7 +272,7 @@ class Core:
             spec.update(queues=_QUEUE_KINDS[pol.name], adapt=_ADAPT_KINDS[pol.adapt], queue_col=qo["queue"],  # type: ignore[attr-defined]
                         freq_col=qo["freq"], qseq_col=qo["qseq"])
             for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live", "g0_head",
-                         "g0_tail", "g1_head", "g1_tail"):
+                         "g0_tail", "g1_head", "g1_tail", "q_regime", "q_ghost_rate", "q_hit_rate", "q_hits_seen"):
                 spec["h_" + name] = g.queue_field(name)  # in the queue region's header: absolute offsets
             spec["g0_factor"], spec["g1_factor"] = pol.ghosts  # type: ignore[attr-defined]
             for ring in (0, 1):
@@ -292,6 +292,7 @@ class Core:
             self.fast = None
         if self.queues is not None:
             self.queues.__dict__.pop("evicted", None)  # the fast path's: no cycle left through it
+        self.repair_hooks = []  # bound to the queues' and tiers' views of the mapping: they must go with it
         self.victims = None  # type: ignore[assignment]
         self.queues = None
         self.columns = None  # type: ignore[assignment]

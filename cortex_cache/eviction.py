@@ -168,14 +168,15 @@ class QueuePolicy(Policy):
     queue 0 to queue 1's tail, or round queue 1 again with one read less (reads count up to 3).
     Evicted keys are remembered in ghost rings, `ghosts[q]` x the entries the pool holds for queue q;
     a new key found there joins queue 1 directly, and with `adapt` moves queue 0's target towards the
-    queue that lost it (ARC's rule: by max(1, other ghosts / these ghosts)).
+    queue that lost it: "arc" by ARC's rule (max(1, other ghosts / these ghosts) entries of p), "auto"
+    by auto's (Auto below).
     """
 
     monotone = True  # within a queue, a put or a hit puts its entry last
     constant_primary = True
     queues = True
     second_chance = False
-    adapt = ""  # "", "arc" (p, in entries, integer steps) or "share" (a share of the entries)
+    adapt = ""  # "", "arc" (p, in entries, integer steps) or "auto" (a share of the entries; Auto)
     target = 0.0  # queue 0's target at create
     ghosts = (1, 0)  # ghost ring places per slot, for queue 0 and queue 1 (also each window's length)
 
@@ -203,14 +204,41 @@ class ARC(QueuePolicy):
 
 
 class Auto(QueuePolicy):
-    """S3-FIFO whose small queue's share adapts as ARC's p does, steered by ghosts of both queues, with a
-    longer memory of keys seen once (3x the entries): benchmarks/sim_eviction.py measures why."""
+    """S3-FIFO that learns online which of three regimes the workload is in (docs/internals.md, "auto").
+
+    It keeps S3-FIFO's queues (FIFO, reads counted, second chances) with a longer memory of keys seen
+    once (ghosts of queue 0 for 3x the entries, of queue 1 for 1x), and moves queue 0's share of the
+    entries on ghost hits as ARC moves p, by max(1, other ghosts / these) / entries, weighted by how
+    recently the ghost was lost: a weight falling from 1 to 0 over TAPER x the entries, times
+    (1 + NEAR_BOOST[q]) falling to 1 over NEAR x the entries (a key back just after it was evicted says
+    most clearly that its queue was too short).  The share decides two regimes:
+
+    - frequency (share < RECENCY): a victim read since it was queued gets up to three more rounds of
+      queue 1, and a key back from queue 1's ghosts rejoins queue 1 (S3-FIFO with ARC's adaptation);
+    - recency (share >= RECENCY): one round per read, and keys back from queue 1's ghosts start over in
+      queue 0 (close to LRU, which such workloads favour).
+
+    A third, loop, is told by two rates kept per put over about a pool's worth of puts: the share of
+    puts whose key is a ghost, and the hits per put.  When more than LOOP_ENTER of the puts bring ghosts
+    back and they outnumber the hits, the pool is cycling through more keys than it holds, and growing
+    either queue cannot help: it holds queue 0 at LOOP_SHARE, gives one round per read, sends keys back
+    from queue 1's ghosts to queue 0 (so queue 1 keeps what it has instead of trading it for what comes
+    round next), and leaves the share alone, until fewer than LOOP_LEAVE of the puts are ghosts.
+    benchmarks/sim_eviction.py holds the same rules written out plainly, and bench_policies.py measures
+    them against LRU, S3-FIFO and ARC (docs/performance.md).
+    """
 
     name = "auto"
     second_chance = True
-    adapt = "share"
+    adapt = "auto"
     target = 0.1
     ghosts = (3, 1)
+    TAPER = 3.0  # a ghost's weight falls to 0 at this many x the entries deep in its ring
+    NEAR = 0.05  # ... and is boosted while fewer than this x the entries deep
+    NEAR_BOOST = (12.0, 4.0)  # by up to this much, for ghosts of queue 0 and of queue 1
+    RECENCY = 0.3  # queue 0's share at which the recency regime starts
+    LOOP_ENTER, LOOP_LEAVE = 0.5, 0.4  # ghosts per put that start and end the loop regime
+    LOOP_SHARE = 0.05  # queue 0's share in the loop regime
 
     def __init__(self) -> None:
         super().__init__("qseq")

@@ -327,7 +327,14 @@ QUEUE_HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("cand1_max_primary", "<f8", 104),
     ("cand1_max_secondary", "<u8", 112),
     ("cand1_epoch", "<u8", 120),
-    # 128..255 reserved (zero).
+    # auto's regime (queues.py, QueueVictims.admit), carved from the reserved zeros (zero = its state at
+    # create): which regime it is in, and the two rates, per put, that tell them apart.
+    ("q_regime", "<u4", 128),  # AUTO_ADAPTIVE (0) or AUTO_LOOP (1)
+    ("q_pad", "<u4", 132),
+    ("q_ghost_rate", "<f8", 136),  # share of the puts whose key was a ghost (an average over ~n puts)
+    ("q_hit_rate", "<f8", 144),  # hits per put (the same average)
+    ("q_hits_seen", "<u8", 152),  # the pool's hits counter at the last put
+    # 160..255 reserved (zero).
 ]
 # then (on the next page) per slot, by column,
 QSLOT_COLUMNS: list[tuple[str, str]] = [
@@ -686,11 +693,13 @@ H_TIER_REFUSED = _word(HEADER_FIELDS, "tier_refused", 8)
               "remote_written", "remote_dropped", "remote_bytes_written", "remote_bytes_read")
 )
 # The queue header's words (QUEUE_HEADER_FIELDS), as indices into typed views over that header alone.
-(Q_COUNT0, Q_COUNT1, Q_TARGET, Q_SEQ, Q_G0_HEAD, Q_G0_TAIL, Q_G0_LIVE, Q_G1_HEAD, Q_G1_TAIL, Q_G1_LIVE) = (
+(Q_COUNT0, Q_COUNT1, Q_TARGET, Q_SEQ, Q_G0_HEAD, Q_G0_TAIL, Q_G0_LIVE, Q_G1_HEAD, Q_G1_TAIL, Q_G1_LIVE,
+ Q_GHOST_RATE, Q_HIT_RATE, Q_HITS_SEEN) = (
     _word(QUEUE_HEADER_FIELDS, n, 8)
     for n in ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
-              "g1_live")
+              "g1_live", "q_ghost_rate", "q_hit_rate", "q_hits_seen")
 )
+Q_REGIME = _word(QUEUE_HEADER_FIELDS, "q_regime", 4)
 # A victim list's header words (eviction.VictimCache), in the order (valid, count, pos: u32 words;
 # next_expiry, max_primary, max_secondary, epoch: u64 words) for list 0 (every pool: in the pool header) and
 # list 1 (queue pools: in the queue header).

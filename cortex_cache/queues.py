@@ -10,13 +10,15 @@ queue, filled by the same vectorised scan and handing out rows the same way.
 What is left, and lives here, is small and O(1) per operation:
 
 - `admit`: a new entry (a put, lock held) joins queue 1 if its key is a ghost
-  of either queue, else queue 0; with `adapt`, a ghost moves queue 0's target;
+  of either queue, else queue 0; with `adapt`, a ghost moves queue 0's target
+  (auto: weighted by the ghost's depth, and its regime first: `_auto_admit`);
 - `hit`: ARC moves an entry read in queue 0 to queue 1; S3-FIFO and auto
   count the read (at most 3);
 - `next_victim`: an expired head of either list first; else queue 0's head
   while queue 0 holds more than its target, else queue 1's; with
   `second_chance` a head read since it was queued moves on instead (to queue
-  1, or round queue 1 with one read less), and the next head is looked at;
+  1, or round queue 1 with one read less -- auto outside its frequency
+  regime: with none), and the next head is looked at;
 - `evicted`: the victim's key hash goes into its queue's ghost ring.
 
 All of it is shared state in the segment's queue region: its header
@@ -40,11 +42,12 @@ from .chains import build_chains, unchain
 from .eviction import QueuePolicy, VictimCache
 from .layout import (
     GHOST_COLUMNS, MV_FORMAT, QSLOT_COLUMNS, QUEUE_HEADER_DTYPE, QUEUE_HEADER_SIZE, VICTIM_LIST_WORDS, Geometry,
-    ghost_buckets, H_N_ENTRIES, Q_COUNT0, Q_COUNT1, Q_G0_HEAD, Q_G0_LIVE, Q_G0_TAIL, Q_G1_HEAD, Q_G1_LIVE,
-    Q_G1_TAIL, Q_SEQ, Q_TARGET, SEALED,
+    ghost_buckets, H_HITS, H_N_ENTRIES, Q_COUNT0, Q_COUNT1, Q_G0_HEAD, Q_G0_LIVE, Q_G0_TAIL, Q_G1_HEAD,
+    Q_G1_LIVE, Q_G1_TAIL, Q_GHOST_RATE, Q_HIT_RATE, Q_HITS_SEEN, Q_REGIME, Q_SEQ, Q_TARGET, SEALED,
 )
 
 MAX_FREQ = 3  # S3-FIFO's cap on an entry's read count
+AUTO_ADAPTIVE, AUTO_LOOP = 0, 1  # auto's regimes in the queue header's q_regime (the share tells the other two)
 
 
 class Ghosts:
@@ -86,15 +89,19 @@ class Ghosts:
         self._next[p] = -1
         self._qu64[self._w_live] -= 1
 
-    def take(self, kh: int) -> bool:
-        """Forget `kh` if it is a ghost here: True if it was."""
+    def take(self, kh: int) -> int:
+        """Forget `kh` if it is a ghost here: its depth (how many ghosts were added after it), else -1."""
         if not self.n:
-            return False
+            return -1
         p = self._find(kh or 1)
         if p < 0:
-            return False
+            return -1
         self._forget(p)
-        return True
+        # Place p holds the ghost whose sequence number s has s % n == p, the last such one before head.
+        return (self._qu64[self._w_head] - 1 - p) % self.n
+
+    def __contains__(self, kh: int) -> bool:
+        return self.n > 0 and self._find(kh or 1) >= 0
 
     def add(self, kh: int, entries: int) -> None:
         """Remember `kh`, forgetting what falls out of the window of `factor` x `entries` ghosts."""
@@ -152,6 +159,14 @@ class Ghosts:
         return problems
 
 
+def _auto_weight(pol: QueuePolicy, depth: int, n: float, boost: float) -> float:
+    """How much a ghost `depth` deep in its ring moves auto's share (times the ratio, over n): falling from 1 to
+    0 over TAPER x n, times 1 + `boost` falling to 1 over NEAR x n (a key back at once counts most)."""
+    far = max(0.0, 1.0 - depth / (pol.TAPER * n))  # type: ignore[attr-defined]
+    near = max(0.0, 1.0 - depth / (pol.NEAR * n))  # type: ignore[attr-defined]
+    return far * (1.0 + boost * near)
+
+
 class QueueVictims:
     """The victim choice of a queue policy: the interface of VictimCache, over two of them (lock held)."""
 
@@ -163,13 +178,14 @@ class QueueVictims:
         self.policy = policy
         self.second_chance = policy.second_chance
         self.arc = policy.adapt == "arc"
+        self.auto = policy.adapt == "auto"
         self.lists = lists
         self.ghosts = ghosts
         self.cols = cols
         self._queue, self._freq, self._qseq = views["queue"], views["freq"], views["qseq"]
         self._state, self._khash, self._expiry = views["state"], views["key_hash"], views["expiry"]
         self._hu64 = hdr_views[1]  # the pool header's (n_entries)
-        _, self._qu64, self._qf64 = q_views  # the queue header's (Q_* words)
+        self._qu32, self._qu64, self._qf64 = q_views  # the queue header's (Q_* words)
         self.header = header  # the queue header as a record (inspection, tests)
         self.clock = clock
 
@@ -214,8 +230,10 @@ class QueueVictims:
             if q == 0:
                 self._move(i, 0, 1)
                 self._freq[i] = 0
-            else:
+            elif self.frequency_regime():
                 self._freq[i] -= 1
+            else:
+                self._freq[i] = 0
             self._qseq[i] = self._tick()
 
     def _expired_first(self, n0: int, n1: int) -> tuple[int, int]:
@@ -245,17 +263,56 @@ class QueueVictims:
         kh = self._khash[i]
         entries = self._hu64[H_N_ENTRIES]
         live0, live1 = g0.live, g1.live
-        q = 1
-        if g0.take(kh):
-            self._adapt(1, live1, live0, entries)
-        elif g1.take(kh):
-            self._adapt(-1, live0, live1, entries)
+        if self.auto:
+            q = self._auto_admit(kh, entries, live0, live1)
         else:
-            q = 0
+            q = 1
+            if g0.take(kh) >= 0:
+                self._adapt_arc(1, live1, live0, entries)
+            elif g1.take(kh) >= 0:
+                self._adapt_arc(-1, live0, live1, entries)
+            else:
+                q = 0
         self._queue[i] = q
         self._freq[i] = 0
         self._qseq[i] = self._tick()
         self._qu64[Q_COUNT0 + q] += 1
+
+    def _auto_admit(self, kh: int, entries: int, live0: int, live1: int) -> int:
+        """auto's admission of key hash `kh` (eviction.Auto; _fastpath_put.h's auto_admit does the same, in
+        the same order of operations, so both paths leave the same bits): the regime first, from the two
+        rates; then the queue, and in the adaptive regimes the move of queue 0's share."""
+        pol, qu32, qu64, qf64 = self.policy, self._qu32, self._qu64, self._qf64
+        g0, g1 = self.ghosts
+        n = float(max(1, entries))
+        ghost = 1.0 if kh in g0 or kh in g1 else 0.0
+        hits = self._hu64[H_HITS]
+        seen = qu64[Q_HITS_SEEN]
+        fresh = float(hits - seen) if hits >= seen else 0.0  # a counter reset is no burst of hits
+        qu64[Q_HITS_SEEN] = hits
+        rate = qf64[Q_GHOST_RATE] + (ghost - qf64[Q_GHOST_RATE]) / n
+        hit_rate = qf64[Q_HIT_RATE] + (fresh - qf64[Q_HIT_RATE]) / n
+        qf64[Q_GHOST_RATE], qf64[Q_HIT_RATE] = rate, hit_rate
+        if qu32[Q_REGIME] == AUTO_LOOP:
+            if rate < pol.LOOP_LEAVE:
+                qu32[Q_REGIME] = AUTO_ADAPTIVE
+        elif rate > pol.LOOP_ENTER and hit_rate < rate:
+            qu32[Q_REGIME] = AUTO_LOOP
+        d0 = g0.take(kh)
+        d1 = g1.take(kh) if d0 < 0 else -1
+        if qu32[Q_REGIME] == AUTO_LOOP:
+            return 1 if d0 >= 0 else 0
+        t = qf64[Q_TARGET]
+        if d0 >= 0:
+            w = _auto_weight(pol, d0, n, pol.NEAR_BOOST[0]) * max(1.0, live1 / max(1, live0))
+            qf64[Q_TARGET] = min(1.0, t + w / n)
+            return 1
+        if d1 >= 0:
+            w = _auto_weight(pol, d1, n, pol.NEAR_BOOST[1]) * max(1.0, live0 / max(1, live1))
+            t = max(0.0, t - w / n)
+            qf64[Q_TARGET] = t
+            return 1 if t < pol.RECENCY else 0
+        return 0
 
     def hit(self, i: int) -> None:
         """A read of sealed slot `i` (Core.touch; _fastpath.c's touch does the same)."""
@@ -279,21 +336,30 @@ class QueueVictims:
         self.ghosts[self._queue[i] & 1].add(self._khash[i], self._hu64[H_N_ENTRIES])
 
     # ---- the rules
+    def share(self) -> float:
+        """Queue 0's target as a share of the entries (s3fifo, auto): auto's loop regime holds its own."""
+        if self.auto and self._qu32[Q_REGIME] == AUTO_LOOP:
+            return self.policy.LOOP_SHARE
+        return self._qf64[Q_TARGET]
+
+    def frequency_regime(self) -> bool:
+        """Whether a read earns up to MAX_FREQ rounds of queue 1 (s3fifo always; auto in one regime)."""
+        if not self.auto:
+            return True
+        return self._qu32[Q_REGIME] != AUTO_LOOP and self._qf64[Q_TARGET] < self.policy.RECENCY
+
     def _from_queue0(self, n0: int, n1: int) -> bool:
         """The rule: queue 0 while it holds more than its target."""
         if self.arc:
             return n0 > self._qf64[Q_TARGET]
-        return n0 >= self._qf64[Q_TARGET] * (n0 + n1)
+        return n0 >= self.share() * (n0 + n1)
 
-    def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
-        """ARC's rule: a ghost of queue 0 grows its target, one of queue 1 shrinks it, by max(1, other/this)."""
-        qf64 = self._qf64
-        if self.policy.adapt == "arc":  # p in entries, integer steps (Megiddo and Modha's)
+    def _adapt_arc(self, sign: int, other: int, this: int, entries: int) -> None:
+        """ARC's rule: a ghost of queue 0 grows p, one of queue 1 shrinks it, by max(1, other/this) entries."""
+        if self.arc:  # p in entries, integer steps (Megiddo and Modha's)
+            qf64 = self._qf64
             step = max(1, other // max(1, this))
             qf64[Q_TARGET] = min(float(entries), max(0.0, qf64[Q_TARGET] + sign * step))
-        elif self.policy.adapt == "share":
-            step = max(1.0, other / max(1, this)) / max(1, entries)
-            qf64[Q_TARGET] = min(1.0, max(0.0, qf64[Q_TARGET] + sign * step))
 
     def _move(self, i: int, a: int, b: int) -> None:
         self._queue[i] = b
@@ -326,6 +392,9 @@ class QueueVictims:
         limit = float(self.cols["state"].size) if self.policy.adapt == "arc" else 1.0
         if not 0.0 <= t <= limit:  # NaN too
             problems.append("queue target out of range")
+        regime_ok = self._regime_sound()
+        if not regime_ok:
+            problems.append("auto's regime or rates out of range")
         for g in self.ghosts:
             problems += g.repair(fix)
         if fix:
@@ -334,8 +403,19 @@ class QueueVictims:
             qu64[Q_COUNT0], qu64[Q_COUNT1] = n0, n1
             if not 0.0 <= t <= limit:
                 qf64[Q_TARGET] = self.policy.target
+            if not regime_ok:  # learnt again from the next puts, as at create
+                self._qu32[Q_REGIME] = AUTO_ADAPTIVE
+                qf64[Q_GHOST_RATE] = qf64[Q_HIT_RATE] = 0.0
             self.invalidate()
         return problems
+
+    def _regime_sound(self) -> bool:
+        """auto's regime is one of its two and its rates are rates (zero for the other policies)."""
+        qf64 = self._qf64
+        if not self.auto:
+            return self._qu32[Q_REGIME] == 0 and qf64[Q_GHOST_RATE] == 0.0 and qf64[Q_HIT_RATE] == 0.0
+        return (self._qu32[Q_REGIME] in (AUTO_ADAPTIVE, AUTO_LOOP) and 0.0 <= qf64[Q_GHOST_RATE] <= 1.0
+                and 0.0 <= qf64[Q_HIT_RATE] < float("inf"))
 
 
 def build(policy: QueuePolicy, mv: memoryview, geometry: Geometry, header: np.ndarray,
@@ -383,4 +463,4 @@ def build(policy: QueuePolicy, mv: memoryview, geometry: Geometry, header: np.nd
     return QueueVictims(policy, lists, (rings[0], rings[1]), cols, vws, hdr_views, q_views, qheader, clock)
 
 
-__all__ = ["Ghosts", "QueueVictims", "build", "MAX_FREQ"]
+__all__ = ["Ghosts", "QueueVictims", "build", "MAX_FREQ", "AUTO_ADAPTIVE", "AUTO_LOOP"]

@@ -212,7 +212,7 @@ def test_status_exact_counts(new_pool):
     assert st["blocks_used"] == 3 and st["used_bytes"] == 3 * 4096
     assert st["hits"] == 1 and st["misses"] == 1
     assert st["puts"] == 2 and st["evictions"] == 0 and st["deletes"] == 0
-    assert st["policy"] == "lru" and st["mode"] == "0600"
+    assert st["policy"] == "auto" and st["mode"] == "0600"  # the default policy
     assert isinstance(st["attached_pids"], list)
 
     # --format json is the same document as --json

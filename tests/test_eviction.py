@@ -346,7 +346,8 @@ class QueueModel(Model):
     holds more than its target, else from queue 1; expired entries first (soonest first).  arc: LRU
     queues, a read in queue 0 moves the key to queue 1.  s3fifo and auto: FIFO queues, reads counted
     up to 3, a victim read since it was queued moves on.  A ghost is remembered while fewer than
-    factor x the entries were added to its ring after it; arc and auto move the target on ghost hits.
+    factor x the entries were added to its ring after it; arc and auto move the target on ghost hits
+    (auto: weighted by the ghost's depth, with its regimes; eviction.Auto).
     """
 
     KINDS = {"s3fifo": (0.1, (1, 0)), "arc": (0.0, (1, 1)), "auto": (0.1, (3, 1))}
@@ -358,6 +359,7 @@ class QueueModel(Model):
         self.ghosts: list[dict] = [{}, {}]  # key -> sequence number, oldest first
         self.ghost_seq = [0, 0]
         self.ttls = False  # no entry had a TTL yet: no expired ones to look for
+        self.loop, self.ghost_rate, self.hit_rate, self.hits_seen = False, 0.0, 0.0, 0  # auto's regime
 
     def _ghost_add(self, r: int, k: str) -> None:
         if not self.factors[r]:
@@ -379,7 +381,14 @@ class QueueModel(Model):
         n0, n1 = len(self.q[0]), len(self.q[1])
         if not n0 or not n1:
             return bool(n0)
-        return n0 > self.target if self.policy == "arc" else n0 >= self.target * (n0 + n1)
+        share = 0.05 if self.loop else self.target
+        return n0 > self.target if self.policy == "arc" else n0 >= share * (n0 + n1)
+
+    def _rounds(self, f: int) -> int:
+        """The reads a victim of queue 1 read since it was queued keeps as it goes round again."""
+        if self.policy == "auto" and (self.loop or self.target >= 0.3):
+            return 0
+        return f - 1
 
     def _evict_one(self) -> None:
         exp = [k for k, m in self.e.items() if self._expired(m)] if self.ttls else []
@@ -393,7 +402,7 @@ class QueueModel(Model):
             k = next(iter(self.q[r]))
             f = self.q[r].pop(k)
             if f and self.policy != "arc":
-                self.q[1][k] = 0 if r == 0 else f - 1
+                self.q[1][k] = 0 if r == 0 else self._rounds(f)
                 continue
             self.stats["evictions"] += 1
             self.stats["bytes_evicted"] += self.e[k]["size"]
@@ -410,6 +419,9 @@ class QueueModel(Model):
         self.ttls = self.ttls or bool(ttl)
         g0, g1 = self.ghosts
         live0, live1, entries = len(g0), len(g1), len(self.e) - 1
+        if self.policy == "auto":
+            self.q[self._auto_queue(k, live0, live1, entries)][k] = 0
+            return
         r = 1
         if g0.pop(k, None) is not None:
             self._adapt(1, live1, live0, entries)
@@ -422,8 +434,36 @@ class QueueModel(Model):
     def _adapt(self, sign: int, other: int, this: int, entries: int) -> None:
         if self.policy == "arc":
             self.target = min(float(entries), max(0.0, self.target + sign * max(1, other // this)))
-        elif self.policy == "auto":
-            self.target = min(1.0, max(0.0, self.target + sign * max(1.0, other / this) / max(1, entries)))
+
+    def _auto_queue(self, k: str, live0: int, live1: int, entries: int) -> int:
+        n = float(max(1, entries))
+        g0, g1 = self.ghosts
+        self.ghost_rate += ((1.0 if k in g0 or k in g1 else 0.0) - self.ghost_rate) / n
+        self.hit_rate += (float(self.stats["hits"] - self.hits_seen) - self.hit_rate) / n
+        self.hits_seen = self.stats["hits"]
+        if self.loop:
+            self.loop = self.ghost_rate >= 0.4
+        else:
+            self.loop = self.ghost_rate > 0.5 and self.hit_rate < self.ghost_rate
+        depth = [None, None]
+        for r in (0, 1):
+            s = self.ghosts[r].pop(k, None)
+            if s is not None:
+                depth[r] = self.ghost_seq[r] - 1 - s
+                break
+        if self.loop:
+            return 1 if depth[0] is not None else 0
+
+        def weight(d: int, boost: float) -> float:
+            return max(0.0, 1.0 - d / (3.0 * n)) * (1.0 + boost * max(0.0, 1.0 - d / (0.05 * n)))
+
+        if depth[0] is not None:
+            self.target = min(1.0, self.target + weight(depth[0], 12.0) * max(1.0, live1 / max(1, live0)) / n)
+            return 1
+        if depth[1] is not None:
+            self.target = max(0.0, self.target - weight(depth[1], 4.0) * max(1.0, live0 / max(1, live1)) / n)
+            return 1 if self.target < 0.3 else 0
+        return 0
 
     def get(self, k: str) -> bool:
         m = self.e.get(k)

@@ -123,7 +123,8 @@ class PythonWrites:
 def test_every_change_of_a_value_fails_the_seqlock_check(make_pool, change, writes):
     # What a reader records under the lock (slot, insert_seq) before copying without it must no longer
     # check out after any change that may rewrite the value's bytes -- and still check out after a hit.
-    p = make_pool("1M", block_size="4K")
+    # (LRU: twenty puts push out a key read twice; auto would keep it in its main queue.)
+    p = make_pool("1M", block_size="4K", policy="lru")
     v = b"a" * (64 * 1024)
     p.put("k", v)
     fast = p.core.fast
@@ -272,7 +273,8 @@ _SAME_HEADER = ("seq", "used_blocks", "n_entries", "alloc_hint", "free_slot", "h
                 "evictions", "expirations", "bytes_evicted", "lfu_epoch", "ops", "used_kcells", "key_hint",
                 "gone_seq", "cand_valid", "cand_count", "cand_pos")
 _QUEUE_HEADER = ("q_count0", "q_count1", "q_target", "q_seq", "g0_head", "g0_tail", "g0_live", "g1_head", "g1_tail",
-                 "g1_live", "cand1_valid", "cand1_count", "cand1_pos")
+                 "g1_live", "cand1_valid", "cand1_count", "cand1_pos", "q_regime", "q_ghost_rate", "q_hit_rate",
+                 "q_hits_seen")
 
 
 def _writes(p: Pool, seed: int) -> list:

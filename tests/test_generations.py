@@ -127,7 +127,7 @@ def test_the_lmcache_adapter_follows_a_replace_a_delete_and_a_create(make_pool, 
 
 
 def test_resize_keeps_the_most_recently_used_and_the_processes_on_it_move(make_pool):
-    p = make_pool("1M", block_size="64K")
+    p = make_pool("1M", block_size="64K", policy="lru")
     name = p.name
     for i in range(5):
         p.put(f"k{i}", bytes([i]) * 150_000)  # three blocks each: five fill fifteen of sixteen

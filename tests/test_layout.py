@@ -84,6 +84,9 @@ FROZEN_QUEUE_HEADER = [
     ("g1_tail", "<u8", 64), ("g1_live", "<u8", 72), ("cand1_valid", "<u4", 80), ("cand1_count", "<u4", 84),
     ("cand1_pos", "<u4", 88), ("cand1_pad", "<u4", 92), ("cand1_next_expiry", "<f8", 96),
     ("cand1_max_primary", "<f8", 104), ("cand1_max_secondary", "<u8", 112), ("cand1_epoch", "<u8", 120),
+    # auto's regime, carved from the reserved zeros (zero is its state at create: no version bump).
+    ("q_regime", "<u4", 128), ("q_pad", "<u4", 132), ("q_ghost_rate", "<f8", 136), ("q_hit_rate", "<f8", 144),
+    ("q_hits_seen", "<u8", 152),
 ]
 FROZEN_GHOST_COLUMNS = [("hash", "<u8"), ("next", "<i4")]
 

@@ -168,7 +168,7 @@ def test_create_if_missing(pool_name, cleanup):
     other = cli("cache", "create", pool_name, "--size", "2M", "--block-size", "4K", "--policy", "fifo", "--if-missing")
     assert other.returncode == 73
     err = other.stderr.decode()
-    assert "size 1.0MiB (1048576 bytes) (asked 2.0MiB" in err and "policy lru (asked fifo)" in err
+    assert "size 1.0MiB (1048576 bytes) (asked 2.0MiB" in err and "policy auto (asked fifo)" in err
     assert len(err.strip().splitlines()) == 1
 
 
