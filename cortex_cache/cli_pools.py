@@ -31,7 +31,7 @@ def create(
     mode: str = typer.Option("0600", "--mode", metavar="MODE", help="Permission bits of the segment (octal)."),
     no_reserve: bool = typer.Option(False, "--no-reserve", help="Do not reserve and pre-fault memory (sparse pool; writes can fail with SIGBUS if /dev/shm fills)."),
     multi_threaded: bool = typer.Option(False, "--multi-threaded", help="Make handles thread-safe by default."),
-    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", callback=path_given, help="Directory of the disk tier (implies --tier disk; default: a folder 'disk/NAME' next to the snapshot directory). A directory that already holds this pool's tier is taken over and its entries found again."),
+    disk_path: Optional[str] = typer.Option(None, "--disk-path", metavar="DIR", help="Directory of the disk tier (implies --tier disk; default: a folder 'disk/NAME' next to the snapshot directory). A directory that already holds this pool's tier is taken over and its entries found again."),
     disk_size: Optional[str] = typer.Option(None, "--disk-size", metavar="SIZE", help="Capacity of the disk tier, reserved now (default: 4x --size, or the existing tier's)."),
     disk_write: Optional[DiskWrite] = typer.Option(None, "--disk-write", metavar="MODE", case_sensitive=False, help="back (default): entries evicted from memory go to disk; through: every put also goes to disk."),
     disk_o_direct: bool = typer.Option(False, "--disk-o-direct", help="Read and write the disk tier with O_DIRECT (bypassing the page cache) where the filesystem allows it."),

@@ -359,7 +359,7 @@ ODD = [  # (arguments, what the one line must say)
     (["create", "{new}", "--size", "1M", "--tier-admit", "-1"], 'at least 1'),
     (["create", "{new}", "--size", "1M", "--tier", "disk", "--disk-max-entries", "99999999999"], 'at most 2147483646'),
     (["create", "{new}", "--size", "1M", "--max-entries", b"\xff"], 'not UTF-8'),
-    (["create", "{new}", "--size", "1M", "--disk-path", ""], '--disk-path needs a directory'),
+    (["create", "{new}", "--size", "1M", "--disk-path", ""], 'the disk path is empty: give a directory (or leave'),
     (["snapshots", "{p}", "--prune", "--keep", "99999999999"], 'at most 4294967295'),
     (["status", "{p}", "--watch", "99999999999", "--count", "1"], 'from 0.01 to 86400 seconds'),
     (["status", "{p}", "--watch", "inf", "--count", "1"], 'from 0.01 to 86400 seconds'),
