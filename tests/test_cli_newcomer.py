@@ -53,8 +53,9 @@ def test_create_help_lists_the_policies_one_a_line_and_says_which_if_unsure():
     lines = out.splitlines()
     for name in POLICY_IDS:  # each on its own line, its name first
         assert sum(1 for ln in lines if re.match(rf"\s+{name}\s{{2,}}\S", ln)) == 1, (name, out)
-    default = next(ln for ln in lines if re.match(rf"\s+{DEFAULT_POLICY}\s", ln))
-    assert "(the default)" in default
+    at = next(n for n, ln in enumerate(lines) if re.match(rf"\s+{DEFAULT_POLICY}\s", ln))
+    default = " ".join(lines[at:at + 3])  # its description, wrapped under it
+    assert "(the default)" in default and sum("(the default)" in ln for ln in lines) == 1
     assert " ".join(IF_UNSURE.split()[:3]) in " ".join(out.split()) and "If unsure:" in out
 
 
