@@ -75,7 +75,7 @@ def engine(model: str, prompts: list[list[int]], connector: dict | None, env: di
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, f"engine failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     out = json.loads(line[len("RESULT "):])
-    out["log"] = r.stderr
+    out["log"] = r.stderr + r.stdout  # ours, and vLLM's logger's (on stdout; what we say at start goes there)
     return out
 
 
@@ -273,6 +273,44 @@ def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_th
     finally:
         eng.close()
     assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(1200)  # three engine starts
+def test_weights_saved_again_under_the_same_path_never_meet_the_old_kv(make_pool, tmp_path):
+    """Issue 43, item 1: the same model path, its weights re-saved with another seed, a restart: no block of
+    the old weights is served (0 cached tokens), the tokens are the new weights' own, and the old weights'
+    KV is retired by the prefix the engine printed at start."""
+    from cortex_cache.weights import identity
+
+    model = str(tmp_path / "llama")
+    made = subprocess.run([VLLM_PY, ENGINE, "make-model", f"{model}:2:0"], capture_output=True, timeout=300, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-3000:]
+    old_id = identity(model)
+    pool = make_pool("8M", block_size="4K")
+    conn = {"pool": pool.name}
+    old = engine(model, [A], conn)
+    old_keys = set(pool.keys(prefix="vllm/"))
+    assert old["stats"]["stored"] == 9 and len(old_keys) == 9
+    tag = next(iter(old_keys)).split("/")[1]
+    assert all(k.startswith(f"vllm/{tag}/{old_id}/pp0tp0/") for k in old_keys)
+    retire = f"cortex cache evict {pool.name} --prefix vllm/{tag}/{old_id}/ --tier all"
+    assert old["log"].count(f"KV keyed to weights {old_id}") == 1 and retire in old["log"]  # said once, at start
+
+    made = subprocess.run([VLLM_PY, ENGINE, "make-model", f"{model}:2:1"], capture_output=True, timeout=300, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-3000:]
+    new_id = identity(model)
+    assert new_id != old_id
+    ref = engine(model, [A], {"pool": pool.name + "-absent"}, prefix_caching=False)  # the new weights' referee
+    assert ref["outputs"] != old["outputs"]  # other weights, other tokens: a stale hit would show
+    new = engine(model, [A], conn)
+    assert new["cached"] == [0] and new["stats"]["hit_blocks"] == 0 and new["outputs"] == ref["outputs"]
+    new_keys = set(pool.keys(prefix="vllm/")) - old_keys
+    assert len(new_keys) == 9 and all(k.startswith(f"vllm/{tag}/{new_id}/") for k in new_keys)
+
+    r = cli(*retire.split()[1:])
+    assert r.returncode == 0, r.stderr
+    assert set(pool.keys(prefix="vllm/")) == new_keys  # only the old weights' KV went
 
 
 @needs_vllm

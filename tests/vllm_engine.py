@@ -1,9 +1,9 @@
 """One vLLM engine process for the vLLM tests and benchmark: run in the vLLM venv (scripts/vllm_venv.sh).
 
-    python tests/vllm_engine.py make-model DIR[:LAYERS] ...
+    python tests/vllm_engine.py make-model DIR[:LAYERS[:SEED]] ...
     python tests/vllm_engine.py run MODEL_DIR REQUEST_JSON
 
-`make-model` saves tiny random Llamas (2 layers unless given; no download).  `run` starts one
+`make-model` saves tiny random Llamas (2 layers and seed 0 unless given; no download).  `run` starts one
 engine (in this process: no engine or worker subprocesses unless "tp" asks for ranks, so it
 starts in seconds), generates greedily for the prompts given as token ids, and prints
 one JSON line: output tokens, `num_cached_tokens` per request, seconds per
@@ -124,8 +124,9 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         for spec in sys.argv[2:]:
-            path, _, layers = spec.partition(":")
-            make_model(path, int(layers or 2))
+            path, _, rest = spec.partition(":")
+            layers, _, seed = rest.partition(":")
+            make_model(path, int(layers or 2), int(seed or 0))
     elif sys.argv[1] == "run":
         with open(sys.argv[3]) as f:
             request = json.load(f)

@@ -7,8 +7,11 @@ Keys.  A block's key names its whole prefix::
 
     digest_i = SHA-256 chain over the prompt's token ids, one link per block
                (kv.chunk_digests with chunk_tokens = the engine's block size
-               and a tag naming model, KV layout and any cache salt / LoRA)
-    key_i    = namespace + model + "/" + rank + "/" + hex(digest_i)
+               and a tag naming model, weights, KV layout and any cache salt / LoRA)
+    key_i    = namespace + model + "/" + weights + "/" + rank + "/" + hex(digest_i)
+
+(`weights`: the identity of the model's weights, cortex_cache/weights.py;
+the caller hands BlockStore "model/weights" as its `model`.)
 
 The chain is ours, not vLLM's block hashes: vLLM's are reproducible across
 processes only with a cryptographic `prefix_caching_hash_algo` and the same

@@ -39,12 +39,16 @@ kv_connector_extra_config:
               disk_path / disk_size / disk_write (a disk tier)
   namespace   key prefix (default "vllm/")
   model       the model's name in keys (default: the served model name);
-              processes share blocks only under one name, layout and rank
+              processes share blocks only under one name, weights, layout and rank
+  weights     a name for the weights, in keys and the chain's tag (default: computed
+              from the checkpoint's files, cortex_cache/weights.py; or CORTEX_CACHE_WEIGHTS)
   verify      check each loaded block against its checksum (default true)
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -57,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...errors import UsageError
+from ...weights import Weights, resolve
 from ..pools import POOL_PARAMS
 from .blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
                      fit_block_size, prefix_digests)
@@ -76,8 +81,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ...pool import Pool
 
-PARAMS = (*POOL_PARAMS, "namespace", "model", "verify")
+PARAMS = (*POOL_PARAMS, "namespace", "model", "weights", "verify")
 _TAG_RE = re.compile(r"[^A-Za-z0-9._:@+-]+")
+# vLLM's own logger tree: what it prints at start (INFO) appears among vLLM's lines, in its format.
+start_log = logging.getLogger("vllm.cortex_cache")
 
 
 @dataclass
@@ -118,6 +125,16 @@ def _params(vllm_config: "VllmConfig") -> dict[str, Any]:
     return extra
 
 
+def say_weights(who: str, weights: Weights, retire: str) -> None:
+    """Say once at start which weights the keys carry, and how to retire their KV (`retire`: a command)."""
+    if weights.known:
+        start_log.info("%s: KV keyed to weights %s (%s); retire it with: %s", who, weights.id, weights.source, retire)
+    else:
+        start_log.warning("%s: KV not tied to the weights (%s): KV computed by other weights under this model name "
+                          "would be served; give \"weights\" a name for them (or set CORTEX_CACHE_WEIGHTS)",
+                          who, weights.source)
+
+
 def model_tag(name: str) -> str:
     """A model name fit for keys: path separators and odd characters become '_', at most 100 characters."""
     tag = _TAG_RE.sub("_", name.strip("/")).strip("_") or "model"
@@ -151,12 +168,21 @@ class _Layout:
         served = vllm_config.model_config.served_model_name
         served = served[0] if isinstance(served, (list, tuple)) else served
         self.model = model_tag(str(params.get("model") or served or vllm_config.model_config.model))
+        mc = vllm_config.model_config
+        self.weights = resolve(getattr(mc, "model", None), override=params.get("weights"),
+                               revision=getattr(mc, "revision", None))
         desc = [type(spec).__name__, getattr(spec, "dtype", "?"), f"layers={len(self.layer_names)}",
                 f"heads={getattr(spec, 'num_kv_heads', '?')}", f"head_size={getattr(spec, 'head_size', '?')}",
                 f"head_size_v={getattr(spec, 'head_size_v', '?')}", f"block={self.block_tokens}",
                 f"layout={getattr(kv_cache_config, 'kv_cache_layout', '?')}", f"tp={self.tp}", f"pp={self.pp}"]
         self.layout = ",".join(str(d).removeprefix("torch.") for d in desc)
-        self.tag = b"cortex-vllm/1\0" + self.model.encode() + b"\0" + self.layout.encode()
+        self.tag = b"cortex-vllm/1\0" + self.model.encode() + b"\0" + self.layout.encode() + \
+            b"\0weights:" + self.weights.id.encode()
+        self.key_model = f"{self.model}/{self.weights.id}"  # keys: namespace + this + "/" + rank + "/" + digest
+
+    def new_generation(self) -> None:
+        """Tag the chains from now on with a generation no other process shares (after a reset)."""
+        self.tag = self.tag.split(b"\0reset:")[0] + b"\0reset:" + os.urandom(8).hex().encode()
 
     def ranks(self) -> list[str]:
         return [f"pp{p}tp{t}" for p in range(self.pp) for t in range(self.tp)]
@@ -214,7 +240,15 @@ class CortexConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             # One lookup store per rank: the scheduler needs every rank's block.
             self._rank_stores = [self._block_store(rank, b"", 0) for rank in self._layout.ranks()]
+            pool = params["pool"]
+            say_weights(f"CortexConnector(pool {pool!r}, model {self._layout.model!r})", self._layout.weights,
+                        f"cortex cache evict {pool} --prefix {self.key_prefix} --tier all")
         CortexConnector.instances.add(self)
+
+    @property
+    def key_prefix(self) -> str:
+        """What every key of this model and weights starts with, on every rank."""
+        return f"{self._namespace}{self._layout.key_model}/"
 
     def _check_fit(self, pool: "Pool") -> None:
         """Once per pool opened: say so when its blocks hold ours at less than half their size."""
@@ -228,7 +262,7 @@ class CortexConnector(KVConnectorBase_V1):
                              100 * block_fill(fit, value_bytes))
 
     def _block_store(self, rank: str, fp: bytes, payload_bytes: int) -> BlockStore:
-        return BlockStore(self._pool, self.faults, namespace=self._namespace, model=self._layout.model, rank=rank,
+        return BlockStore(self._pool, self.faults, namespace=self._namespace, model=self._layout.key_model, rank=rank,
                           fingerprint=fp, payload_bytes=payload_bytes, block_tokens=self._layout.block_tokens,
                           verify=self._verify)
 
@@ -334,6 +368,31 @@ class CortexConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         # Blocks a finished request holds come back when its saves end: wait for them rather than preempt.
         return bool(self._held)
+
+    def reset_cache(self) -> bool:
+        """What vLLM's `reset_prefix_cache(reset_connector=True)` calls, also after it updated the weights in
+        place (`pause_generation(clear_cache=True)`): drop from the pool every block of this model and weights,
+        on every rank (`key_prefix`; other engines of the same weights lose them too), and key what this
+        engine computes from now on under a new generation of its own, which no other engine and no
+        restart of this one shares -- its weights may no longer be the checkpoint's.  Requests it still
+        holds (preempted by the reset) are neither loaded nor saved from now on.  False when the pool could
+        not be reached (vLLM then reports the reset failed)."""
+        self._layout.new_generation()
+        for st in self._reqs.values():
+            st.digests = []  # the old generation's keys: never looked up or stored again
+        self._matched.clear()
+        with self._pool.use() as pool:
+            if pool is None:
+                return False
+            try:
+                n, nbytes = pool.evict(prefix=self.key_prefix, tier="all")  # not spilled to a disk tier
+            except Exception as e:
+                self.faults.fault("error", e)
+                return False
+        start_log.info("CortexConnector(pool %r): reset: dropped %d blocks (%d bytes) under %s; this engine's "
+                       "blocks are keyed under a generation of their own from now on", pool.name, n, nbytes,
+                       self.key_prefix)
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
