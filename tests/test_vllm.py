@@ -231,9 +231,10 @@ def _status(name: str) -> dict:
 @pytest.mark.timeout(900)  # one engine start, kept up through three phases
 def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_then_create(models, referee, make_pool,
                                                                                          pool_name, tmp_path):
-    """One engine process across three phases; between them the pool under its name is replaced (restore
-    --replace), then deleted and created again.  Each phase hits and saves in the pool now under the name,
-    and the engine lets the old copy go (issue: engines stayed on the unlinked copy until they exited)."""
+    """One engine process across four phases; between them the pool under its name is replaced (restore
+    --replace), then deleted, then restored again.  Each phase hits and saves in the pool now under the
+    name, and the engine lets the old copy go (issue: engines stayed on the unlinked copy until they
+    exited); a pool put back under the name is found at the next request, not after a retry interval."""
     ref = referee
     pool = make_pool("8M", name=pool_name, block_size="4K")
     eng = PhasedEngine(models["small"], {"pool": pool_name}, prefix_caching=False)  # each block asked of the pool
@@ -262,11 +263,18 @@ def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_th
         assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]  # the old copy was let go
 
         assert cli("cache", "delete", pool_name, "--force").returncode == 0
-        again = make_pool("8M", name=pool_name, block_size="4K")  # empty
+        gone = eng.phase([B])  # no pool under the name: misses, nothing stored, the referee's tokens
+        assert gone["cached"] == [0] and gone["outputs"] == ref["outputs"][1:]
+        assert gone["stats"]["stored"] == 10 and gone["stats"]["unavailable"] >= 1
+        # A's blocks back under the name, and the next phase at once -- well within the 5 s after which the
+        # engine tries a missing pool again: it finds the pool by its name at its first call (issue 43, item 8).
+        Pool.restore(snap, name=pool_name).close()
         three = eng.phase([B])
-        assert three["cached"] == [0] and three["outputs"] == ref["outputs"][1:]  # nothing to hit there
-        assert three["stats"]["stored"] == 19 and len(again) == 9  # B's blocks, in the pool created again
-        assert three["stats"]["unavailable"] == 0  # found at once: the engine did not wait for a retry
+        assert three["cached"] == [256] and three["outputs"] == ref["outputs"][1:]  # hit at the first lookup
+        assert three["stats"]["loaded"] == 16 and three["stats"]["stored"] == 11  # and B's 9th block saved
+        assert three["stats"]["unavailable"] == gone["stats"]["unavailable"]  # no try failed meanwhile
+        with Pool.open(pool_name) as now:
+            assert len(now) == 10
         assert sum(three["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
         st = _status(pool_name)
         assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]
@@ -551,6 +559,39 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
         assert store.save(d[:1], rows[:1]) == 1 and len(again) == 1
         store.pool.close()
     Pool.unlink(pool_name)
+
+
+def test_a_pool_created_under_the_name_is_found_at_the_next_call_not_the_next_retry(make_pool, pool_name,
+                                                                                     monkeypatch):
+    """Issue 43, item 8: a missing pool is tried again when something comes to its name's path (one stat a
+    call), not only every retry interval: the engine's first call after `create` finds it."""
+    from cortex_cache.integrations import pools
+    from cortex_cache.integrations.vllm.blocks import Faults, PoolRef
+
+    faults = Faults("test")
+    ref = PoolRef(pool_name, {}, faults, retry_s=3600.0)
+    monkeypatch.setattr(pools, "REATTACH_EVERY", 3600.0)
+    att = pools.Attachment(pool_name, {})
+    tries = []
+    real = pools.open_or_create
+    monkeypatch.setattr(pools, "open_or_create", lambda *a: tries.append(a[0]) or real(*a))
+    for _ in range(3):
+        with att.use() as p:
+            assert p is None and ref.get() is None
+    assert faults.stats["unavailable"] == 1 and len(tries) == 1  # nothing came to the name: no open tried again
+    pool = make_pool("4M", name=pool_name)
+    got = ref.get()
+    with att.use() as p:
+        assert got is not None and got.name == pool_name and p is not None and p.name == pool_name
+    pool.close()
+    assert cli("cache", "delete", pool_name, "--force").returncode == 0
+    with att.use() as p:
+        assert p is None and ref.get() is None
+    again = make_pool("4M", name=pool_name)
+    with att.use() as p:
+        assert p is not None and ref.get() is not None and len(again) == 0
+    ref.close()
+    att.close()
 
 
 def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):

@@ -72,8 +72,8 @@ exception as fatal.  A missing pool (not made yet, deleted, being
 re-created), a full one, a damaged or foreign page, a peer killed while
 writing: each is a miss or a failed store, counted in `stats` and logged
 once per kind.  A pool deleted under a running SGLang is let go (so its
-memory is freed) and the pool of that name is attached again once it
-exists, checked at most once a second.  Importing this module does not
+memory is freed) and the pool of that name is attached at the first call
+after it exists (integrations/pools.py: NameWatch).  Importing this module does not
 import SGLang (nor torch); the class is made on first access.
 """
 

@@ -62,7 +62,7 @@ from ... import gpu
 from ...errors import CortexCacheError
 from ...kv import chunk_digests
 from ...lookups import LookupMemo, count_lookups
-from ..pools import open_or_create
+from ..pools import NameWatch, open_or_create
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -148,9 +148,12 @@ class PoolRef:
     """The pool an adapter names: opened on first use, and again after it failed (at most every `retry_s`).
 
     A pool that is missing when the engine starts is a miss until someone
-    creates it.  One replaced (restore --replace, resize) or deleted under a
-    running engine says so in its segment (Pool.superseded): the next call
-    opens the pool now under the name, or none until one is created again.
+    creates it: a call finds it at once when something has come to the
+    name's path since the last try (one stat, `NameWatch`), else the open is
+    tried again every `retry_s`.  One replaced (restore --replace, resize)
+    or deleted under a running engine says so in its segment
+    (Pool.superseded): the next call opens the pool now under the name, or
+    none until one is created again.
 
     Every call that reads or writes through the pool holds a lease on the
     handle it uses (`acquire` / `release`, or `use`): saves run on a thread of
@@ -177,6 +180,7 @@ class PoolRef:
         self._leases: dict[int, int] = {}  # id(pool) -> calls using it (a pool with a lease is alive)
         self._retired: dict[int, "Pool"] = {}  # let go while in use: closed by their last release
         self._next_try = 0.0
+        self._watch = NameWatch(name)  # a pool created or restored under the name: tried at the next call
         self.moves = 0  # how many times a replaced or deleted pool was let go
 
     def _current(self) -> "Pool | None":
@@ -190,16 +194,19 @@ class PoolRef:
             self.moves += 1
             self._next_try = 0.0
         now = self._clock()
-        if now < self._next_try:
+        if now < self._next_try and not self._watch.changed():
             return None
         self._next_try = now + self._retry_s
+        seen = self._watch.before()
         try:
             pool = open_or_create(self.name, self._params)
         except CortexCacheError as e:
             self._faults.fault("unavailable", e)
+            self._watch.failed(seen)
             return None
         if pool.superseded:  # a delete marked it, not unlinked yet
             pool.close()
+            self._watch.failed(seen)
             return None
         self._pool = pool
         if self._on_open is not None:
