@@ -86,14 +86,17 @@ class PhasedEngine:
     def __init__(self, model: str, connector: dict, **kw) -> None:
         self.path = _request({"phases": True, "connector": connector, **kw})
         self.err = tempfile.TemporaryFile(mode="w+")  # our logs: a file, so a full pipe never stalls the engine
+        self.errors = ""
         self.out: list[str] = []  # vLLM's logs (its logger writes to stdout)
         self.proc = subprocess.Popen([VLLM_PY, ENGINE, "run", model, self.path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
 
     def log(self) -> str:
-        self.err.seek(0)
-        return "".join(self.out)[-3000:] + self.err.read()[-6000:]
+        if not self.err.closed:
+            self.err.seek(0)
+            self.errors = self.err.read()
+        return "".join(self.out)[-3000:] + self.errors[-6000:]
 
     def phase(self, prompts: list[list[int]]) -> dict:
         self.proc.stdin.write(json.dumps(prompts) + "\n")
@@ -111,6 +114,7 @@ class PhasedEngine:
             self.proc.kill()
             self.proc.communicate()
         finally:
+            self.log()  # kept for after
             self.err.close()
             os.unlink(self.path)
 
@@ -181,6 +185,7 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     # insert order): blocks 0-3 load, the rest is recomputed, the tokens stay right.
     with Pool.open(name) as p:
         order = p.keys(prefix="vllm/")
+        sound = p.get(order[4])
         off = p.geometry.data_off + p.info(order[4])["first_block"] * p.geometry.block_size
         p.core.mv[off + 64 + 100] ^= 0xFF
     fourth = engine(small, [B], conn)
@@ -189,8 +194,19 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     # (vLLM 0.32 still counts the recomputed blocks in num_cached_tokens: the
     # referee here is the tokens, which unloaded blocks would have changed.)
     assert "corrupt" in fourth["log"]  # logged once, as a miss
+    # Exactly the blocks the load left unwritten (4-8 of the 9 it was to load) were reported to vLLM, which
+    # recomputed the request from block 4 on: 5 blocks of 32 tokens.
+    assert [len(e) for e in fourth["record"]["load_errors"]] == [5]
+    assert "1 request(s) rescheduled (160 tokens affected)" in fourth["log"]
+    # The damaged block was dropped, and saved again from vLLM's recomputation (the others were there).
+    assert fourth["stats"]["stored"] == 1
     with Pool.open(name) as p:
-        assert order[4] not in p and order[3] in p  # the damaged block was dropped, the others kept
+        assert order[3] in p and order[4] in p
+        again = p.get(order[4])
+    np = pytest.importorskip("numpy")
+    assert again[:64] == sound[:64]  # the same key, layout and digest
+    # The same KV, recomputed after the loaded blocks 0-3 instead of in one prefill: equal to float noise.
+    assert np.allclose(np.frombuffer(again[64:], np.float32), np.frombuffer(sound[64:], np.float32), atol=1e-4)
 
 
 @needs_vllm
@@ -319,6 +335,65 @@ def test_weights_saved_again_under_the_same_path_never_meet_the_old_kv(make_pool
     r = cli(*retire.split()[1:])
     assert r.returncode == 0, r.stderr
     assert set(pool.keys(prefix="vllm/")) == new_keys  # only the old weights' KV went
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # one engine start
+def test_vllms_cache_reset_drops_this_models_blocks_and_starts_a_generation_of_its_own(models, referee, make_pool):
+    """Issue 43, item 4: `reset_prefix_cache(reset_connector=True)` -- what vLLM calls after it updates the
+    weights in place -- drops every block of this model and weights from the pool, keeps the rest, and the
+    engine keys what it computes next under a generation of its own."""
+    pool = make_pool("8M", block_size="4K")
+    pool.put("vllm/other-model/w/pp0tp0/00", b"another model's block")
+    pool.put("notes", b"not the engine's")
+    eng = PhasedEngine(models["small"], {"pool": pool.name}, prefix_caching=False)
+
+    def ours() -> set[str]:
+        return {k for k in pool.keys(prefix="vllm/") if not k.startswith("vllm/other-model/")}
+
+    try:
+        one = eng.phase([A])
+        before = ours()
+        assert one["stats"]["stored"] == 9 and len(before) == 9
+        assert eng.phase({"reset": True})["reset"] is True
+        assert ours() == set() and len(pool) == 2  # the others are kept
+        assert "reset: dropped 9 blocks" in "".join(eng.out)  # said in vLLM's log
+        two = eng.phase([A])
+        assert two["cached"] == [0] and two["outputs"] == referee["outputs"][:1]
+        after = ours()
+        assert two["stats"]["stored"] == 18 and len(after) == 9 and not after & before  # another generation
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # two engine starts
+def test_preemption_with_saves_in_flight_loses_and_corrupts_nothing(models, make_pool):
+    """Issue 43, item 4: four requests at once in a KV cache of 24 blocks; every save is held until vLLM first
+    preempts a request, so the preemption meets them in flight.  Every prompt block lands in the pool, equal
+    (to float noise) to what an engine with room for all four and no preemption stores."""
+    small = models["small"]
+    r = random.Random(7)
+    prompts = [[r.randrange(1, 1000) for _ in range(264)] for _ in range(4)]  # 8 whole blocks each
+    roomy, tight = make_pool("16M", block_size="4K"), make_pool("16M", block_size="4K")
+    common = {"batch": True, "max_tokens": 96, "max_model_len": 512, "prefix_caching": False}
+    ref = engine(small, prompts, {"pool": roomy.name}, **common)
+    assert ref["stats"]["stored"] == 32 and not ref["record"]["preemptions"]
+    run = engine(small, prompts, {"pool": tight.name}, kv_cache_bytes=24 * 32768, hold_saves_until_preempted=True,
+                 **common)
+    pre = run["record"]["preemptions"]
+    assert pre and pre[0]["saves_in_flight"] >= 1, pre  # vLLM preempted while saves were queued
+    assert [len(o) for o in run["outputs"]] == [96] * 4
+    assert run["stats"]["store_failed"] == run["stats"]["error"] == 0 and len(tight) == 32
+    np = pytest.importorskip("numpy")
+    bad = []
+    for key in roomy.keys(prefix="vllm/"):
+        want, got = roomy.get(key), tight.get(key)
+        if got is None or got[:64] != want[:64] or not np.allclose(
+                np.frombuffer(got[64:], np.float32), np.frombuffer(want[64:], np.float32), atol=1e-4):
+            bad.append(key)
+    assert bad == []  # (a connector that did not wait for the preempted request's saves fails here)
 
 
 @needs_vllm

@@ -31,7 +31,23 @@ each phase is one line on stdin, a JSON list of prompts (EOF: the engine
 stops), and when it is done (its saves too) the engine prints a RESULT line
 of that phase (its outputs; the counters so far; "pid", this process's id).
 The caller changes the world between phases (replaces the pool, ...) and
-synchronises through the pipe.
+synchronises through the pipe.  A phase `{"reset": true}` instead calls
+vLLM's `reset_prefix_cache(reset_connector=True)`, stepping the engine and
+asking again while it fails (blocks still held, as vLLM's API says to), and
+answers {"reset": what it returned last, "tries": how many calls}.
+
+"batch": true sends a phase's prompts in one `generate` call (they run
+together, and a small "kv_cache_bytes" makes vLLM preempt some).
+"hold_saves_until_preempted": true holds every save of the connector (on
+its thread) until the connector first waits for a request's saves by name,
+which it does when vLLM preempts a request (else two minutes): vLLM's
+preemption then meets saves in flight, of the preempted request among
+them, and a connector that did not wait would save blocks vLLM had given
+to other requests since.  Each result has
+"record": the load errors the workers reported to vLLM
+(`get_block_ids_with_load_errors`, each non-empty answer) and the
+preemptions the workers saw (the requests, and how many of them had saves
+in flight).
 """
 
 from __future__ import annotations
@@ -70,7 +86,54 @@ class WorkerProbe:
         return dict(c.faults.snapshot())
 
 
-def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None):
+def instrument(req: dict) -> dict:
+    """Record what the connector reports to vLLM (this process's connectors: in-process engines only), and
+    hold its saves until the first preemption when asked; the record, filled as the engine runs."""
+    import threading
+
+    from cortex_cache.integrations.vllm import CortexConnector
+    from cortex_cache.integrations.vllm.blocks import Saver
+
+    record: dict = {"load_errors": [], "preemptions": []}
+    real_errors = CortexConnector.get_block_ids_with_load_errors
+
+    def errors(self) -> set[int]:
+        out = real_errors(self)
+        if out:
+            record["load_errors"].append(sorted(out))
+        return out
+
+    CortexConnector.get_block_ids_with_load_errors = errors
+    if req.get("hold_saves_until_preempted"):
+        # Saves are held until the connector waits for some by name -- which it does for a preempted
+        # request's, before vLLM may write that request's blocks -- or for two minutes.  A connector that
+        # did not wait would have its saves copy blocks vLLM gave to other requests meanwhile.
+        waited = threading.Event()
+        real_save, real_wait = Saver._save, Saver.wait
+        real_preemptions = CortexConnector.handle_preemptions
+
+        def held(self, *args):
+            waited.wait(120)
+            return real_save(self, *args)
+
+        def wait(self, req_ids=None, timeout=None):
+            if req_ids is not None:
+                waited.set()
+            return real_wait(self, req_ids, timeout)
+
+        def preemptions(self, meta) -> None:
+            ids = getattr(meta, "preempted", None)
+            saver = getattr(self, "_saver", None)
+            if ids and saver is not None:
+                record["preemptions"].append({"requests": len(ids),
+                                              "saves_in_flight": sum(saver.pending(r) for r in ids)})
+            return real_preemptions(self, meta)
+
+        Saver._save, Saver.wait, CortexConnector.handle_preemptions = held, wait, preemptions
+    return record
+
+
+def run(model: str, req: dict, phases: "Iterable[list[list[int]] | dict] | None" = None):
     """Yield one result per phase (without `phases`, the prompts of `req` are the one phase)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -78,6 +141,7 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     tp = int(req.get("tp", 1))
+    record = instrument(req) if req.get("connector") is not None else {}
     kv = None
     if req.get("connector") is not None:
         kv = KVTransferConfig(kv_connector="CortexConnector", kv_role="kv_both",
@@ -92,12 +156,21 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None
               disable_log_stats=not req.get("metrics", False))
     params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
     for prompts in phases if phases is not None else [req["prompts"]]:
+        if isinstance(prompts, dict) and prompts.get("reset"):
+            # vLLM's reset fails while a finished request's blocks wait for its saves; the engine frees them
+            # at its next step (a server's engine keeps stepping until then; here nothing else steps it).
+            tries = 0
+            while not (ok := llm.reset_prefix_cache(reset_connector=True)) and tries < 100:
+                llm.llm_engine.step()
+                tries += 1
+            yield {"reset": ok, "tries": tries + 1, "pid": os.getpid()}
+            continue
         outs, seconds = [], []
         # One request at a time, as a replay would send them (and so a request
-        # can find what the one before it stored).
-        for p in prompts:
+        # can find what the one before it stored); or all at once.
+        for batch in [prompts] if req.get("batch") else [[p] for p in prompts]:
             t = time.perf_counter()
-            outs += llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            outs += llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
             seconds.append(time.perf_counter() - t)
         stats: dict[str, int] = {}
         ranks: list[dict[str, int]] = []
@@ -118,7 +191,7 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]]] | None" = None
                         metrics[name] = metrics.get(name, 0) + int(m.value)
         yield {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
-               "ranks": ranks, "metrics": metrics, "pid": os.getpid()}
+               "ranks": ranks, "metrics": metrics, "pid": os.getpid(), "record": record}
 
 
 if __name__ == "__main__":

@@ -364,6 +364,19 @@ class CortexConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._held.difference_update(connector_output.finished_sending or ())
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._recompute(invalid)
+
+    def _recompute(self, invalid: "set[int]") -> None:
+        """Blocks a load left unwritten (the workers' `get_block_ids_with_load_errors`): vLLM recomputes each
+        request from its first such block, so that block and the ones after it are saved again as the
+        recomputation completes them (a corrupt block was dropped from the pool; a block evicted between
+        lookup and load was lost): the pool gets them back."""
+        for st in self._reqs.values():
+            first = next((i for i, b in enumerate(st.block_ids[: st.done]) if b in invalid), None)
+            if first is not None:
+                st.done = first
 
     def has_pending_block_frees(self) -> bool:
         # Blocks a finished request holds come back when its saves end: wait for them rather than preempt.
