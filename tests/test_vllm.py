@@ -370,9 +370,10 @@ def test_vllms_cache_reset_drops_this_models_blocks_and_starts_a_generation_of_i
 @needs_vllm
 @pytest.mark.timeout(900)  # two engine starts
 def test_preemption_with_saves_in_flight_loses_and_corrupts_nothing(models, make_pool):
-    """Issue 43, item 4: four requests at once in a KV cache of 24 blocks; every save is held until vLLM first
-    preempts a request, so the preemption meets them in flight.  Every prompt block lands in the pool, equal
-    (to float noise) to what an engine with room for all four and no preemption stores."""
+    """Issue 43, item 4: four requests at once in a KV cache of 24 blocks; every save is held until the
+    connector waits for a preempted request's saves (which it must, before vLLM hands those blocks to other
+    requests), so the preemption meets them in flight.  Every prompt block lands in the pool, equal (to
+    float noise) to what an engine with room for all four and no preemption stores."""
     small = models["small"]
     r = random.Random(7)
     prompts = [[r.randrange(1, 1000) for _ in range(264)] for _ in range(4)]  # 8 whole blocks each
