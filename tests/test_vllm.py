@@ -368,6 +368,45 @@ def test_vllms_cache_reset_drops_this_models_blocks_and_starts_a_generation_of_i
 
 
 @needs_vllm
+@pytest.mark.timeout(900)  # one engine start
+def test_the_pools_blocks_reach_vllms_kv_event_stream_stored_and_removed(models, make_pool):
+    """Issue 43, item 2: with vLLM's KV events on, the blocks this engine saved are published by vLLM's own
+    publisher (read back through its replay socket) once they are in the pool -- under vLLM's own block
+    hashes and tokens, medium CPU -- and a block another process removes from the pool is published as
+    removed."""
+    pool = make_pool("8M", block_size="4K")
+    owner = f"cortex:{pool.name}"
+    eng = PhasedEngine(models["small"], {"pool": pool.name}, kv_events=True)
+    try:
+        one = eng.phase([A])
+        theirs = [h for e in one["events"] if e["type"] == "BlockStored" and e["ownership"] != owner
+                  for h in e["hashes"]]
+        a_hashes = theirs[:9]  # vLLM's own events: A's 9 whole blocks in its KV cache
+        assert len(set(a_hashes)) == 9
+        two = eng.phase([B])  # the saves of A landed; the next steps find them in the pool
+        ours = [e for e in two["events"] if e["ownership"] == owner]
+        stored = [e for e in ours if e["type"] == "BlockStored"]
+        assert stored and all(e["medium"] == "CPU" and e["block_size"] == BLOCK for e in stored)
+        got = [h for e in stored for h in e["hashes"]]
+        assert got[:9] == a_hashes  # A's blocks, under vLLM's own hashes, in order
+        assert stored[0]["parent"] is None and stored[0]["tokens"][: 9 * BLOCK] == A[: 9 * BLOCK]
+        assert not [e for e in ours if e["type"] == "BlockRemoved"]
+        keys = pool.keys(prefix="vllm/")
+        assert pool.delete(keys[3])  # another process takes A's block 3 out of the pool
+        three = eng.phase([B])  # all in vLLM's own cache (nothing to save): its steps look at the pool
+        removed = [e for e in three["events"] if e["ownership"] == owner and e["type"] == "BlockRemoved"]
+        assert [e["hashes"] for e in removed] == [[a_hashes[3]]] and removed[0]["medium"] == "CPU"
+        # What is reported held is what the pool holds: A's blocks and B's own 9th (saved in phase two, found
+        # in phase three), less the one removed.
+        reported = {h for e in three["events"] if e["ownership"] == owner and e["type"] == "BlockStored"
+                    for h in e["hashes"]} - {a_hashes[3]}
+        assert len(reported) == len(pool.keys(prefix="vllm/")) == 9
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
 @pytest.mark.timeout(900)  # two engine starts
 def test_preemption_with_saves_in_flight_loses_and_corrupts_nothing(models, make_pool):
     """Issue 43, item 4: four requests at once in a KV cache of 24 blocks; every save is held until the

@@ -36,6 +36,12 @@ vLLM's `reset_prefix_cache(reset_connector=True)`, stepping the engine and
 asking again while it fails (blocks still held, as vLLM's API says to), and
 answers {"reset": what it returned last, "tries": how many calls}.
 
+"kv_events": true turns vLLM's KV events on (its ZMQ publisher, with a
+replay socket); each result then has "events": every batch vLLM published
+so far, read back through its replay socket once its publisher has sent
+them (each event as a dict: "type", "medium", "ownership", "hashes" as hex
+or int, "parent", "tokens": the token ids).
+
 "batch": true sends a phase's prompts in one `generate` call (they run
 together, and a small "kv_cache_bytes" makes vLLM preempt some).
 "hold_saves_until_preempted": true holds every save of the connector (on
@@ -133,6 +139,42 @@ def instrument(req: dict) -> dict:
     return record
 
 
+def _plain(x):
+    return x.hex() if isinstance(x, bytes) else x
+
+
+def published_events(llm, replay: str) -> list[dict]:
+    """Every event vLLM's publisher sent so far, asked of its replay socket (after its queue is sent)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    publisher._event_queue.join()  # every batch published so far is sent, and in the replay buffer
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(replay)
+    sock.send_multipart((b"", (0).to_bytes(8, "big")))
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    out = []
+    try:
+        while True:
+            if not sock.poll(60_000):
+                raise TimeoutError("vLLM's replay socket did not answer")
+            _, _, seq, payload = sock.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                break
+            for e in decode(payload).events:
+                d = {"type": type(e).__name__, "medium": getattr(e, "medium", None),
+                     "ownership": getattr(e, "ownership", None),
+                     "hashes": [_plain(h) for h in getattr(e, "block_hashes", [])]}
+                if d["type"] == "BlockStored":
+                    d.update(parent=_plain(e.parent_block_hash), tokens=list(e.token_ids), block_size=e.block_size)
+                out.append(d)
+    finally:
+        sock.close(linger=0)
+    return out
+
+
 def run(model: str, req: dict, phases: "Iterable[list[list[int]] | dict] | None" = None):
     """Yield one result per phase (without `phases`, the prompts of `req` are the one phase)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -147,13 +189,23 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]] | dict] | None"
         kv = KVTransferConfig(kv_connector="CortexConnector", kv_role="kv_both",
                               kv_connector_module_path="cortex_cache.integrations.vllm",
                               kv_connector_extra_config=req["connector"])
+    events: dict = {}
+    if req.get("kv_events"):
+        import tempfile
+
+        from vllm.config import KVEventsConfig
+
+        d = tempfile.mkdtemp(prefix="cctest-kvevents-")  # its sockets; removed with the process's end below
+        replay = f"ipc://{d}/replay"
+        events["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=f"ipc://{d}/pub", replay_endpoint=replay)
     llm = LLM(model=model, skip_tokenizer_init=True, block_size=req.get("block_size", 32),
               max_model_len=req.get("max_model_len", 2048), dtype="float32", enforce_eager=True,
               tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni",
               worker_extension_cls="tests.vllm_engine.WorkerProbe",
               kv_cache_memory_bytes=req.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=req.get("prefix_caching", True), kv_transfer_config=kv, seed=0,
-              disable_log_stats=not req.get("metrics", False))
+              disable_log_stats=not req.get("metrics", False), **events)
     params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
     for prompts in phases if phases is not None else [req["prompts"]]:
         if isinstance(prompts, dict) and prompts.get("reset"):
@@ -189,9 +241,16 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]] | dict] | None"
                     if m.name.startswith("vllm:cortex_"):
                         name = m.name + (":" + m.labels["kind"] if "kind" in m.labels else "")
                         metrics[name] = metrics.get(name, 0) + int(m.value)
-        yield {"outputs": [list(o.outputs[0].token_ids) for o in outs],
-               "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
-               "ranks": ranks, "metrics": metrics, "pid": os.getpid(), "record": record}
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                  "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
+                  "ranks": ranks, "metrics": metrics, "pid": os.getpid(), "record": record}
+        if events:
+            result["events"] = published_events(llm, replay)
+        yield result
+    if events:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,13 @@ from ...weights import Weights, resolve
 from ..pools import POOL_PARAMS
 from .blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
                      fit_block_size, prefix_digests)
+from .events import PoolEvents
 from .stats import CortexConnectorStats, CortexPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,6 +110,7 @@ class _Request:
     """What the scheduler side keeps per request."""
 
     digests: list[bytes]  # every whole prompt block's
+    request: Any = None  # vLLM's Request (its block hashes and tokens, for KV events)
     block_ids: list[int] = field(default_factory=list)
     done: int = 0  # leading blocks loaded, cached or saved already
     load: tuple[int, int] | None = None  # blocks [a, b) to load at its next schedule
@@ -206,6 +209,7 @@ class CortexConnector(KVConnectorBase_V1):
     # What shutdown touches, for one whose __init__ failed half-way (a hybrid model, bad parameters).
     _pool: PoolRef | None = None
     _saver: Saver | None = None
+    _events: PoolEvents | None = None  # the scheduler's, with vLLM's KV events on
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -240,6 +244,10 @@ class CortexConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             # One lookup store per rank: the scheduler needs every rank's block.
             self._rank_stores = [self._block_store(rank, b"", 0) for rank in self._layout.ranks()]
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and getattr(events, "enable_kv_cache_events", False):
+                self._events = PoolEvents(self._pool, self._rank_stores, self.faults, self._layout.block_tokens,
+                                          ownership=f"cortex:{params['pool']}")
             pool = params["pool"]
             say_weights(f"CortexConnector(pool {pool!r}, model {self._layout.model!r})", self._layout.weights,
                         f"cortex cache evict {pool} --prefix {self.key_prefix} --tier all")
@@ -277,7 +285,7 @@ class CortexConnector(KVConnectorBase_V1):
         else:
             digests = prefix_digests(request.prompt_token_ids or [], self._layout.block_tokens,
                                      self._layout.request_tag(request))
-        self._reqs[request.request_id] = _Request(digests)
+        self._reqs[request.request_id] = _Request(digests, request if self._events is not None else None)
         return digests
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -347,6 +355,10 @@ class CortexConnector(KVConnectorBase_V1):
         end = min(len(st.digests), computed_after // self._layout.block_tokens, len(st.block_ids))
         if end > st.done:
             meta.saves.append(Transfer(req_id, st.digests[st.done : end], st.block_ids[st.done : end]))
+            if self._events is not None and st.request is not None:
+                r, lora = st.request, getattr(st.request, "lora_request", None)
+                self._events.planned(st.digests[st.done : end], r.block_hashes, st.done, r.prompt_token_ids or [],
+                                     getattr(lora, "adapter_id", None), getattr(lora, "name", None))
             st.done = end
             st.saved = True
 
@@ -377,6 +389,11 @@ class CortexConnector(KVConnectorBase_V1):
             first = next((i for i, b in enumerate(st.block_ids[: st.done]) if b in invalid), None)
             if first is not None:
                 st.done = first
+
+    def take_events(self) -> "list[KVCacheEvent]":
+        """vLLM's KV events of the pool's blocks (events.py): those this engine saved, once in the pool on every
+        rank, and those of them gone from it since; with `--kv-events-config` on, else none."""
+        return self._events.take() if self._events is not None else []
 
     def has_pending_block_frees(self) -> bool:
         # Blocks a finished request holds come back when its saves end: wait for them rather than preempt.
