@@ -300,8 +300,9 @@ def _host_cost_of(size: tuple, blocks: int, rounds: int) -> dict:
     import torch
 
     from cortex_cache import Pool
-    from cortex_cache.integrations.vllm.blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef,
-                                                       fit_block_size, prefix_digests)
+    from cortex_cache.integrations.vllm.blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, PoolRef,
+                                                       fit_block_size, load_host, prefix_digests,
+                                                       save_host)
 
     layers, heads, tokens, head_size, label = size
     num = blocks * 2
@@ -319,16 +320,14 @@ def _host_cost_of(size: tuple, blocks: int, rounds: int) -> dict:
         src = np.random.default_rng(0).integers(0, 255, blocks * paged.payload_bytes, dtype=np.uint8)
         dst = np.empty_like(src)
         t: dict[str, list[float]] = {"save": [], "load": [], "copy": []}
+        # What the save thread and the worker's loads copy through, kept from one batch to the next (as theirs).
+        save_rows, load_rows = HostRows(value), HostRows(paged.payload_bytes)
         for _ in range(rounds):
             pool.evict(all=True)
             a = time.perf_counter()
-            rows = np.empty((blocks, value), np.uint8)
-            paged.gather_host(ids, rows)
-            assert store.save_host(digests, rows) == blocks
+            assert save_host(store, paged, save_rows, digests, ids) == blocks  # the save thread's (blocks.Saver)
             b = time.perf_counter()
-            staged = store.staging(blocks, "cpu")[:, HEADER_SIZE:]
-            assert store.load(digests, staged) == blocks
-            paged.scatter([blocks + i for i in ids], staged)
+            assert load_host(store, paged, load_rows, digests, [blocks + i for i in ids]) == blocks  # the worker's
             c = time.perf_counter()
             np.copyto(dst, src)
             d = time.perf_counter()

@@ -778,6 +778,37 @@ def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool
     lost.pool.close()
 
 
+def test_cpu_saves_and_loads_go_through_rows_kept_between_batches_in_parts(make_pool, monkeypatch):
+    """A CPU cache's saves and loads copy through host rows kept from one batch to the next (fresh memory
+    costs more than the copy: issue 43, item 6), at most HOST_ROWS_BYTES at a time: a larger batch goes in
+    parts, each part's blocks exact, and a load stops at the first block missing even in a later part."""
+    from cortex_cache.integrations.vllm import blocks
+    from cortex_cache.integrations.vllm.blocks import HostRows, Saver, load_host, prefix_digests
+
+    pool = make_pool("8M")
+    caches, paged = _paged(num_blocks=8)
+    store, faults = _store(pool.name, payload=paged.payload_bytes)
+    monkeypatch.setattr(blocks, "HOST_ROWS_BYTES", 2 * (64 + paged.payload_bytes))  # two blocks a part
+    d = prefix_digests(list(range(32 * 5)), 32, b"tag")
+    saver = Saver(store, paged, faults)
+    assert saver.submit("a", d, [7, 6, 5, 4, 3]) and saver.wait(timeout=60)
+    assert saver._rows.max_rows == 2 and store.present(d) == 5 and faults.stats["stored"] == 5
+    saver.close()
+    rows = HostRows(paged.payload_bytes, cap=2 * paged.payload_bytes)
+    kept = rows.take(5)
+    assert len(kept) == 2 and rows.take(1).base is kept.base  # the same memory, batch after batch
+    fresh, fpaged = _paged(num_blocks=8)
+    assert load_host(store, fpaged, rows, d, [0, 1, 2, 3, 4]) == 5
+    for c, f in zip(caches, fresh):
+        assert all(torch.equal(f[i], c[7 - i]) for i in range(5))
+    pool.delete(store.key(d[3]))  # in the second part: blocks 0-2 load, the rest is left alone
+    for f in fresh:
+        f.zero_()
+    assert load_host(store, fpaged, rows, d, [0, 1, 2, 3, 4]) == 3
+    assert all(f[:3].any() and not f[3:].any() for f in fresh) and faults.stats["missing"] == 1
+    store.pool.close()
+
+
 def test_block_sizes_fit_the_engines_values_and_lookups_count_as_misses(make_pool):
     from cortex_cache.integrations.vllm.blocks import block_fill, fit_block_size, prefix_digests
 

@@ -63,8 +63,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...errors import UsageError
 from ...weights import Weights, resolve
 from ..pools import POOL_PARAMS
-from .blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
-                     fit_block_size, prefix_digests)
+from .blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
+                     fit_block_size, load_host, prefix_digests)
 from .events import PoolEvents
 from .stats import CortexConnectorStats, CortexPromMetrics
 
@@ -236,6 +236,7 @@ class CortexConnector(KVConnectorBase_V1):
         self._finishing: set[str] = set()  # of those, finished ones not yet reported
         self._loading: list = []  # CUDA loads queued this step (their pins go at the step's end)
         self._load_errors: set[int] = set()
+        self._host_rows: HostRows | None = None  # what CPU loads copy through, kept from one to the next
         self._reported = dict.fromkeys(self.stats, 0)  # the counters as get_kv_connector_stats last gave them
         if role == KVConnectorRole.SCHEDULER:
             # A block that cannot be loaded (evicted meanwhile, corrupt) is a
@@ -485,10 +486,9 @@ class CortexConnector(KVConnectorBase_V1):
             n = 0
             try:
                 if stream is None:
-                    out = store.staging(len(t.digests), paged.device)[:, : store.payload_bytes]
-                    n = store.load(t.digests, out)
-                    if n:
-                        paged.scatter(t.block_ids[:n], out[:n])
+                    if self._host_rows is None:
+                        self._host_rows = HostRows(store.payload_bytes)
+                    n = load_host(store, paged, self._host_rows, t.digests, t.block_ids)
                 else:
                     n = self._load_cuda(t, stream)
             except Exception as e:
