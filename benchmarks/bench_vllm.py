@@ -2,7 +2,8 @@
 
     CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python [CORTEX_BENCH_TRACE=PATH.jsonl] \\
         python benchmarks/bench_vllm.py [--quick] [--requests N] [--start S] [--json PATH]
-    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python python benchmarks/bench_vllm.py --overhead [--pairs N]
+    CORTEX_BENCH_VLLM_PYTHON=.vllm-venv/bin/python python benchmarks/bench_vllm.py --overhead [--pairs N] \
+        [--modes deployed,reserved,in-process]
 
 Replays N requests (default 300; --quick 60; from the first, or the S-th) of a Mooncake
 conversation trace (benchmarks/traces/mooncake_conversation_trace.jsonl unless
@@ -28,10 +29,35 @@ found) through an engine process without a connector and one with it on a
 fresh pool, both fresh each run, taking the prompts in turn (see
 `overhead`), N runs (default 3); reported: the seconds the 40 `generate`
 calls took in each engine and the median of the runs' ratios (no trace
-needed).
+needed).  In each of these modes, in this order (`--modes` picks some):
 
-Needs vLLM's CPU build (scripts/vllm_venv.sh) and the trace; the engines
-run in-process (no engine subprocesses).  On a CPU with a tiny model,
+  deployed     the engine core in a process of its own, as vLLM is deployed
+               (VLLM_ENABLE_V1_MULTIPROCESSING=1, its default): on the CPU
+               build its worker's OpenMP threads are bound to cores, and
+               vLLM reserves one core more for the engine's own processes
+               when a kv_transfer_config is set
+  reserved     the same, with VLLM_CPU_NUM_OF_RESERVED_CPU=1: both engines
+               reserve one core, so their workers get the same cores
+  in-process   the engine core in the caller's process
+               (VLLM_ENABLE_V1_MULTIPROCESSING=0): no binding, no reservation
+
+Each engine's worker cores and reservation, as vLLM logs them, are printed
+beside its mode.
+
+`--host-cost` measures, without vLLM or a GPU, what the connector's data
+path costs the host per block on the CPU: a save (gather the blocks out of
+a paged cache of CPU tensors, reserve, copy, checksum, commit: the save
+thread's path) and a load (pin, check each header and checksum, copy,
+scatter into the paged cache), 64 blocks a batch, for a tiny block (16 KiB:
+the test model's, where the per-block bookkeeping shows) and a large one
+(2 MiB: an 8B model's 16-token block); beside them a plain copy of the same
+bytes, measured in the same run.  What is over the copy is the host's cost
+per block (`cortex_cache/integrations/vllm/blocks.py`); on CUDA the copies
+run on the device's copy engines and this host work is what is left on the
+CPU.
+
+Needs vLLM's CPU build (scripts/vllm_venv.sh) and the trace; the trace
+replay runs the engines in-process.  On a CPU with a tiny model,
 prefill is cheap: the time per request shows the connector's overhead
 more than its savings, which grow with model size.
 """
@@ -41,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -157,15 +184,28 @@ def overhead_prompts(n: int = 41, tokens: int = 480) -> list[list[int]]:
     return [[r.randrange(1, 1000) for _ in range(tokens)] for _ in range(n)]
 
 
-def _start(py: str, model: str, connector: dict | None) -> subprocess.Popen:
+# The modes of --overhead: what each sets in the engines' environment (see the module doc).
+MODES = {
+    "deployed": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    "reserved": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+    "in-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+}
+_BINDING = re.compile(r"reserve_cpu_num=(\d+)|local_rank=0, core ids=(\[[^\]]*\])")
+
+
+def _start(py: str, model: str, connector: dict | None, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """An engine process, once it is ready; and its worker's binding as vLLM logged it ("" if none)."""
     e = subprocess.Popen([py, __file__, "--serve", model, json.dumps(connector)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
+    found: dict[str, str] = {}
     while (line := e.stdout.readline()) and line.strip() != "READY":
-        pass
+        for m in _BINDING.finditer(line):  # vLLM's "OpenMP thread binding info", engine core process
+            found["reserved" if m.group(1) else "cores"] = m.group(1) or m.group(2)
     if not line:
         raise SystemExit("an engine did not start (run it by hand to see why)")
-    return e
+    binding = f"worker cores {found['cores']}, {found.get('reserved', '?')} reserved" if "cores" in found else ""
+    return e, binding
 
 
 def _ask(e: subprocess.Popen, prompt: list[int]) -> dict:
@@ -177,51 +217,130 @@ def _ask(e: subprocess.Popen, prompt: list[int]) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def overhead(py: str, pairs: int) -> dict:
+def overhead(py: str, model: str, pairs: int, env: dict | None = None) -> dict:
     """Nothing to hit: per run, a fresh engine without a connector and one with it on a fresh pool, both
     up at once, taking the same 40 prompts in turn (request i to one, then to the other; the first
     of each run goes first to the other engine than in the run before), so noise from other work on
     the machine falls on both alike.  Each engine first serves one other prompt, not timed (its
-    first request pays for warming up)."""
+    first request pays for warming up).  `env`: what the engines' environment adds (a mode)."""
     from cortex_cache import Pool
 
     warm, *prompts = overhead_prompts()
     runs: dict[str, list[float]] = {"baseline": [], "cortex": []}
-    with tempfile.TemporaryDirectory(prefix="ccbench-vllm-") as d:
-        model = os.path.join(d, "model")
-        subprocess.run([py, __file__, "--make-model", model], check=True, capture_output=True)
-        for i in range(pairs):
-            name = f"bench-vllm-oh-{os.getpid()}"
-            pool = Pool.create(name, "64M")
-            engines = {}
-            try:
-                engines = {"baseline": _start(py, model, None), "cortex": _start(py, model, {"pool": name})}
-                for e in engines.values():
-                    _ask(e, warm)
-                order = ("baseline", "cortex") if i % 2 == 0 else ("cortex", "baseline")
-                secs: dict[str, list[float]] = {k: [] for k in order}
-                for p in prompts:
-                    for k in order:
-                        secs[k].append(_ask(engines[k], p)["seconds"])
-            finally:
-                for e in engines.values():
-                    e.stdin.close()
-                    e.wait(timeout=120)
-                entries = pool.stats()["entries"]
-                pool.close()
-                Pool.unlink(name)
-            if entries != 41 * 15:  # every whole block, saved by the time the engine exited
-                raise SystemExit(f"the connector stored {entries} blocks, not {41 * 15}")
-            for k in order:
-                runs[k].append(secs[k])
+    bindings: dict[str, str] = {}
+    for i in range(pairs):
+        name = f"bench-vllm-oh-{os.getpid()}"
+        pool = Pool.create(name, "64M")
+        engines = {}
+        try:
+            for k, conn in (("baseline", None), ("cortex", {"pool": name})):
+                engines[k], bindings[k] = _start(py, model, conn, env)
+            for e in engines.values():
+                _ask(e, warm)
+            order = ("baseline", "cortex") if i % 2 == 0 else ("cortex", "baseline")
+            secs: dict[str, list[float]] = {k: [] for k in order}
+            for p in prompts:
+                for k in order:
+                    secs[k].append(_ask(engines[k], p)["seconds"])
+        finally:
+            for e in engines.values():
+                e.stdin.close()
+                e.wait(timeout=120)
+            entries = pool.stats()["entries"]
+            pool.close()
+            Pool.unlink(name)
+        if entries != 41 * 15:  # every whole block, saved by the time the engine exited
+            raise SystemExit(f"the connector stored {entries} blocks, not {41 * 15}")
+        for k in order:
+            runs[k].append(secs[k])
     # Per run: the 40 calls' total, and their median (which a burst of other work on the machine moves less).
     total = {k: [sum(x) for x in v] for k, v in runs.items()}
     median = {k: [statistics.median(x) for x in v] for k, v in runs.items()}
     ratios = [c / b for b, c in zip(total["baseline"], total["cortex"])]
     mratios = [c / b for b, c in zip(median["baseline"], median["cortex"])]
-    return {"pairs": pairs, "seconds": runs, "total": total, "median": median, "ratios": ratios,
-            "ratio_median": statistics.median(ratios), "median_ratios": mratios,
+    return {"pairs": pairs, "env": env or {}, "bindings": bindings, "seconds": runs, "total": total,
+            "median": median, "ratios": ratios, "ratio_median": statistics.median(ratios), "median_ratios": mratios,
             "median_ratio_median": statistics.median(mratios)}
+
+
+def overhead_modes(py: str, pairs: int, modes: list[str]) -> dict:
+    """`overhead` in each mode, on one model."""
+    with tempfile.TemporaryDirectory(prefix="ccbench-vllm-") as d:
+        model = os.path.join(d, "model")
+        subprocess.run([py, __file__, "--make-model", model], check=True, capture_output=True)
+        return {mode: overhead(py, model, pairs, MODES[mode]) for mode in modes}
+
+
+HOST_COST_SIZES = ((2, 4, 16, 32, "16 KiB (2 layers)"), (32, 8, 16, 128, "2 MiB (32 layers)"))
+
+
+def host_cost(blocks: int = 64, rounds: int = 7) -> list[dict]:
+    """Per block, the host's time for the connector's save and load of `blocks` blocks on CPU tensors, and a
+    copy of the same bytes; medians of `rounds`.  Needs torch, not vLLM (see the module doc)."""
+    import torch
+
+    out = []
+    # One torch thread: on a small shared machine torch's CPU copies on two threads wait at each barrier for
+    # a core another process holds (measured: loads 10-50x slower, swinging 5x between rounds), which is the
+    # machine, not the connector; the copy beside it is one thread too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for row in HOST_COST_SIZES:
+            out.append(_host_cost_of(row, blocks, rounds))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _host_cost_of(size: tuple, blocks: int, rounds: int) -> dict:
+    import time
+
+    import numpy as np
+    import torch
+
+    from cortex_cache import Pool
+    from cortex_cache.integrations.vllm.blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, PoolRef,
+                                                       fit_block_size, load_host, prefix_digests,
+                                                       save_host)
+
+    layers, heads, tokens, head_size, label = size
+    num = blocks * 2
+    caches = [torch.randn(num, 2, heads, tokens, head_size, dtype=torch.bfloat16) for _ in range(layers)]
+    paged = PagedLayers(caches, num)
+    value = HEADER_SIZE + paged.payload_bytes
+    name = f"bench-vllm-host-{os.getpid()}"
+    pool = Pool.create(name, blocks * value * 2 + (64 << 20), block_size=fit_block_size(value))
+    try:
+        faults = Faults("bench")
+        store = BlockStore(PoolRef(name, {}, faults), faults, namespace="bench/", model="m", rank="pp0tp0",
+                           fingerprint=b"f" * 16, payload_bytes=paged.payload_bytes, block_tokens=tokens)
+        digests = prefix_digests(list(range(blocks * tokens)), tokens, b"bench")
+        ids = list(range(blocks))
+        src = np.random.default_rng(0).integers(0, 255, blocks * paged.payload_bytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        t: dict[str, list[float]] = {"save": [], "load": [], "copy": []}
+        # What the save thread and the worker's loads copy through, kept from one batch to the next (as theirs).
+        save_rows, load_rows = HostRows(value), HostRows(paged.payload_bytes)
+        for _ in range(rounds):
+            pool.evict(all=True)
+            a = time.perf_counter()
+            assert save_host(store, paged, save_rows, digests, ids) == blocks  # the save thread's (blocks.Saver)
+            b = time.perf_counter()
+            assert load_host(store, paged, load_rows, digests, [blocks + i for i in ids]) == blocks  # the worker's
+            c = time.perf_counter()
+            np.copyto(dst, src)
+            d = time.perf_counter()
+            t["save"].append(b - a)
+            t["load"].append(c - b)
+            t["copy"].append(d - c)
+        store.pool.close()
+    finally:
+        pool.close()
+        Pool.unlink(name)
+    per = {k: statistics.median(v) / blocks * 1e6 for k, v in t.items()}
+    return {"block": label, "bytes": paged.payload_bytes, "blocks": blocks, "save_us": per["save"],
+            "load_us": per["load"], "copy_us": per["copy"]}
 
 
 def main() -> None:
@@ -232,28 +351,54 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--overhead", action="store_true", help="nothing to hit: the connector's cost (no trace)")
     ap.add_argument("--pairs", type=int, default=3, help="with --overhead: runs of each, alternating")
+    ap.add_argument("--modes", default=",".join(MODES), help="with --overhead: comma-separated, of "
+                    + ", ".join(MODES))
+    ap.add_argument("--host-cost", action="store_true", help="the connector's host cost per block (no vLLM)")
     ap.add_argument("--serve", nargs=2, metavar=("MODEL", "CONNECTOR_JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--make-model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         return serve(*args.serve)
+    if args.host_cost:
+        sys.path.insert(0, str(REPO))
+        rows = host_cost()
+        print("the connector's host cost per block on the CPU (64 blocks a batch, median of 7; no vLLM, no GPU)")
+        for r in rows:
+            print(f"  {r['block']:18} save {r['save_us']:8.1f} us, load {r['load_us']:8.1f} us;"
+                  f" a copy of its bytes {r['copy_us']:7.1f} us: save {r['save_us'] / r['copy_us']:5.1f}x,"
+                  f" load {r['load_us'] / r['copy_us']:5.1f}x the copy")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
     if args.make_model:
         return make_model(args.make_model)
     py = os.environ.get("CORTEX_BENCH_VLLM_PYTHON")
     if args.overhead:
         if not py:
             raise SystemExit("set CORTEX_BENCH_VLLM_PYTHON (scripts/vllm_venv.sh)")
+        modes = args.modes.split(",")
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise SystemExit(f"unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}")
         sys.path.insert(0, str(REPO))
-        r = overhead(py, args.pairs)
-        print(f"nothing to hit: 40 distinct 480-token prompts, {args.pairs} pairs, a fresh engine and pool each run")
-        for b, c, x, mb, mc, mx in zip(r["total"]["baseline"], r["total"]["cortex"], r["ratios"],
-                                       r["median"]["baseline"], r["median"]["cortex"], r["median_ratios"]):
-            print(f"  40 calls without connector {b:.3f} s, with {c:.3f} s: {x:.2f}x;"
-                  f" per call, median {mb * 1e3:.1f} ms and {mc * 1e3:.1f} ms: {mx:.2f}x")
-        print(f"connector / none, median of {args.pairs} runs: {r['ratio_median']:.3f}x (40 calls),"
-              f" {r['median_ratio_median']:.3f}x (per call, median)")
+        print(f"nothing to hit: 40 distinct 480-token prompts, {args.pairs} pairs, a fresh engine and pool each run;"
+              f" {os.cpu_count()} CPUs")
+        out = {}
+        for mode in modes:  # printed as each ends
+            r = out[mode] = overhead_modes(py, args.pairs, [mode])[mode]
+            env = " ".join(f"{k}={v}" for k, v in MODES[mode].items())
+            print(f"{mode} ({env})")
+            for k in ("baseline", "cortex"):
+                if r["bindings"].get(k):
+                    print(f"  {'without' if k == 'baseline' else 'with'} connector: {r['bindings'][k]}")
+            for b, c, x, mb, mc, mx in zip(r["total"]["baseline"], r["total"]["cortex"], r["ratios"],
+                                           r["median"]["baseline"], r["median"]["cortex"], r["median_ratios"]):
+                print(f"  40 calls without connector {b:.3f} s, with {c:.3f} s: {x:.2f}x;"
+                      f" per call, median {mb * 1e3:.1f} ms and {mc * 1e3:.1f} ms: {mx:.2f}x")
+            print(f"  connector / none, median of {args.pairs} runs: {r['ratio_median']:.3f}x (40 calls),"
+                  f" {r['median_ratio_median']:.3f}x (per call, median)", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(r, indent=2))
+            Path(args.json).write_text(json.dumps(out, indent=2))
         return
     trace = os.environ.get("CORTEX_BENCH_TRACE") or str(REPO / "benchmarks" / "traces" /
                                                         "mooncake_conversation_trace.jsonl")

@@ -3,11 +3,16 @@
 Chunk keys (identical across processes, restarts, machines and Python
 versions: no `hash()`, no pickle)::
 
-    tag      = b"cortex-kv/1\\0" + model + b"\\0" + layout
+    tag      = b"cortex-kv/1\\0" + model + b"\\0" + layout [+ b"\\0weights:" + weights]
     layout   = b"<dtype>:<num_layers>x2x<chunk_tokens>x<num_heads>x<head_dim>"  e.g. b"float16:32x2x256x8x128"
     digest_0 = SHA-256(32 zero bytes || tokens[0:C] as uint32 little-endian || tag)
     digest_i = SHA-256(digest_{i-1} || tokens[i*C:(i+1)*C] as uint32 little-endian || tag)
-    key_i    = "kv/<model>/" + hex(digest_i)
+    key_i    = "kv/<model>/" [+ "<weights>/"] + hex(digest_i)
+
+`weights` names the model's weights (cortex_cache/weights.py: a name of
+yours, or `cortex_cache.weights.identity(checkpoint_path)`), so that KV
+computed by other weights under the same model name is never served; without
+it (and without CORTEX_CACHE_WEIGHTS) the keys name model and layout only.
 
 so chunk i's key names the whole prefix up to its end, and two prompts that
 share a prefix share its chunks.  SHA-256, not a fast non-cryptographic
@@ -35,6 +40,7 @@ never reinterpreted.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import struct
 from typing import TYPE_CHECKING, Any
@@ -43,6 +49,7 @@ import numpy as np
 
 from .errors import KeyNotFound, UsageError
 from .lookups import DEFAULT_CAPACITY, LookupMemo
+from .weights import ENV, check_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -93,7 +100,7 @@ class KVCache:
 
     def __init__(
         self, pool: "Pool", *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: Any,
-        chunk_tokens: int = 256,
+        chunk_tokens: int = 256, weights: str | None = None,
     ) -> None:
         from .gpu import as_dtype, torch_module
 
@@ -114,17 +121,24 @@ class KVCache:
         dname = str(self.dtype).removeprefix("torch.")
         layout = f"{dname}:{num_layers}x2x{chunk_tokens}x{num_heads}x{head_dim}".encode()
         self.tag = b"cortex-kv/1\0" + model.encode() + b"\0" + layout
+        # The weights' name: given, else the environment's; checked (UsageError), never computed here.
+        env = os.environ.get(ENV)
+        self.weights = check_id(weights) if weights is not None else check_id(env, ENV) if env else None
+        self.prefix = f"kv/{model}/"
+        if self.weights is not None:
+            self.tag += b"\0weights:" + self.weights.encode()
+            self.prefix += self.weights + "/"
         self.fingerprint = hashlib.sha256(self.tag).digest()[:16]
         self._header = HEADER.pack(MAGIC, VERSION, 0, self.fingerprint, self.payload_bytes, chunk_tokens)
         self.refused = 0  # chunks found under our keys but not ours
         # Lookups remembered per request id (lookups.py): chunks of ours, found by _present_many.
-        self.memo = LookupMemo(f"kv/{model}/", DEFAULT_CAPACITY, lambda pool, keys: self._present_many(keys, leading=True))
+        self.memo = LookupMemo(self.prefix, DEFAULT_CAPACITY, lambda pool, keys: self._present_many(keys, leading=True))
 
     # ------------------------------------------------------------------ keys
 
     def keys(self, tokens: Any) -> list[str]:
         """The pool keys of every whole chunk of `tokens`, in order."""
-        return [f"kv/{self.model}/{d.hex()}" for d in chunk_digests(tokens, self.chunk_tokens, self.tag)]
+        return [self.prefix + d.hex() for d in chunk_digests(tokens, self.chunk_tokens, self.tag)]
 
     def _check_kv(self, kv: "torch.Tensor", n_tokens: int) -> None:
         want = self.chunk_shape

@@ -188,7 +188,8 @@ def scenario_set(a: dict) -> dict:
     idx = host.alloc(a["pages"] * PAGE)
     res = store(backend, host, keys, a["v1"], idx)
     again = store(backend, host, keys, a["v1"], idx)  # already there: not copied again
-    out = {"stored": res, "again": again, "stats": counters(backend), "cls": type(backend).__name__}
+    out = {"stored": res, "again": again, "stats": counters(backend), "cls": type(backend).__name__,
+           "key_prefix": getattr(backend, "_backend", backend).key_prefix}
     backend.close()
     return out
 
@@ -212,7 +213,8 @@ def scenario_get(a: dict) -> dict:
     loaded = load(backend, host, keys, a["v1"], idx)
     exact = [bool(torch.equal(page(host, idx[i * PAGE]), page(expected, want_idx[i * PAGE]))) for i in range(len(keys))]
     out = {"exists": exists, "exists_gap": exists_gap, "loaded": loaded, "exact": exact, "stats": counters(backend),
-           "single": backend.exists(keys[0]) if keys else None}
+           "single": backend.exists(keys[0]) if keys else None,
+           "key_prefix": getattr(backend, "_backend", backend).key_prefix}
     if not a["v1"] and len(keys) >= 2:
         # The flat interface answers for every key of a batch: a miss in the middle, the hit after it loaded.
         gap = backend.batch_get([keys[0], missing[0], keys[1]], [host.get_dummy_flat_data_page() for _ in range(3)])

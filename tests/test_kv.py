@@ -176,3 +176,34 @@ def test_a_request_larger_than_the_pool_keeps_its_leading_chunks_and_no_reservat
     n, got = kv.retrieve(prompt)
     assert n == 3 * C and torch.equal(got, cache[:, :, : 3 * C])
     assert p.verify()["ok"]
+
+
+def test_kv_of_other_weights_under_the_same_model_name_is_never_served(make_pool, tmp_path, monkeypatch):
+    """Issue 43: the weights' identity is in the tag and the keys; one weights' KV is retired by prefix."""
+    from cortex_cache.weights import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    p = make_pool("16M")
+    prompt = torch.arange(64) % 512
+    _, old_kv = Tiny(seed=0)(prompt)
+    _, new_kv = Tiny(seed=1)(prompt)
+    old = KVCache(p, model="tiny", num_layers=LAYERS, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                  chunk_tokens=C, weights="seed0")
+    new = KVCache(p, model="tiny", num_layers=LAYERS, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                  chunk_tokens=C, weights="seed1")
+    assert old.tag.endswith(b"\0weights:seed0") and old.keys(prompt)[0].startswith("kv/tiny/seed0/")
+    assert old.store(prompt, old_kv) == 64
+    assert new.lookup(prompt) == 0 and new.retrieve(prompt)[0] == 0 and new.refused == 0  # other keys: a miss
+    assert new.store(prompt, new_kv) == 64
+    n, got = new.retrieve(prompt)
+    assert n == 64 and torch.equal(got, new_kv)
+    untied = _cache(p)  # no name for the weights: the keys of before
+    assert untied.keys(prompt)[0].startswith("kv/tiny/") and untied.lookup(prompt) == 0
+    assert p.evict(prefix="kv/tiny/seed0/")[0] == 4
+    assert old.lookup(prompt) == 0 and new.lookup(prompt) == 64  # only the old weights' KV went
+    # The operator's name from the environment, checked like the argument.
+    monkeypatch.setenv(ENV, "ft-7")
+    assert _cache(p).keys(prompt)[0].startswith("kv/tiny/ft-7/")
+    with pytest.raises(UsageError, match="invalid weights"):
+        KVCache(p, model="tiny", num_layers=LAYERS, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                weights="a/b")

@@ -62,6 +62,55 @@ def test_lmcaches_own_harness_passes_every_phase(make_pool):
     assert len(pool.keys(prefix="lmcache/")) == 200
 
 
+@pytest.mark.skipif(not LMCACHE_PY, reason="set CORTEX_TEST_LMCACHE_PYTHON to a Python with LMCache "
+                                           "(scripts/lmcache_venv.sh; .ci/run does)")
+def test_lmcaches_harness_passes_with_keys_under_the_weights_identity(make_pool, tmp_path):
+    from cortex_cache.weights import identity
+    from tests.test_weights import _checkpoint
+
+    pool = make_pool("64M")
+    ck = _checkpoint(tmp_path / "m", seed=0)
+    r = subprocess.run(
+        [LMCACHE_PY, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter", "--l2-adapter",
+         _adapter_json(pool.name, model_path=str(ck)), "--num-keys", "50"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": str(REPO)},
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Validation (content): 50/50" in out and "Test Failed" not in out, out[-2000:]
+    assert len(pool.keys(prefix=f"lmcache/{identity(ck)}/")) == 50 == len(pool)
+
+
+def test_values_of_weights_saved_again_under_the_same_path_are_never_served(make_pool, tmp_path, monkeypatch):
+    """Issue 43: LMCache's keys name the model, not its weights; with "model_path" (or "weights") the
+    identity of the weights leads our keys, so a restart over re-saved weights misses, and the old
+    weights' values are retired by their prefix."""
+    from cortex_cache.weights import ENV, identity
+    from tests.test_weights import _checkpoint
+
+    monkeypatch.delenv(ENV, raising=False)
+    p = make_pool("16M")
+    ck = _checkpoint(tmp_path / "m", seed=0)
+    keys = [f"/m@00000000@0@{i:08x}" for i in range(4)]
+    values = [bytes([i + 1]) * 3000 for i in range(4)]
+    with CortexConnector(pool=p.name, model_path=str(ck)) as old:
+        assert old.namespace == f"lmcache/{identity(ck)}/"
+        assert wait(old, old.submit_batch_set(keys, [memoryview(bytearray(v)) for v in values]))[1]
+    old_id = identity(ck)
+    _checkpoint(ck, seed=1)
+    with CortexConnector(pool=p.name, model_path=str(ck)) as new:
+        assert wait(new, new.submit_batch_exists(keys))[3] == [False] * 4
+        bufs = [bytearray(3000) for _ in keys]
+        assert wait(new, new.submit_batch_get(keys, [memoryview(b) for b in bufs]))[3] == [False] * 4
+        assert not any(any(b) for b in bufs) and new.stats["foreign"] == 0
+    with CortexConnector(pool=p.name, weights="my-ft") as named:  # the operator's name instead
+        assert named.namespace == "lmcache/my-ft/"
+    assert cli("cache", "evict", p.name, "--prefix", f"lmcache/{old_id}/").returncode == 0
+    assert len(p) == 0
+    with pytest.raises(UsageError, match="invalid weights"):
+        CortexConnector(pool=p.name, weights="a/b")
+
+
 def test_submissions_return_at_once_and_complete_on_the_eventfd(make_pool):
     p = make_pool("16M")
     with CortexConnector(pool=p.name) as conn:

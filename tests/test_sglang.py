@@ -37,8 +37,12 @@ HARNESS = str(REPO / "tests" / "sglang_harness.py")
 
 def harness(*scenarios: tuple[str, dict], timeout: float = 240) -> list[dict]:
     """Run scenarios in one fresh SGLang process; their results."""
+    # No Hugging Face cache: the made-up hub names of the cases must not find a snapshot there (the weights'
+    # identity of their keys is "unknown" on every machine).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(REPO / "tests" / "no-hf-cache"),
+           "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([SGLANG_PY, "-W", "ignore", HARNESS, json.dumps(scenarios)], capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                       timeout=timeout, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -67,8 +71,8 @@ def test_pages_set_by_one_process_are_read_exactly_by_another_after_persist_dele
         assert w["cls"] == "CortexHiCacheStorage"  # made by SGLang's factory from the documented JSON
         assert w["stored"] == [True] * 5 and w["again"] == [True] * 5
         assert w["stats"]["stored"] == 5 and w["stats"]["already_stored"] == 5  # stored once, not copied again
-    assert len(p.keys(prefix="sglang/Qwen/Qwen3-0.6B/mha/tp0of1/")) == 10
-    assert len(p.keys(prefix="sglang/deepseek-ai/DeepSeek-V2-Lite/mla/")) == 15
+    assert len(p.keys(prefix="sglang/Qwen/Qwen3-0.6B/unknown/mha/tp0of1/")) == 10
+    assert len(p.keys(prefix="sglang/deepseek-ai/DeepSeek-V2-Lite/unknown/mla/")) == 15
 
     snap = tmp_path / "l3.ccsnap"
     assert cli("cache", "persist", name, "-o", str(snap)).returncode == 0
@@ -191,6 +195,29 @@ def test_extra_config_errors_and_a_missing_pool_is_no_error(pool_name):
     b.close()
 
 
+@needs_sglang
+def test_pages_of_weights_saved_again_under_the_same_path_are_never_served(make_pool, tmp_path):
+    """Issue 43: SGLang names the model by its path; re-saved weights there make other keys, so a restarted
+    SGLang never loads the old weights' pages (its page hashes name tokens only)."""
+    from cortex_cache.weights import identity
+    from tests.test_weights import _checkpoint
+
+    ck = _checkpoint(tmp_path / "qwen", seed=0)
+    p = make_pool("16M")
+    case = _case(p.name, "mha", "page_first", True, str(ck), 1, "w")
+    w, same = harness(("set", case), ("get", case))
+    prefix = f"sglang/{ck}/{identity(ck)}/mha/tp0of1/"
+    assert w["stored"] == [True] * 5 and w["key_prefix"].startswith(prefix) and len(p.keys(prefix=prefix)) == 5
+    assert same["loaded"] == same["exact"] == [True] * 5  # the same weights: every page served
+    _checkpoint(tmp_path / "qwen", seed=1)  # re-saved with other values: the same names, shapes, sizes
+    [after] = harness(("get", case))
+    assert after["exists"] == 0 and after["loaded"] == [False] * 5 and after["stats"]["foreign"] == 0
+    assert after["key_prefix"].startswith(f"sglang/{ck}/{identity(ck)}/") and identity(ck) not in prefix
+    # The old weights' pages, retired by their prefix.
+    assert cli("cache", "evict", p.name, "--prefix", f"sglang/{ck}/{prefix.split('/')[-4]}/").returncode == 0
+    assert p.keys(prefix="sglang/") == []
+
+
 def test_create_makes_the_pool_with_the_given_tiers(pool_name, tmp_path):
     b = cortex_sglang.CortexHiCache(_config(pool=pool_name, create=True, size="8M", policy="fifo",
                                             disk_path=str(tmp_path / "t"), disk_size="32M", namespace="l3/"))
@@ -201,7 +228,7 @@ def test_create_makes_the_pool_with_the_given_tiers(pool_name, tmp_path):
             assert s["policy"] == "fifo" and s["disk"]["capacity_bytes"] == 32 << 20
         finally:
             st.close()
-        assert b.key_prefix == "l3/m/mha/tp0of1/"
+        assert b.key_prefix == "l3/m/unknown/mha/tp0of1/"  # "m" names no checkpoint: not tied to weights
     finally:
         b.close()
         Pool.unlink(pool_name)

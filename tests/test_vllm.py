@@ -81,7 +81,7 @@ def engine(model: str, prompts: list[list[int]], connector: dict | None, env: di
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, f"engine failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     out = json.loads(line[len("RESULT "):])
-    out["log"] = r.stderr
+    out["log"] = r.stderr + r.stdout  # ours, and vLLM's logger's (on stdout; what we say at start goes there)
     return out
 
 
@@ -92,14 +92,17 @@ class PhasedEngine:
     def __init__(self, model: str, connector: dict, **kw) -> None:
         self.path = _request({"phases": True, "connector": connector, **kw})
         self.err = tempfile.TemporaryFile(mode="w+")  # our logs: a file, so a full pipe never stalls the engine
+        self.errors = ""
         self.out: list[str] = []  # vLLM's logs (its logger writes to stdout)
         self.proc = subprocess.Popen([VLLM_PY, ENGINE, "run", model, self.path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
 
     def log(self) -> str:
-        self.err.seek(0)
-        return "".join(self.out)[-3000:] + self.err.read()[-6000:]
+        if not self.err.closed:
+            self.err.seek(0)
+            self.errors = self.err.read()
+        return "".join(self.out)[-3000:] + self.errors[-6000:]
 
     def phase(self, prompts: list[list[int]]) -> dict:
         self.proc.stdin.write(json.dumps(prompts) + "\n")
@@ -117,6 +120,7 @@ class PhasedEngine:
             self.proc.kill()
             self.proc.communicate()
         finally:
+            self.log()  # kept for after
             self.err.close()
             os.unlink(self.path)
 
@@ -187,6 +191,7 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     # insert order): blocks 0-3 load, the rest is recomputed, the tokens stay right.
     with Pool.open(name) as p:
         order = p.keys(prefix="vllm/")
+        sound = p.get(order[4])
         off = p.geometry.data_off + p.info(order[4])["first_block"] * p.geometry.block_size
         p.core.mv[off + 64 + 100] ^= 0xFF
     fourth = engine(small, [B], conn)
@@ -195,8 +200,19 @@ def test_engines_share_a_prefix_through_the_pool_across_processes_restarts_and_l
     # (vLLM 0.32 still counts the recomputed blocks in num_cached_tokens: the
     # referee here is the tokens, which unloaded blocks would have changed.)
     assert "corrupt" in fourth["log"]  # logged once, as a miss
+    # Exactly the blocks the load left unwritten (4-8 of the 9 it was to load) were reported to vLLM, which
+    # recomputed the request from block 4 on: 5 blocks of 32 tokens.
+    assert [len(e) for e in fourth["record"]["load_errors"]] == [5]
+    assert "1 request(s) rescheduled (160 tokens affected)" in fourth["log"]
+    # The damaged block was dropped, and saved again from vLLM's recomputation (the others were there).
+    assert fourth["stats"]["stored"] == 1
     with Pool.open(name) as p:
-        assert order[4] not in p and order[3] in p  # the damaged block was dropped, the others kept
+        assert order[3] in p and order[4] in p
+        again = p.get(order[4])
+    np = pytest.importorskip("numpy")
+    assert again[:64] == sound[:64]  # the same key, layout and digest
+    # The same KV, recomputed after the loaded blocks 0-3 instead of in one prefill: equal to float noise.
+    assert np.allclose(np.frombuffer(again[64:], np.float32), np.frombuffer(sound[64:], np.float32), atol=1e-4)
 
 
 @needs_vllm
@@ -237,9 +253,10 @@ def _status(name: str) -> dict:
 @pytest.mark.timeout(900)  # one engine start, kept up through three phases
 def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_then_create(models, referee, make_pool,
                                                                                          pool_name, tmp_path):
-    """One engine process across three phases; between them the pool under its name is replaced (restore
-    --replace), then deleted and created again.  Each phase hits and saves in the pool now under the name,
-    and the engine lets the old copy go (issue: engines stayed on the unlinked copy until they exited)."""
+    """One engine process across four phases; between them the pool under its name is replaced (restore
+    --replace), then deleted, then restored again.  Each phase hits and saves in the pool now under the
+    name, and the engine lets the old copy go (issue: engines stayed on the unlinked copy until they
+    exited); a pool put back under the name is found at the next request, not after a retry interval."""
     ref = referee
     pool = make_pool("8M", name=pool_name, block_size="4K")
     eng = PhasedEngine(models["small"], {"pool": pool_name}, prefix_caching=False)  # each block asked of the pool
@@ -268,17 +285,161 @@ def test_a_running_engine_follows_its_pool_through_restore_replace_and_delete_th
         assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]  # the old copy was let go
 
         assert cli("cache", "delete", pool_name, "--force").returncode == 0
-        again = make_pool("8M", name=pool_name, block_size="4K")  # empty
+        gone = eng.phase([B])  # no pool under the name: misses, nothing stored, the referee's tokens
+        assert gone["cached"] == [0] and gone["outputs"] == ref["outputs"][1:]
+        assert gone["stats"]["stored"] == 10 and gone["stats"]["unavailable"] >= 1
+        # A's blocks back under the name, and the next phase at once -- well within the 5 s after which the
+        # engine tries a missing pool again: it finds the pool by its name at its first call (issue 43, item 8).
+        Pool.restore(snap, name=pool_name).close()
         three = eng.phase([B])
-        assert three["cached"] == [0] and three["outputs"] == ref["outputs"][1:]  # nothing to hit there
-        assert three["stats"]["stored"] == 19 and len(again) == 9  # B's blocks, in the pool created again
-        assert three["stats"]["unavailable"] == 0  # found at once: the engine did not wait for a retry
+        assert three["cached"] == [256] and three["outputs"] == ref["outputs"][1:]  # hit at the first lookup
+        assert three["stats"]["loaded"] == 16 and three["stats"]["stored"] == 11  # and B's 9th block saved
+        assert three["stats"]["unavailable"] == gone["stats"]["unavailable"]  # no try failed meanwhile
+        with Pool.open(pool_name) as now:
+            assert len(now) == 10
         assert sum(three["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
         st = _status(pool_name)
         assert pid in st["attached_pids"] and pid not in st["attached_old_pids"]
     finally:
         eng.close()
     assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(1200)  # three engine starts
+def test_weights_saved_again_under_the_same_path_never_meet_the_old_kv(make_pool, tmp_path):
+    """Issue 43, item 1: the same model path, its weights re-saved with another seed, a restart: no block of
+    the old weights is served (0 cached tokens), the tokens are the new weights' own, and the old weights'
+    KV is retired by the prefix the engine printed at start."""
+    from cortex_cache.weights import identity
+
+    model = str(tmp_path / "llama")
+    made = subprocess.run([VLLM_PY, ENGINE, "make-model", f"{model}:2:0"], capture_output=True, timeout=300, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-3000:]
+    old_id = identity(model)
+    pool = make_pool("8M", block_size="4K")
+    conn = {"pool": pool.name}
+    old = engine(model, [A], conn)
+    old_keys = set(pool.keys(prefix="vllm/"))
+    assert old["stats"]["stored"] == 9 and len(old_keys) == 9
+    tag = next(iter(old_keys)).split("/")[1]
+    assert all(k.startswith(f"vllm/{tag}/{old_id}/pp0tp0/") for k in old_keys)
+    retire = f"cortex cache evict {pool.name} --prefix vllm/{tag}/{old_id}/ --tier all"
+    assert old["log"].count(f"KV keyed to weights {old_id}") == 1 and retire in old["log"]  # said once, at start
+
+    made = subprocess.run([VLLM_PY, ENGINE, "make-model", f"{model}:2:1"], capture_output=True, timeout=300, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-3000:]
+    new_id = identity(model)
+    assert new_id != old_id
+    ref = engine(model, [A], {"pool": pool.name + "-absent"}, prefix_caching=False)  # the new weights' referee
+    assert ref["outputs"] != old["outputs"]  # other weights, other tokens: a stale hit would show
+    new = engine(model, [A], conn)
+    assert new["cached"] == [0] and new["stats"]["hit_blocks"] == 0 and new["outputs"] == ref["outputs"]
+    new_keys = set(pool.keys(prefix="vllm/")) - old_keys
+    assert len(new_keys) == 9 and all(k.startswith(f"vllm/{tag}/{new_id}/") for k in new_keys)
+
+    r = cli(*retire.split()[1:])
+    assert r.returncode == 0, r.stderr
+    assert set(pool.keys(prefix="vllm/")) == new_keys  # only the old weights' KV went
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # one engine start
+def test_vllms_cache_reset_drops_this_models_blocks_and_starts_a_generation_of_its_own(models, referee, make_pool):
+    """Issue 43, item 4: `reset_prefix_cache(reset_connector=True)` -- what vLLM calls after it updates the
+    weights in place -- drops every block of this model and weights from the pool, keeps the rest, and the
+    engine keys what it computes next under a generation of its own."""
+    pool = make_pool("8M", block_size="4K")
+    pool.put("vllm/other-model/w/pp0tp0/00", b"another model's block")
+    pool.put("notes", b"not the engine's")
+    eng = PhasedEngine(models["small"], {"pool": pool.name}, prefix_caching=False)
+
+    def ours() -> set[str]:
+        return {k for k in pool.keys(prefix="vllm/") if not k.startswith("vllm/other-model/")}
+
+    try:
+        one = eng.phase([A])
+        before = ours()
+        assert one["stats"]["stored"] == 9 and len(before) == 9
+        assert eng.phase({"reset": True})["reset"] is True
+        assert ours() == set() and len(pool) == 2  # the others are kept
+        assert "reset: dropped 9 blocks" in "".join(eng.out)  # said in vLLM's log
+        two = eng.phase([A])
+        assert two["cached"] == [0] and two["outputs"] == referee["outputs"][:1]
+        after = ours()
+        assert two["stats"]["stored"] == 18 and len(after) == 9 and not after & before  # another generation
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # one engine start
+def test_the_pools_blocks_reach_vllms_kv_event_stream_stored_and_removed(models, make_pool):
+    """Issue 43, item 2: with vLLM's KV events on, the blocks this engine saved are published by vLLM's own
+    publisher (read back through its replay socket) once they are in the pool -- under vLLM's own block
+    hashes and tokens, medium CPU -- and a block another process removes from the pool is published as
+    removed."""
+    pool = make_pool("8M", block_size="4K")
+    owner = f"cortex:{pool.name}"
+    eng = PhasedEngine(models["small"], {"pool": pool.name}, kv_events=True)
+    try:
+        one = eng.phase([A])
+        theirs = [h for e in one["events"] if e["type"] == "BlockStored" and e["ownership"] != owner
+                  for h in e["hashes"]]
+        a_hashes = theirs[:9]  # vLLM's own events: A's 9 whole blocks in its KV cache
+        assert len(set(a_hashes)) == 9
+        two = eng.phase([B])  # the saves of A landed; the next steps find them in the pool
+        ours = [e for e in two["events"] if e["ownership"] == owner]
+        stored = [e for e in ours if e["type"] == "BlockStored"]
+        assert stored and all(e["medium"] == "CPU" and e["block_size"] == BLOCK for e in stored)
+        got = [h for e in stored for h in e["hashes"]]
+        assert got[:9] == a_hashes  # A's blocks, under vLLM's own hashes, in order
+        assert stored[0]["parent"] is None and stored[0]["tokens"][: 9 * BLOCK] == A[: 9 * BLOCK]
+        assert not [e for e in ours if e["type"] == "BlockRemoved"]
+        keys = pool.keys(prefix="vllm/")
+        assert pool.delete(keys[3])  # another process takes A's block 3 out of the pool
+        three = eng.phase([B])  # all in vLLM's own cache (nothing to save): its steps look at the pool
+        removed = [e for e in three["events"] if e["ownership"] == owner and e["type"] == "BlockRemoved"]
+        assert [e["hashes"] for e in removed] == [[a_hashes[3]]] and removed[0]["medium"] == "CPU"
+        # What is reported held is what the pool holds: A's blocks and B's own 9th (saved in phase two, found
+        # in phase three), less the one removed.
+        reported = {h for e in three["events"] if e["ownership"] == owner and e["type"] == "BlockStored"
+                    for h in e["hashes"]} - {a_hashes[3]}
+        assert len(reported) == len(pool.keys(prefix="vllm/")) == 9
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # two engine starts
+def test_preemption_with_saves_in_flight_loses_and_corrupts_nothing(models, make_pool):
+    """Issue 43, item 4: four requests at once in a KV cache of 24 blocks; every save is held until the
+    connector waits for a preempted request's saves (which it must, before vLLM hands those blocks to other
+    requests), so the preemption meets them in flight.  Every prompt block lands in the pool, equal (to
+    float noise) to what an engine with room for all four and no preemption stores."""
+    small = models["small"]
+    r = random.Random(7)
+    prompts = [[r.randrange(1, 1000) for _ in range(264)] for _ in range(4)]  # 8 whole blocks each
+    roomy, tight = make_pool("16M", block_size="4K"), make_pool("16M", block_size="4K")
+    common = {"batch": True, "max_tokens": 96, "max_model_len": 512, "prefix_caching": False}
+    ref = engine(small, prompts, {"pool": roomy.name}, **common)
+    assert ref["stats"]["stored"] == 32 and not ref["record"]["preemptions"]
+    run = engine(small, prompts, {"pool": tight.name}, kv_cache_bytes=24 * 32768, hold_saves_until_preempted=True,
+                 **common)
+    pre = run["record"]["preemptions"]
+    assert pre and pre[0]["saves_in_flight"] >= 1, pre  # vLLM preempted while saves were queued
+    assert [len(o) for o in run["outputs"]] == [96] * 4
+    assert run["stats"]["store_failed"] == run["stats"]["error"] == 0 and len(tight) == 32
+    np = pytest.importorskip("numpy")
+    bad = []
+    for key in roomy.keys(prefix="vllm/"):
+        want, got = roomy.get(key), tight.get(key)
+        if got is None or got[:64] != want[:64] or not np.allclose(
+                np.frombuffer(got[64:], np.float32), np.frombuffer(want[64:], np.float32), atol=1e-4):
+            bad.append(key)
+    assert bad == []  # (a connector that did not wait for the preempted request's saves fails here)
 
 
 @needs_vllm
@@ -521,6 +682,39 @@ def test_the_block_store_follows_a_replaced_a_deleted_and_a_created_pool(make_po
     Pool.unlink(pool_name)
 
 
+def test_a_pool_created_under_the_name_is_found_at_the_next_call_not_the_next_retry(make_pool, pool_name,
+                                                                                     monkeypatch):
+    """Issue 43, item 8: a missing pool is tried again when something comes to its name's path (one stat a
+    call), not only every retry interval: the engine's first call after `create` finds it."""
+    from cortex_cache.integrations import pools
+    from cortex_cache.integrations.vllm.blocks import Faults, PoolRef
+
+    faults = Faults("test")
+    ref = PoolRef(pool_name, {}, faults, retry_s=3600.0)
+    monkeypatch.setattr(pools, "REATTACH_EVERY", 3600.0)
+    att = pools.Attachment(pool_name, {})
+    tries = []
+    real = pools.open_or_create
+    monkeypatch.setattr(pools, "open_or_create", lambda *a: tries.append(a[0]) or real(*a))
+    for _ in range(3):
+        with att.use() as p:
+            assert p is None and ref.get() is None
+    assert faults.stats["unavailable"] == 1 and len(tries) == 1  # nothing came to the name: no open tried again
+    pool = make_pool("4M", name=pool_name)
+    got = ref.get()
+    with att.use() as p:
+        assert got is not None and got.name == pool_name and p is not None and p.name == pool_name
+    pool.close()
+    assert cli("cache", "delete", pool_name, "--force").returncode == 0
+    with att.use() as p:
+        assert p is None and ref.get() is None
+    again = make_pool("4M", name=pool_name)
+    with att.use() as p:
+        assert p is not None and ref.get() is not None and len(again) == 0
+    ref.close()
+    att.close()
+
+
 def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
     """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
     handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
@@ -590,6 +784,37 @@ def test_saves_run_off_the_callers_thread_and_are_reported_per_request(make_pool
     s2.close()
     store.pool.close()
     lost.pool.close()
+
+
+def test_cpu_saves_and_loads_go_through_rows_kept_between_batches_in_parts(make_pool, monkeypatch):
+    """A CPU cache's saves and loads copy through host rows kept from one batch to the next (fresh memory
+    costs more than the copy: issue 43, item 6), at most HOST_ROWS_BYTES at a time: a larger batch goes in
+    parts, each part's blocks exact, and a load stops at the first block missing even in a later part."""
+    from cortex_cache.integrations.vllm import blocks
+    from cortex_cache.integrations.vllm.blocks import HostRows, Saver, load_host, prefix_digests
+
+    pool = make_pool("8M")
+    caches, paged = _paged(num_blocks=8)
+    store, faults = _store(pool.name, payload=paged.payload_bytes)
+    monkeypatch.setattr(blocks, "HOST_ROWS_BYTES", 2 * (64 + paged.payload_bytes))  # two blocks a part
+    d = prefix_digests(list(range(32 * 5)), 32, b"tag")
+    saver = Saver(store, paged, faults)
+    assert saver.submit("a", d, [7, 6, 5, 4, 3]) and saver.wait(timeout=60)
+    assert saver._rows.max_rows == 2 and store.present(d) == 5 and faults.stats["stored"] == 5
+    saver.close()
+    rows = HostRows(paged.payload_bytes, cap=2 * paged.payload_bytes)
+    kept = rows.take(5)
+    assert len(kept) == 2 and rows.take(1).base is kept.base  # the same memory, batch after batch
+    fresh, fpaged = _paged(num_blocks=8)
+    assert load_host(store, fpaged, rows, d, [0, 1, 2, 3, 4]) == 5
+    for c, f in zip(caches, fresh):
+        assert all(torch.equal(f[i], c[7 - i]) for i in range(5))
+    pool.delete(store.key(d[3]))  # in the second part: blocks 0-2 load, the rest is left alone
+    for f in fresh:
+        f.zero_()
+    assert load_host(store, fpaged, rows, d, [0, 1, 2, 3, 4]) == 3
+    assert all(f[:3].any() and not f[3:].any() for f in fresh) and faults.stats["missing"] == 1
+    store.pool.close()
 
 
 def test_block_sizes_fit_the_engines_values_and_lookups_count_as_misses(make_pool):

@@ -21,6 +21,11 @@ adapter_params:
   policy      eviction policy (default lru),
   disk_path, disk_size, disk_write   a disk tier under it (see the README)
   namespace   prefix of the pool keys (default "lmcache/")
+  weights     a name for the model's weights, or
+  model_path  the checkpoint to compute one from (cortex_cache/weights.py); or
+              CORTEX_CACHE_WEIGHTS.  Keys are then namespace + weights + "/" + LMCache's
+              key, so KV of weights re-saved under the same model name is never served
+              (LMCache's keys name the model, not its weights)
   verify      check every loaded value against its checksum (default true)
   workers     threads that copy and checksum the keys of a batch in parallel
               (default: up to 4, one per CPU; copies and checksums release the GIL)
@@ -48,6 +53,7 @@ below, which stays the reference.  Nothing here imports LMCache.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import queue
 import struct
@@ -60,15 +66,18 @@ from ..batch import encoded
 from ..copyhash import copy_hash
 from ..core import READ_COUNTED, READ_HITS, SLOW
 from ..errors import PoolNotFound, UsageError
+from ..weights import resolve
 from .copiers import Copiers
 from .pools import POOL_PARAMS, Attachment, open_or_create
+
+logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<4sHH16sQ")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 MAGIC = b"CXLM"
 VERSION = 1
-_PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
+_PARAMS = (*POOL_PARAMS, "namespace", "weights", "model_path", "verify", "workers")
 
 Completion = tuple[int, bool, str, "list[bool] | None"]
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the worker thread alone
@@ -104,6 +113,16 @@ class CortexConnector:
         if not pool:
             raise UsageError('adapter_params needs "pool": the name of a cortex pool')
         self.namespace = str(params.get("namespace", "lmcache/"))
+        self.weights = resolve(params.get("model_path"), override=params.get("weights"))
+        if self.weights.known:
+            self.namespace += self.weights.id + "/"
+            logger.info("cortex LMCache adapter (pool %r): keys under %s, weights %s (%s); retire them with: "
+                        "cortex cache evict %s --prefix %s --tier all", pool, self.namespace, self.weights.id,
+                        self.weights.source, pool, self.namespace)
+        else:
+            logger.warning("cortex LMCache adapter (pool %r): keys not tied to the model's weights (%s); give "
+                           "adapter_params \"weights\" or \"model_path\" (or set CORTEX_CACHE_WEIGHTS)",
+                           pool, self.weights.source)
         self.verify = bool(params.get("verify", True))
         workers = params.get("workers", min(4, os.cpu_count() or 1))
         if not isinstance(workers, int) or workers < 1:

@@ -3,16 +3,18 @@ following the name when the pool is replaced or deleted under the engine (`Attac
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from .. import segment
 from ..config import ADAPTER_PARAMS, adapter_options
 from ..errors import PoolExists, UsageError
 from ..pool import Pool
 
-REATTACH_EVERY = 1.0  # seconds between tries to attach a pool that is missing
+REATTACH_EVERY = 1.0  # seconds between tries to attach a pool that is missing (unless its name changes)
 
 # The parameters every adapter takes for its pool (see the README); a tier's are its own (ADAPTER_OPTIONS).
 POOL_PARAMS = ("pool", "create", "size", "block_size", "policy", *ADAPTER_PARAMS, "allow_other_owner")
@@ -57,11 +59,40 @@ def attach(name: str, allow_other_owner: bool = False) -> Pool:
     return pool
 
 
+class NameWatch:
+    """Has anything come to pool `name`'s path since a failed open?  One stat of the path (a microsecond or two):
+    so an adapter whose pool is missing finds one created or restored under the name at its next call,
+    instead of after its retry interval, without trying to open a pool that is not there at every call.
+
+    `before()` before an open is tried; `failed(seen)` with its answer when the open failed; `changed()` says
+    whether the path holds something else now (another file, or one where there was none)."""
+
+    def __init__(self, name: str) -> None:
+        self.path = segment.shm_path(name)
+        self._seen: tuple | None = None
+
+    def before(self) -> tuple | None:
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_ctime_ns
+
+    def failed(self, seen: tuple | None) -> None:
+        # What was there before the open was tried: a pool created between that stat and the failed open
+        # still counts as a change.
+        self._seen = seen
+
+    def changed(self) -> bool:
+        return self.before() != self._seen
+
+
 class Attachment:
     """The pool of one name, followed: when the pool an engine uses is replaced under its name (restore
     --replace) or deleted, the segment says so (Pool.superseded, one header word read per call), and the
     next call lets the old copy go and attaches to the pool now under the name, or to none until one exists
-    (tried again every REATTACH_EVERY seconds; `last_error` says why not).
+    (tried again at the next call once something comes to the name's path, else every REATTACH_EVERY
+    seconds; `last_error` says why not).
 
     Every data-path call holds a lease on the handle it uses (`use`); a handle let go is closed once its
     last lease ends (other threads may still be copying out of its mapping).  `pool`: a handle already
@@ -76,6 +107,7 @@ class Attachment:
         self._leases: dict[int, int] = {}  # id(pool) -> calls using it
         self._retired: dict[int, Pool] = {}
         self._next_try = 0.0
+        self._watch = NameWatch(name)
         self.last_error = ""
         self.moves = 0  # how many times it let a replaced or deleted pool go
 
@@ -84,16 +116,19 @@ class Attachment:
             self._retire(self._pool)  # replaced or deleted under us
             self.moves += 1
             self._next_try = 0.0  # look for the new one at once
-        if self._pool is None and time.monotonic() >= self._next_try:
+        if self._pool is None and (time.monotonic() >= self._next_try or self._watch.changed()):
             self._next_try = time.monotonic() + REATTACH_EVERY
+            seen = self._watch.before()
             try:
                 pool = open_or_create(self.name, self._params)
             except Exception as e:  # missing, damaged, no permission: tried again later
                 self.last_error = f"{type(e).__name__}: {e}"
+                self._watch.failed(seen)
                 return None
             if pool.superseded:  # a delete marked it and has not unlinked it yet (or was killed in between)
                 pool.close()
                 self.last_error = "the pool was being replaced or deleted"
+                self._watch.failed(seen)
                 return None
             self._pool, self.last_error = pool, ""
         return self._pool
@@ -132,4 +167,4 @@ class Attachment:
             self._next_try = float("inf")
 
 
-__all__ = ["POOL_PARAMS", "REATTACH_EVERY", "open_or_create", "Attachment"]
+__all__ = ["POOL_PARAMS", "REATTACH_EVERY", "open_or_create", "Attachment", "NameWatch"]

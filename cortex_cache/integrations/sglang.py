@@ -27,15 +27,20 @@ Extra-config keys (besides SGLang's own, listed in `_SGLANG_KEYS`):
   disk_path, disk_size, disk_write   a disk tier under it
   (the pool parameters every adapter takes: integrations/pools.py)
   namespace   prefix of the pool keys (default "sglang/")
+  weights     a name for the model's weights (default: computed from the checkpoint
+              at the model's path, cortex_cache/weights.py; or CORTEX_CACHE_WEIGHTS)
   verify      check every loaded page against its checksum (default true)
   workers     threads that copy and checksum the pages of a v1 batch in
               parallel (default: up to 4, one per CPU; copies and checksums
               release the GIL)
 
 Keys.  A page is stored under
-`<namespace><model>/mha/tp<rank>of<size>/<format>/<page hash>` (an MHA shard
-is one tensor-parallel rank's heads) or `<namespace><model>/mla/<format>/<page
-hash>` (MLA KV is the same on every rank, so ranks share it); `.pp<r>of<n>`,
+`<namespace><model>/<weights>/mha/tp<rank>of<size>/<format>/<page hash>` (an
+MHA shard is one tensor-parallel rank's heads) or
+`<namespace><model>/<weights>/mla/<format>/<page hash>` (MLA KV is the same on
+every rank, so ranks share it), `<weights>` the identity of the model's
+weights (SGLang's page hashes name tokens only: without it, pages of weights
+re-saved under the same path would be served); `.pp<r>of<n>`,
 `.cp<r>of<n>` and `.dcp<r>of<n>` follow the shard when those are in use.
 `<format>` is 8 hex digits of the page format below (instances whose host
 pools differ keep apart rather than replace each other's pages);
@@ -44,7 +49,7 @@ pools differ keep apart rather than replace each other's pages);
 Each value is a 64-byte header and then the page's bytes::
 
     0  4s magic b"CXSG"   4 u16 version (1)   6 u16 reserved
-    8  16s format: first 16 bytes of SHA-256 of the layout tag (model, MHA/MLA,
+    8  16s format: first 16 bytes of SHA-256 of the layout tag (model, weights, MHA/MLA,
            shard, host pool class, layout, dtype, geometry, page size, and
            "v1" or "flat": which interface's byte order the page is in)
     24 16s first 16 bytes of BLAKE2b(pool key)   40 u64 payload bytes   48..63 zero
@@ -67,8 +72,8 @@ exception as fatal.  A missing pool (not made yet, deleted, being
 re-created), a full one, a damaged or foreign page, a peer killed while
 writing: each is a miss or a failed store, counted in `stats` and logged
 once per kind.  A pool deleted under a running SGLang is let go (so its
-memory is freed) and the pool of that name is attached again once it
-exists, checked at most once a second.  Importing this module does not
+memory is freed) and the pool of that name is attached at the first call
+after it exists (integrations/pools.py: NameWatch).  Importing this module does not
 import SGLang (nor torch); the class is made on first access.
 """
 
@@ -89,6 +94,8 @@ from .. import segment
 from ..copyhash import copy_hash_many
 from ..errors import UsageError
 from ..pool import Pool
+from ..weights import ENV as WEIGHTS_ENV
+from ..weights import Weights, resolve
 from .copiers import Copiers
 from .pools import POOL_PARAMS, Attachment
 
@@ -100,7 +107,7 @@ assert HEADER_SIZE == 64
 MAGIC = b"CXSG"
 VERSION = 1
 DEFAULT_NAMESPACE = "sglang/"
-_PARAMS = (*POOL_PARAMS, "namespace", "verify", "workers")
+_PARAMS = (*POOL_PARAMS, "namespace", "weights", "verify", "workers")
 _PARALLEL_BYTES = 4 << 20  # smaller batches are copied by the calling thread alone
 # Keys of the extra config that SGLang itself reads (or pops before we see them).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
@@ -123,6 +130,25 @@ class _Layout:
 
 
 _BYTE_ARRAYS: dict[int, Any] = {}
+
+
+def _weights(model: str, override: Any) -> Weights:
+    """The identity of the weights SGLang serves (cortex_cache/weights.py): the operator's name, else the
+    checkpoint at the model's path.  SGLang names the model by its path unless --served-model-name is
+    given, and may add "-<page format>" (storage_model_name); else its server arguments name the path."""
+    if override is not None or os.environ.get(WEIGHTS_ENV):
+        return resolve(None, override=override)
+    for path in (model, model.rsplit("-", 1)[0]):
+        if os.path.isabs(path) and os.path.exists(path):
+            return resolve(path)
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        path, revision = getattr(args, "model_path", None), getattr(args, "revision", None)
+    except Exception:  # not inside an SGLang server, or another SGLang
+        path, revision = None, None
+    return resolve(path or model, revision=revision)
 
 
 def _host_bytes(ptr: int, n: int) -> np.ndarray:
@@ -158,8 +184,18 @@ class CortexHiCache:
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.storage_config = storage_config
         self.model = str(getattr(storage_config, "model_name", None) or "default")
+        self.weights = _weights(self.model, extra.get("weights"))
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
-        self.shard_prefix = f"{self.namespace}{self.model}/{self._shard()}/"
+        self.model_prefix = f"{self.namespace}{self.model}/{self.weights.id}/"  # every page of these weights
+        self.shard_prefix = f"{self.model_prefix}{self._shard()}/"
+        if self.weights.known:
+            logger.info("cortex HiCache backend (pool %r, model %r): pages keyed to weights %s (%s); retire them "
+                        "with: cortex cache evict %s --prefix %s --tier all", name, self.model, self.weights.id,
+                        self.weights.source, name, self.model_prefix)
+        else:
+            logger.warning("cortex HiCache backend (pool %r, model %r): pages not tied to the weights (%s): pages "
+                           "of other weights under this model name would be served; give \"weights\" a name for "
+                           "them (or set CORTEX_CACHE_WEIGHTS)", name, self.model, self.weights.source)
         self.key_prefix = self.shard_prefix  # + the page format, once the host pool is registered
         self.stats = dict.fromkeys(_COUNTERS, 0)
         self._stats_lock = threading.Lock()
@@ -194,7 +230,8 @@ class CortexHiCache:
         """Learn the host pool's page format; pages are stored and loaded through it."""
         self.mem_pool_host = mem_pool_host
         host = mem_pool_host
-        base = [f"cortex-sglang/{VERSION}", self.model, self._shard(), type(host).__name__,
+        base = [f"cortex-sglang/{VERSION}", self.model, f"weights={self.weights.id}", self._shard(),
+                type(host).__name__,
                 str(getattr(host, "layout", "")), str(getattr(host, "dtype", "")).removeprefix("torch."),
                 f"page{host.page_size}"]
         base += [f"{a}={getattr(host, a)}" for a in _GEOMETRY if isinstance(getattr(host, a, None), int)]

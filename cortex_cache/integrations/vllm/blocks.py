@@ -7,8 +7,11 @@ Keys.  A block's key names its whole prefix::
 
     digest_i = SHA-256 chain over the prompt's token ids, one link per block
                (kv.chunk_digests with chunk_tokens = the engine's block size
-               and a tag naming model, KV layout and any cache salt / LoRA)
-    key_i    = namespace + model + "/" + rank + "/" + hex(digest_i)
+               and a tag naming model, weights, KV layout and any cache salt / LoRA)
+    key_i    = namespace + model + "/" + weights + "/" + rank + "/" + hex(digest_i)
+
+(`weights`: the identity of the model's weights, cortex_cache/weights.py;
+the caller hands BlockStore "model/weights" as its `model`.)
 
 The chain is ours, not vLLM's block hashes: vLLM's are reproducible across
 processes only with a cryptographic `prefix_caching_hash_algo` and the same
@@ -59,7 +62,7 @@ from ... import gpu
 from ...errors import CortexCacheError
 from ...kv import chunk_digests
 from ...lookups import LookupMemo, count_lookups
-from ..pools import open_or_create
+from ..pools import NameWatch, open_or_create
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -81,6 +84,8 @@ FAULT_NAMES = ("missing", "foreign", "corrupt", "store_failed", "unavailable", "
 # A load checks its blocks' checksums on several threads from this many bytes on (below it, the hop to a
 # thread costs more than it saves).
 _PARALLEL_VERIFY_BYTES = 4 << 20
+# Host rows a CPU load or save copies through, kept from one batch to the next (HostRows).
+HOST_ROWS_BYTES = 64 << 20
 # Pool block sizes an adapter picks from for its values: page-sized and up (values start on a page,
 # which pinned copies like), at most the pool's default.
 FIT_BLOCK_SIZES = tuple(4096 << i for i in range(5))  # 4 KiB .. 64 KiB
@@ -145,9 +150,12 @@ class PoolRef:
     """The pool an adapter names: opened on first use, and again after it failed (at most every `retry_s`).
 
     A pool that is missing when the engine starts is a miss until someone
-    creates it.  One replaced (restore --replace, resize) or deleted under a
-    running engine says so in its segment (Pool.superseded): the next call
-    opens the pool now under the name, or none until one is created again.
+    creates it: a call finds it at once when something has come to the
+    name's path since the last try (one stat, `NameWatch`), else the open is
+    tried again every `retry_s`.  One replaced (restore --replace, resize)
+    or deleted under a running engine says so in its segment
+    (Pool.superseded): the next call opens the pool now under the name, or
+    none until one is created again.
 
     Every call that reads or writes through the pool holds a lease on the
     handle it uses (`acquire` / `release`, or `use`): saves run on a thread of
@@ -174,6 +182,7 @@ class PoolRef:
         self._leases: dict[int, int] = {}  # id(pool) -> calls using it (a pool with a lease is alive)
         self._retired: dict[int, "Pool"] = {}  # let go while in use: closed by their last release
         self._next_try = 0.0
+        self._watch = NameWatch(name)  # a pool created or restored under the name: tried at the next call
         self.moves = 0  # how many times a replaced or deleted pool was let go
 
     def _current(self) -> "Pool | None":
@@ -187,16 +196,19 @@ class PoolRef:
             self.moves += 1
             self._next_try = 0.0
         now = self._clock()
-        if now < self._next_try:
+        if now < self._next_try and not self._watch.changed():
             return None
         self._next_try = now + self._retry_s
+        seen = self._watch.before()
         try:
             pool = open_or_create(self.name, self._params)
         except CortexCacheError as e:
             self._faults.fault("unavailable", e)
+            self._watch.failed(seen)
             return None
         if pool.superseded:  # a delete marked it, not unlinked yet
             pool.close()
+            self._watch.failed(seen)
             return None
         self._pool = pool
         if self._on_open is not None:
@@ -533,6 +545,63 @@ class BlockStore:
         return n
 
 
+class HostRows:
+    """Rows of host memory one thread copies blocks through, kept from one batch to the next, at most
+    `cap` bytes (a larger batch goes in parts).  Memory allocated per batch is fresh, and this VM backs
+    fresh pages at 1-1.4 GB/s on first touch, against ~8 GB/s for a copy into warm memory: a 2 MiB block's
+    CPU load took 2.7 ms through a new buffer (`benchmarks/bench_vllm.py --host-cost`)."""
+
+    def __init__(self, width: int, cap: int | None = None) -> None:
+        self.width = width
+        self.max_rows = max(1, (HOST_ROWS_BYTES if cap is None else cap) // width)
+        self._buf: np.ndarray | None = None
+
+    def take(self, n: int) -> np.ndarray:
+        """`min(n, max_rows)` rows of `width` bytes (their contents are whatever the last batch left)."""
+        n = min(n, self.max_rows)
+        have = 0 if self._buf is None else len(self._buf)
+        if have < n:
+            self._buf = np.empty((min(self.max_rows, max(n, 2 * have)), self.width), np.uint8)
+        return self._buf[:n]  # type: ignore[index]
+
+
+def load_host(store: BlockStore, paged: "PagedLayers", rows: HostRows, digests: Sequence[bytes],
+              block_ids: Sequence[int]) -> int:
+    """Load the leading blocks of `digests` that are there and sound into `block_ids` of a paged cache in
+    host memory, through `rows` (in parts of at most its rows); how many were loaded (the first part that
+    stops short ends it)."""
+    import torch
+
+    n = 0
+    while n < len(digests):
+        out = torch.from_numpy(rows.take(len(digests) - n))
+        k = store.load(digests[n : n + len(out)], out)
+        if k:
+            paged.scatter(block_ids[n : n + k], out[:k])
+        n += k
+        if k < len(out):
+            break
+    return n
+
+
+def save_host(store: BlockStore, paged: "PagedLayers", rows: HostRows, digests: Sequence[bytes],
+              block_ids: Sequence[int]) -> int:
+    """Store blocks `block_ids` of a paged cache in host memory under `digests`' keys, through `rows` (in
+    parts of at most its rows, each visible as one); how many were stored.  Copies with numpy, not torch:
+    torch's copies would run on the engine's thread pool, whose threads vLLM's CPU backend binds to its
+    cores (measured: a third of the engine's speed)."""
+    a = 0
+    while a < len(block_ids):
+        host = rows.take(len(block_ids) - a)
+        paged.gather_host(block_ids[a : a + len(host)], host)
+        if not store.save_host(digests[a : a + len(host)], host):
+            # The pool refused this part (counted): a later part would only leave a gap in the chain.
+            store.faults.count("store_failed", len(block_ids) - a - len(host))
+            break
+        a += len(host)
+    return a
+
+
 class PagedLayers:
     """An engine's paged KV cache as byte rows: one tensor per layer, blocks along its first axis.
 
@@ -636,6 +705,7 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stream: Any = None
+        self._rows: HostRows | None = None  # the thread's rows for CPU saves
 
     def submit(self, req_id: Any, digests: Sequence[bytes], block_ids: Sequence[int]) -> bool:
         """Queue a save; False (nothing queued, counted as failed) once closed."""
@@ -711,12 +781,11 @@ class Saver:
         if not todo:
             return
         if event is None:
-            ids = [block_ids[i] for i in todo]
-            host = np.empty((len(todo), HEADER_SIZE + store.payload_bytes), np.uint8)
-            if paged.gather_host(ids, host):
-                # numpy, not torch: torch's copies would run on the engine's thread pool, whose threads
-                # the CPU backend binds to its cores (measured: a third of the engine's speed).
-                store.save_host([digests[i] for i in todo], host)
+            ids, ds = [block_ids[i] for i in todo], [digests[i] for i in todo]
+            if paged.host_layers() is not None:
+                if self._rows is None:
+                    self._rows = HostRows(HEADER_SIZE + store.payload_bytes)
+                save_host(store, paged, self._rows, ds, ids)
                 return
             rows = store.staging(len(todo), paged.device)
             paged.gather(ids, rows)
@@ -733,5 +802,5 @@ class Saver:
             store.save([digests[i] for i in todo], rows, stream=self._stream)
 
 
-__all__ = ["BlockStore", "PagedLayers", "Faults", "PoolRef", "Saver", "HEADER_SIZE", "block_fill", "fit_block_size",
-           "prefix_digests", "fingerprint"]
+__all__ = ["BlockStore", "PagedLayers", "Faults", "PoolRef", "Saver", "HostRows", "HEADER_SIZE", "block_fill",
+           "fit_block_size", "load_host", "save_host", "prefix_digests", "fingerprint"]

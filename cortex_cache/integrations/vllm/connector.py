@@ -39,12 +39,16 @@ kv_connector_extra_config:
               disk_path / disk_size / disk_write (a disk tier)
   namespace   key prefix (default "vllm/")
   model       the model's name in keys (default: the served model name);
-              processes share blocks only under one name, layout and rank
+              processes share blocks only under one name, weights, layout and rank
+  weights     a name for the weights, in keys and the chain's tag (default: computed
+              from the checkpoint's files, cortex_cache/weights.py; or CORTEX_CACHE_WEIGHTS)
   verify      check each loaded block against its checksum (default true)
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -57,14 +61,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...errors import UsageError
+from ...weights import Weights, resolve
 from ..pools import POOL_PARAMS
-from .blocks import (HEADER_SIZE, BlockStore, Faults, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
-                     fit_block_size, prefix_digests)
+from .blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
+                     fit_block_size, load_host, prefix_digests)
+from .events import PoolEvents
 from .stats import CortexConnectorStats, CortexPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -76,8 +83,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ...pool import Pool
 
-PARAMS = (*POOL_PARAMS, "namespace", "model", "verify")
+PARAMS = (*POOL_PARAMS, "namespace", "model", "weights", "verify")
 _TAG_RE = re.compile(r"[^A-Za-z0-9._:@+-]+")
+# vLLM's own logger tree: what it prints at start (INFO) appears among vLLM's lines, in its format.
+start_log = logging.getLogger("vllm.cortex_cache")
 
 
 @dataclass
@@ -101,6 +110,7 @@ class _Request:
     """What the scheduler side keeps per request."""
 
     digests: list[bytes]  # every whole prompt block's
+    request: Any = None  # vLLM's Request (its block hashes and tokens, for KV events)
     block_ids: list[int] = field(default_factory=list)
     done: int = 0  # leading blocks loaded, cached or saved already
     load: tuple[int, int] | None = None  # blocks [a, b) to load at its next schedule
@@ -116,6 +126,16 @@ def _params(vllm_config: "VllmConfig") -> dict[str, Any]:
     if not extra.get("pool"):
         raise UsageError('kv_connector_extra_config needs "pool": the name of a cortex pool')
     return extra
+
+
+def say_weights(who: str, weights: Weights, retire: str) -> None:
+    """Say once at start which weights the keys carry, and how to retire their KV (`retire`: a command)."""
+    if weights.known:
+        start_log.info("%s: KV keyed to weights %s (%s); retire it with: %s", who, weights.id, weights.source, retire)
+    else:
+        start_log.warning("%s: KV not tied to the weights (%s): KV computed by other weights under this model name "
+                          "would be served; give \"weights\" a name for them (or set CORTEX_CACHE_WEIGHTS)",
+                          who, weights.source)
 
 
 def model_tag(name: str) -> str:
@@ -151,12 +171,21 @@ class _Layout:
         served = vllm_config.model_config.served_model_name
         served = served[0] if isinstance(served, (list, tuple)) else served
         self.model = model_tag(str(params.get("model") or served or vllm_config.model_config.model))
+        mc = vllm_config.model_config
+        self.weights = resolve(getattr(mc, "model", None), override=params.get("weights"),
+                               revision=getattr(mc, "revision", None))
         desc = [type(spec).__name__, getattr(spec, "dtype", "?"), f"layers={len(self.layer_names)}",
                 f"heads={getattr(spec, 'num_kv_heads', '?')}", f"head_size={getattr(spec, 'head_size', '?')}",
                 f"head_size_v={getattr(spec, 'head_size_v', '?')}", f"block={self.block_tokens}",
                 f"layout={getattr(kv_cache_config, 'kv_cache_layout', '?')}", f"tp={self.tp}", f"pp={self.pp}"]
         self.layout = ",".join(str(d).removeprefix("torch.") for d in desc)
-        self.tag = b"cortex-vllm/1\0" + self.model.encode() + b"\0" + self.layout.encode()
+        self.tag = b"cortex-vllm/1\0" + self.model.encode() + b"\0" + self.layout.encode() + \
+            b"\0weights:" + self.weights.id.encode()
+        self.key_model = f"{self.model}/{self.weights.id}"  # keys: namespace + this + "/" + rank + "/" + digest
+
+    def new_generation(self) -> None:
+        """Tag the chains from now on with a generation no other process shares (after a reset)."""
+        self.tag = self.tag.split(b"\0reset:")[0] + b"\0reset:" + os.urandom(8).hex().encode()
 
     def ranks(self) -> list[str]:
         return [f"pp{p}tp{t}" for p in range(self.pp) for t in range(self.tp)]
@@ -180,6 +209,7 @@ class CortexConnector(KVConnectorBase_V1):
     # What shutdown touches, for one whose __init__ failed half-way (a hybrid model, bad parameters).
     _pool: PoolRef | None = None
     _saver: Saver | None = None
+    _events: PoolEvents | None = None  # the scheduler's, with vLLM's KV events on
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -206,6 +236,7 @@ class CortexConnector(KVConnectorBase_V1):
         self._finishing: set[str] = set()  # of those, finished ones not yet reported
         self._loading: list = []  # CUDA loads queued this step (their pins go at the step's end)
         self._load_errors: set[int] = set()
+        self._host_rows: HostRows | None = None  # what CPU loads copy through, kept from one to the next
         self._reported = dict.fromkeys(self.stats, 0)  # the counters as get_kv_connector_stats last gave them
         if role == KVConnectorRole.SCHEDULER:
             # A block that cannot be loaded (evicted meanwhile, corrupt) is a
@@ -214,7 +245,19 @@ class CortexConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             # One lookup store per rank: the scheduler needs every rank's block.
             self._rank_stores = [self._block_store(rank, b"", 0) for rank in self._layout.ranks()]
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and getattr(events, "enable_kv_cache_events", False):
+                self._events = PoolEvents(self._pool, self._rank_stores, self.faults, self._layout.block_tokens,
+                                          ownership=f"cortex:{params['pool']}")
+            pool = params["pool"]
+            say_weights(f"CortexConnector(pool {pool!r}, model {self._layout.model!r})", self._layout.weights,
+                        f"cortex cache evict {pool} --prefix {self.key_prefix} --tier all")
         CortexConnector.instances.add(self)
+
+    @property
+    def key_prefix(self) -> str:
+        """What every key of this model and weights starts with, on every rank."""
+        return f"{self._namespace}{self._layout.key_model}/"
 
     def _check_fit(self, pool: "Pool") -> None:
         """Once per pool opened: say so when its blocks hold ours at less than half their size."""
@@ -228,7 +271,7 @@ class CortexConnector(KVConnectorBase_V1):
                              100 * block_fill(fit, value_bytes))
 
     def _block_store(self, rank: str, fp: bytes, payload_bytes: int) -> BlockStore:
-        return BlockStore(self._pool, self.faults, namespace=self._namespace, model=self._layout.model, rank=rank,
+        return BlockStore(self._pool, self.faults, namespace=self._namespace, model=self._layout.key_model, rank=rank,
                           fingerprint=fp, payload_bytes=payload_bytes, block_tokens=self._layout.block_tokens,
                           verify=self._verify)
 
@@ -243,7 +286,7 @@ class CortexConnector(KVConnectorBase_V1):
         else:
             digests = prefix_digests(request.prompt_token_ids or [], self._layout.block_tokens,
                                      self._layout.request_tag(request))
-        self._reqs[request.request_id] = _Request(digests)
+        self._reqs[request.request_id] = _Request(digests, request if self._events is not None else None)
         return digests
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -313,6 +356,10 @@ class CortexConnector(KVConnectorBase_V1):
         end = min(len(st.digests), computed_after // self._layout.block_tokens, len(st.block_ids))
         if end > st.done:
             meta.saves.append(Transfer(req_id, st.digests[st.done : end], st.block_ids[st.done : end]))
+            if self._events is not None and st.request is not None:
+                r, lora = st.request, getattr(st.request, "lora_request", None)
+                self._events.planned(st.digests[st.done : end], r.block_hashes, st.done, r.prompt_token_ids or [],
+                                     getattr(lora, "adapter_id", None), getattr(lora, "name", None))
             st.done = end
             st.saved = True
 
@@ -330,10 +377,53 @@ class CortexConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._held.difference_update(connector_output.finished_sending or ())
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._recompute(invalid)
+
+    def _recompute(self, invalid: "set[int]") -> None:
+        """Blocks a load left unwritten (the workers' `get_block_ids_with_load_errors`): vLLM recomputes each
+        request from its first such block, so that block and the ones after it are saved again as the
+        recomputation completes them (a corrupt block was dropped from the pool; a block evicted between
+        lookup and load was lost): the pool gets them back."""
+        for st in self._reqs.values():
+            first = next((i for i, b in enumerate(st.block_ids[: st.done]) if b in invalid), None)
+            if first is not None:
+                st.done = first
+
+    def take_events(self) -> "list[KVCacheEvent]":
+        """vLLM's KV events of the pool's blocks (events.py): those this engine saved, once in the pool on every
+        rank, and those of them gone from it since; with `--kv-events-config` on, else none."""
+        return self._events.take() if self._events is not None else []
 
     def has_pending_block_frees(self) -> bool:
         # Blocks a finished request holds come back when its saves end: wait for them rather than preempt.
         return bool(self._held)
+
+    def reset_cache(self) -> bool:
+        """What vLLM's `reset_prefix_cache(reset_connector=True)` calls, also after it updated the weights in
+        place (`pause_generation(clear_cache=True)`): drop from the pool every block of this model and weights,
+        on every rank (`key_prefix`; other engines of the same weights lose them too), and key what this
+        engine computes from now on under a new generation of its own, which no other engine and no
+        restart of this one shares -- its weights may no longer be the checkpoint's.  Requests it still
+        holds (preempted by the reset) are neither loaded nor saved from now on.  False when the pool could
+        not be reached (vLLM then reports the reset failed)."""
+        self._layout.new_generation()
+        for st in self._reqs.values():
+            st.digests = []  # the old generation's keys: never looked up or stored again
+        self._matched.clear()
+        with self._pool.use() as pool:
+            if pool is None:
+                return False
+            try:
+                n, nbytes = pool.evict(prefix=self.key_prefix, tier="all")  # not spilled to a disk tier
+            except Exception as e:
+                self.faults.fault("error", e)
+                return False
+        start_log.info("CortexConnector(pool %r): reset: dropped %d blocks (%d bytes) under %s; this engine's "
+                       "blocks are keyed under a generation of their own from now on", pool.name, n, nbytes,
+                       self.key_prefix)
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -396,10 +486,9 @@ class CortexConnector(KVConnectorBase_V1):
             n = 0
             try:
                 if stream is None:
-                    out = store.staging(len(t.digests), paged.device)[:, : store.payload_bytes]
-                    n = store.load(t.digests, out)
-                    if n:
-                        paged.scatter(t.block_ids[:n], out[:n])
+                    if self._host_rows is None:
+                        self._host_rows = HostRows(store.payload_bytes)
+                    n = load_host(store, paged, self._host_rows, t.digests, t.block_ids)
                 else:
                     n = self._load_cuda(t, stream)
             except Exception as e:

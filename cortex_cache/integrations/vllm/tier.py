@@ -25,14 +25,17 @@ Keys are vLLM's own offload keys (its block hash and group index), so
 instances share chunks only when their block hashes agree: vLLM's default
 `sha256` hash with the same PYTHONHASHSEED setting (unset in both is fine);
 with `xxhash` vLLM seeds each process at random and nothing is shared.
-They are namespaced by model and layout: namespace + model + "/" + 16 hex
-digits of the layout's fingerprint + "/" + hex(offload key).
+They are namespaced by model, weights and layout: namespace + model + "/" +
+weights + "/" + 16 hex digits of the layout's fingerprint + "/" + hex(offload key)
+(the weights' identity: cortex_cache/weights.py, also in the fingerprint).
 
 Tier parameters (beside "type" and "module_path"):
   pool, create, size, block_size, policy, disk_path, disk_size, disk_write
               the pool, as for the connector
   namespace   key prefix (default "vllm-tier/")
   model       the model's name in keys (default: vLLM's model name)
+  weights     a name for the weights (default: computed from the checkpoint at vLLM's
+              model path; or CORTEX_CACHE_WEIGHTS)
   verify      check each promoted chunk against its checksum (default true)
   workers     copy threads (default 2)
 """
@@ -49,15 +52,16 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ...errors import UsageError
+from ...weights import resolve
 from ..pools import POOL_PARAMS
 from .blocks import HEADER_SIZE, BlockStore, Faults, PoolRef, fingerprint
-from .connector import model_tag
+from .connector import model_tag, say_weights
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-PARAMS = (*POOL_PARAMS, "namespace", "model", "verify", "workers")
+PARAMS = (*POOL_PARAMS, "namespace", "model", "weights", "verify", "workers")
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -100,10 +104,14 @@ class CortexTier(SecondaryTierManager):
         if not model:
             raise UsageError('CortexTier needs "model" when vLLM does not name its model')
         tag = model_tag(str(model))
-        fp = fingerprint("cortex-vllm-tier/1", tag, self.block_size_bytes, *facts)
+        weights = resolve(facts[0] if facts else None, override=params.get("weights"))
+        fp = fingerprint("cortex-vllm-tier/1", tag, self.block_size_bytes, *facts, "weights:" + weights.id)
         self._pool = PoolRef(str(params["pool"]), params, self.faults)
-        self._store = BlockStore(self._pool, self.faults, namespace=str(params.get("namespace", "vllm-tier/")),
-                                 model=tag, rank=fp.hex()[:16], fingerprint=fp,
+        namespace = str(params.get("namespace", "vllm-tier/"))
+        say_weights(f"CortexTier(pool {params['pool']!r}, model {tag!r})", weights,
+                    f"cortex cache evict {params['pool']} --prefix {namespace}{tag}/{weights.id}/ --tier all")
+        self._store = BlockStore(self._pool, self.faults, namespace=namespace,
+                                 model=f"{tag}/{weights.id}", rank=fp.hex()[:16], fingerprint=fp,
                                  payload_bytes=self.block_size_bytes, block_tokens=0,
                                  verify=bool(params.get("verify", True)))
         self._lock = threading.Lock()
