@@ -142,6 +142,9 @@ class PoolEvents:
             gone = list(self._reported)  # no pool under the name: none of them is there
         else:
             seen = (id(pool), int(pool.core.counters[H_GONE_SEQ]))
+            if self._seen is None:  # the first blocks reported were found in the pool just now
+                self._seen = seen
+                return []
             now = self._clock()
             if seen == self._seen or now < self._next_probe:
                 return []
