@@ -43,9 +43,9 @@ def no_leaked_segments():
     assert not leaked, f"test leaked shared-memory segments: {[p.name for p in leaked]}"
 
 
-# The files refereed by engines (each starts engine processes for minutes, in one worker under
-# `-n 2 --dist loadfile`) run first, so that the other worker takes the many short files meanwhile
-# instead of the slowest file being the run's tail.
+# The files refereed by engines (their `-m engine` tests start engine processes for minutes, in one
+# worker under `-n 2 --dist loadfile`) run first, so that the other worker takes the shorter files
+# meanwhile instead of the slowest file being the run's tail.
 ENGINE_FILES = ("test_vllm.py", "test_sglang.py", "test_lmcache.py")
 
 
