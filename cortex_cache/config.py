@@ -68,8 +68,16 @@ def encode(cfg: dict[str, Any]) -> bytes:
     if cfg.get("tier_admit", 1) != 1:  # written only when set: older readers see what they know
         part["tier_admit"] = cfg["tier_admit"]
     if cfg.get("created"):  # when the pool was first created (a restore gives it back; older readers skip it)
-        part["created"] = cfg["created"]
-    return json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+        part["created"] = float(cfg["created"])
+    text = json.dumps(part, sort_keys=True, separators=(",", ":"))
+    # `created` the same length at every persist (zeros after json's shortest form keep the value exact),
+    # so a snapshot's size does not move with the digits of a timestamp.
+    if "created" in part and "." in (shortest := json.dumps(part["created"])) and "e" not in shortest:
+        text = text.replace(f'"created":{shortest}', f'"created":{shortest:0<{CREATED_DIGITS}}', 1)
+    return text.encode()
+
+
+CREATED_DIGITS = 24  # characters of `created` in a configuration block (json's shortest form, zero padded)
 
 
 def decode(raw: bytes, where: str) -> dict[str, Any]:
