@@ -60,6 +60,7 @@ import xxhash
 
 from . import packs
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
+from .gone import GoneMarks
 from .layout import (
     FILL_DONE,
     FILL_FAILED,
@@ -115,6 +116,9 @@ def mark(core: "Core", snap: "Snapshot", private: bool) -> None:
     h["fill_ended"] = 0.0
     h["fill_path"] = path
     h["fill_flags"] = FILL_PRIVATE if private else 0
+    marks = GoneMarks(core)
+    marks.clear()  # nothing is gone from the new fill's snapshot yet
+    marks.close()
     h["fill_state"] = FILL_RUNNING
 
 
@@ -447,9 +451,12 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
               "corrupt_why": None, "ended": "done", "expiring": []}
     reader = _Reader(snap, items[start:])
+    marks = GoneMarks(core)
+    pos = start  # the fill position of each batch's first entry: the batches come in the fill's order
     try:
         for batch, values, buf in reader.batches():
-            full = _fill_batch(core, reader, batch, values, gen, report)
+            full = _fill_batch(core, reader, batch, values, _Batch(gen, pos, marks), report)
+            pos += len(batch)
             reader.done(buf)
             if progress is not None:
                 progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
@@ -464,6 +471,7 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     finally:
         reader.close()
         prepare.stop()  # interrupted: the next fill of the pool reserves the rest
+        marks.close()
     report["reserve_failed"] = prepare.failed
     # An entry whose TTL ran out while the fill ran is gone anyway: counted as expired, not as restored.
     end = core.clock()
@@ -474,12 +482,21 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     return report
 
 
-def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[Any], gen: int, report: dict) -> bool:
+class _Batch(NamedTuple):
+    """Where a batch is in the fill: its generation, the position of its first entry, the gone marks."""
+
+    gen: int
+    first: int
+    marks: GoneMarks
+
+
+def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[Any], at: _Batch,
+                report: dict) -> bool:
     """Load one batch read by `reader`; True if the pool had no free room left for one of its entries (the
     fill ends).  Each value is checked in its buffer, then written into its reservation, invisible until
     sealed."""
     now = core.clock()
-    slots, full = core.locked(_reserve_batch, core, batch, gen, now)
+    slots, full = core.locked(_reserve_batch, core, batch, at, now)
     checks: list[int | None] = [None] * len(batch)
     bad = 0
     fd, xxh3 = core.seg.fd, xxhash.xxh3_64_intdigest
@@ -503,7 +520,7 @@ def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[A
     except BaseException:
         core.locked(_abort_batch, core, slots)
         raise
-    core.locked(_seal_batch, core, batch, slots, checks, gen, report, bad)
+    core.locked(_seal_batch, core, batch, slots, checks, at, report, bad)
     return full
 
 
@@ -523,17 +540,18 @@ def _no_victim() -> None:
     return None
 
 
-def _reserve_batch(core: "Core", batch: list[Item], gen: int, now: float) -> tuple[list[Any], bool]:
+def _reserve_batch(core: "Core", batch: list[Item], at: _Batch, now: float) -> tuple[list[Any], bool]:
     """Reserve room for the batch's entries (lock held), never evicting.  Per entry (slot, offset),
-    _EXPIRED, _PRESENT, or None past the first that found no room; and whether one did not."""
+    _EXPIRED, _PRESENT (held by memory, or gone: put, deleted or promoted since the publish), or None past
+    the first that found no room; and whether one did not."""
     h = core.header[0]
-    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+    if int(h["fill_gen"]) != at.gen or int(h["fill_state"]) != FILL_RUNNING:
         raise _Ended
     out: list[Any] = []
     full = False
     core.evict_one = _no_victim  # this instance's allocations find no victim: PoolFull instead
     try:
-        for it in batch:
+        for n, it in enumerate(batch):
             if full:
                 out.append(None)
                 continue
@@ -542,7 +560,7 @@ def _reserve_batch(core: "Core", batch: list[Item], gen: int, now: float) -> tup
                 out.append(_EXPIRED)
                 continue
             kh = xxhash.xxh3_64_intdigest(it.key)
-            if core.find(it.key, kh) >= 0:
+            if at.marks.gone(at.first + n, kh) or core.find(it.key, kh) >= 0:
                 out.append(_PRESENT)
                 continue
             try:
@@ -562,30 +580,34 @@ def _abort_batch(core: "Core", slots: list[Any]) -> None:
             core.abort(where[0])
 
 
-def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[int | None], gen: int,
+def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[int | None], at: _Batch,
                 report: dict, bad: int) -> None:
-    """Seal what was read and checked, give the rest back, advance the mark (lock held)."""
+    """Seal what was read and checked, give the rest back, mark each entry processed gone and advance the
+    mark (lock held)."""
     h = core.header[0]
-    if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
+    if int(h["fill_gen"]) != at.gen or int(h["fill_state"]) != FILL_RUNNING:
         _abort_batch(core, slots)
         raise _Ended
     loaded = nbytes = skipped = 0
     processed = 0
-    for it, where, checksum in zip(batch, slots, checks):
+    for n, (it, where, checksum) in enumerate(zip(batch, slots, checks)):
         if where is None:
             break  # no room from here on: these entries are not processed
         processed += 1
         if where is _EXPIRED or where is _PRESENT:
+            at.marks.mark(at.first + n)
             skipped += 1
             report["expired_skipped" if where is _EXPIRED else "present_skipped"] += 1
             continue
         i = where[0]
+        kh = xxhash.xxh3_64_intdigest(it.key)
+        gone = at.marks.gone(at.first + n, kh)
+        at.marks.mark(at.first + n)  # before memory changes: a filler killed from here on never loads it again
         if checksum is None or not core.is_writing(i):
             core.abort(i)
             continue
-        kh = xxhash.xxh3_64_intdigest(it.key)
-        if core.find(it.key, kh) >= 0:
-            core.abort(i)  # put while we read: the newer value stays
+        if gone or core.find(it.key, kh) >= 0:
+            core.abort(i)  # put, deleted or read early while we read: the snapshot's copy is not the answer
             skipped += 1
             report["present_skipped"] += 1
             continue

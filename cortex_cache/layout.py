@@ -1,6 +1,6 @@
 """Byte layout of a pool segment (format version 3).
 
-A segment is one POSIX shared-memory object, laid out as ten regions (eleven
+A segment is one POSIX shared-memory object, laid out as eleven regions (twelve
 in a queue policy's pool), each starting on a 4096-byte boundary (docs/design.md, "Segment layout")::
 
     0             header     4096 bytes, HEADER_FIELDS below
@@ -16,6 +16,9 @@ in a queue policy's pool), each starting on a 4096-byte boundary (docs/design.md
     qslots_off    queues     queue policies only: QUEUE_HEADER_FIELDS (256 bytes), then on the
                              next page QSLOT_COLUMNS (n_slots values each), ghost ring 0 and
                              ring 1 (GHOST_COLUMNS and their hash heads), each page-aligned
+    gone_off      gone marks n_slots    x uint8: per position of a fill's snapshot, bit 0 "its
+                             copy is no longer the answer"; bit 1 of byte kh % n_slots "a key
+                             of that hash was written by a process that cannot find positions"
     data_off      data       n_blocks  x block_size bytes: values only
 
 The two disk-index regions are empty (n_dslots = 0) in a pool without a disk
@@ -238,7 +241,10 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("tier_admit", "<u4", 984),  # 0 or 1: every evicted entry goes below; 2: only entries read since their put
     ("tier_pad", "<u4", 988),
     ("tier_refused", "<u8", 992),  # evicted entries the lower tiers were not offered (not admitted)
-    # 1000..1015 reserved (zero).
+    # The gone marks of a background fill (gone.py), carved from format 3's reserved zeros: where the region of
+    # one byte per slot lies (0 = none: a pool made before it, whose fill keeps no marks).
+    ("gone_off", "<u8", 1000),
+    # 1008..1015 reserved (zero).
     # Which CORTEX_CACHE_SHM_PREFIX the pool was made under (header.prefix_mark; 0: made before this field),
     # so that a listing under a shorter prefix ("nc.") leaves out the pools of a longer one ("nc.sd.").
     ("prefix_mark", "<u8", 1016),
@@ -463,6 +469,7 @@ class Geometry:
     qslots_off: int = 0  # 0: no queue region (the policy is not a queue policy)
     n_ghosts0: int = 0
     n_ghosts1: int = 0
+    gone_off: int = 0  # 0: no gone marks (a pool made before them)
 
     @property
     def data_size(self) -> int:
@@ -551,6 +558,8 @@ class Geometry:
             if max(n_g0, n_g1) >= 2**32:  # the header holds them as u32
                 raise UsageError(f"too many entries ({n_slots}) for a queue policy's ghost rings")
             data_off = _queue_parts(qslots_off, n_slots, n_g0, n_g1)[3]
+        gone_off = data_off  # the gone marks (gone.py): one byte per slot, a snapshot never has more entries
+        data_off = _align(gone_off + n_slots)
         # The data region starts on a block boundary (and a page boundary), so
         # every value starts on one: blocks of 4 KiB and up are page-aligned.
         data_off = _align(data_off, max(PAGE, block_size))
@@ -559,7 +568,7 @@ class Geometry:
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
             disk_entries, n_dbuckets, dslots_off, dbuckets_off, n_kcells, keymap_off, keys_off,
-            qslots_off, n_g0, n_g1,
+            qslots_off, n_g0, n_g1, gone_off,
         )
 
     @classmethod
@@ -571,7 +580,7 @@ class Geometry:
             int(h["pins_off"]), int(h["victims_off"]), int(h["data_off"]), int(h["segment_size"]),
             int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
             int(h["n_kcells"]), int(h["keymap_off"]), int(h["keys_off"]),
-            int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]),
+            int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]), int(h["gone_off"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -620,6 +629,8 @@ class Geometry:
             ]
         elif self.n_ghosts0 or self.n_ghosts1:
             return "ghost rings without a queue region"
+        if self.gone_off:
+            regions.append((self.gone_off, self.n_slots))
         regions.append((self.data_off, self.n_blocks * bs))
         end = HEADER_SIZE
         for off, length in regions:

@@ -16,10 +16,13 @@ names one.  A tier answers:
   `takes_puts`/`takes_deletes`), `write_first` and `unwrite` (a tier that
   `writes_first`: a put's record written before memory seals it), `sealed`
   (lock held, an `in_segment` tier: memory has a new value of a key),
+  `supersede` (lock held, a tier that `supersedes`: memory is about to
+  take a new value of a key, a put or a promotion; told before it does),
   `evicted` (lock held, a tier that `takes_evictions`: an entry leaves
   memory; a tier that takes puts gets evictions instead when the pool's
   admission lets only reused entries down), `ready_to_take` (before an
-  explicit eviction), `forget`, `contains` (lock held).
+  explicit eviction), `forget` (lock held, before memory deletes the key),
+  `contains` (lock held).
 - an operator's requests: `info`, `keys`, `remove` (evict --tier NAME),
   `stats`, `verify`, `flush`.
 - its life: `attach` (a class method: this process's handle on the pool's
@@ -84,6 +87,7 @@ class Lower:
     name = ""  # its name in status, configuration and `--tier`
     distance = 0  # a miss asks the nearest first
     in_segment = False  # its index is in the segment: it takes part in memory's lock holds
+    supersedes = False  # told of every new value before memory seals it (`supersede`): no C write path then
     shared = False  # shared with other hosts: `--tier all` and restore --replace leave it as it is
     takes_puts = False
     takes_deletes = False
@@ -133,6 +137,10 @@ class Lower:
     def sealed(self, kb: bytes, kh: int, token: Any) -> None:
         """Lock held: memory has a new value of `kb` (a put, whose `write_first` gave `token`, or a promotion
         from another tier: None).  A copy of the old value here must go."""
+
+    def supersede(self, kb: bytes, kh: int) -> None:
+        """Lock held, before memory seals a new value of `kb` (a put, a promotion from any tier): a copy here
+        is no longer the answer, and must not come back even if this process dies before the seal."""
 
     def evicted(self, i: int, explicit: bool) -> None:
         """Lock held: memory's entry `i` is about to leave (`explicit`: an `evict`, not room for a put).

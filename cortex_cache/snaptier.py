@@ -2,23 +2,30 @@
 
 While a pool's fill runs (or was interrupted: its mark says FILL_RUNNING), a
 get that misses memory looks the key up in the snapshot the mark names and,
-when the fill has not come to it yet, reads its value from its pack, checks
-it against its checksum and promotes it, as the disk tier's misses are: the
-entry an engine asks for is there at once instead of when the fill reaches
-it, and the fill then skips it as present.  An entry the fill has come to
-(loaded, then perhaps evicted or deleted since; or skipped) is never brought
-back from the snapshot: the fill's mark (fill_done, advanced in the lock hold
-that seals each batch) says where that line is.
+while its entry is not gone (gone.py: the fill loaded or skipped it, it was
+promoted, or its key was put or deleted since the publish), reads its value
+from its pack, checks it against its checksum and promotes it, as the disk
+tier's misses are: the entry an engine asks for is there at once instead of
+when the fill reaches it, and the fill then skips it as gone.  A gone entry
+is never brought back from the snapshot, by this tier or by the fill.
 
 Each process that opens the pool while its fill runs builds its index of
 the snapshot (key -> place in the fill's order, which every process
 computes alike: fill.manifest_items) from the manifest alone, checked whole
 first, and drops it once the fill has ended -- only if it would trust that
 snapshot itself (fill.follow: the mark is in the segment, which another
-member of a group pool may write); otherwise it has no snapshot tier.  With it, `in` and the
-lookups' leading runs (engines' prefix matches) count the entries the fill
-will still bring as there.  A snapshot that cannot be read, has changed since
-the fill began, or a record that fails its checksum is a miss.
+member of a group pool may write).  With it, `in` and the lookups' leading
+runs (engines' prefix matches) count the entries the fill will still bring
+as there, and each put or delete of a key marks its position gone
+(`position`, in the lock hold that changes memory, before it does).  A
+process without the index (a handle opened with snapshot_tier=False, or one
+that does not follow the mark) still has this tier, blind: it serves
+nothing, and its puts and deletes mark the key's hash gone instead (a few
+more misses for the other keys of that bucket, never a wrong answer).
+While the tier is attached memory's writes go through Python (Tiers.fast_ok
+is False), so the C write path never skips a mark.  A snapshot that cannot
+be read, has changed since the fill began, or a record that fails its
+checksum is a miss.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from xxhash import xxh3_64_intdigest
 
 from . import fill
 from .errors import CortexCacheError
+from .gone import GoneMarks
 from .layout import FILL_RUNNING, SLOT_FLAG_STR_KEY
 from .lower import Context, Fetched, Lower, too_small
 from .snapshot import Snapshot, followed
@@ -40,10 +48,13 @@ class SnapshotBelow(Lower):
 
     name = "snapshot"
     distance = 1  # after the disk tier (in the segment), before the server
+    supersedes = True  # told before memory takes a new value of a key: its position goes (gone.py)
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, indexed: bool = True) -> None:
         self.core = core
         self.ended = False
+        self.marks = GoneMarks(core)
+        self._indexed = indexed  # False: a handle that only reads stats builds no index (blind)
         self._gen: int | None = None  # the fill generation the index is for
         self._snap: Snapshot | None = None
         self._index: dict[bytes, tuple[int, fill.Item]] = {}
@@ -53,8 +64,8 @@ class SnapshotBelow(Lower):
 
     @classmethod
     def attach(cls, core: Any, ctx: Context) -> "SnapshotBelow | None":
-        """While the pool's fill runs, for a handle that indexes it (`ctx.snapshot`)."""
-        return cls(core) if ctx.snapshot and fill.running(core) else None
+        """While the pool's fill runs: indexed for a handle that asks for it (`ctx.snapshot`), else blind."""
+        return cls(core, ctx.snapshot) if fill.running(core) else None
 
     def fetch(self, kb: bytes, kh: int, found: Any, room: int | None) -> Fetched | None:
         h = self.core.header[0]
@@ -71,8 +82,8 @@ class SnapshotBelow(Lower):
             if place is None or snap is None:
                 return None
             pos, it = place
-            if pos < int(h["fill_done"]):
-                return None  # the fill came to it: loaded (perhaps evicted or deleted since) or skipped
+            if pos < int(h["fill_done"]) or self.marks.gone(pos, kh):
+                return None  # loaded or skipped by the fill, promoted, put or deleted since the publish
             if 0 < it.meta[2] <= self.core.clock():
                 return None  # expired
             too_small(room, it.length)
@@ -86,29 +97,69 @@ class SnapshotBelow(Lower):
                     return None
             except (CortexCacheError, OSError, ValueError):
                 return None  # a damaged record, or a pack gone: a miss, never wrong bytes
-        return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos))
+        return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos, kh))
+
+    def position(self, kb: bytes, kh: int) -> int | None:
+        """`kb`'s position in the fill's order of the snapshot this process indexed, None if it holds no such
+        key (or this process has no index).  Lock may be held: no I/O, no index built here."""
+        place = self._index.get(kb)
+        return None if place is None else place[0]
+
+    def _held(self, kb: bytes, kh: int) -> int | None:
+        """Lock held: `kb`'s position if the snapshot is still its answer (the fill runs, has not come to it,
+        it is not gone and has not expired), else None."""
+        h = self.core.header[0]
+        if int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
+            return None
+        pos = self.position(kb, kh)
+        if pos is None or pos < int(h["fill_done"]) or self.marks.gone(pos, kh):
+            return None
+        expiry = self._index[kb][1].meta[2]
+        return None if 0 < expiry <= self.core.clock() else pos
 
     def contains(self, kb: bytes, kh: int) -> bool:
-        """Lock held: does the snapshot still hold `kb` for this pool (the fill has not come to it)?  Answered
-        from the index built when the pool was opened (never built here, under the pool's lock)."""
-        h = self.core.header[0]
-        place = self._index.get(kb)
-        if place is None or int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
-            return False
-        pos, it = place
-        return pos >= int(h["fill_done"]) and not 0 < it.meta[2] <= self.core.clock()
+        """Lock held: does the snapshot still hold `kb` for this pool?  Answered from the index built when the
+        pool was opened (never built here, under the pool's lock)."""
+        return self._held(kb, kh) is not None
 
     def still(self, got: Fetched) -> bool:
-        """Lock held: the fill is still the same one and has not come to this entry (it would have loaded it,
-        or skipped it as deleted or put meanwhile)."""
+        """Lock held: the fill is still the same one, has not come to this entry (it would have loaded it, or
+        skipped it), and nobody put, deleted or promoted its key meanwhile."""
         h = self.core.header[0]
-        gen, pos = got.token
-        return int(h["fill_state"]) == FILL_RUNNING and int(h["fill_gen"]) == gen and pos >= int(h["fill_done"])
+        gen, pos, kh = got.token
+        return (int(h["fill_state"]) == FILL_RUNNING and int(h["fill_gen"]) == gen and pos >= int(h["fill_done"])
+                and not self.marks.gone(pos, kh))
+
+    def forget(self, kb: bytes, kh: int) -> bool:
+        """Lock held, before memory drops `kb` (a delete): the snapshot's copy goes too, whether or not the
+        fill has come to it.  True if the snapshot still held it."""
+        return self._gone(kb, kh)
+
+    def supersede(self, kb: bytes, kh: int) -> None:
+        """Lock held, before memory seals a new value of `kb` (a put, a promotion): the snapshot's copy is no
+        longer the answer."""
+        self._gone(kb, kh)
+
+    def _gone(self, kb: bytes, kh: int) -> bool:
+        h = self.core.header[0]
+        if int(h["fill_state"]) != FILL_RUNNING:
+            self.ended = True  # the fill is over: nothing comes from the snapshot any more (Tiers drops it)
+            return False
+        if self._snap is None or int(h["fill_gen"]) != self._gen:  # blind: no position, so the hash bucket
+            self.marks.mark_hash(kh)
+            return False
+        pos = self._held(kb, kh)
+        at = self.position(kb, kh) if pos is None else pos
+        if at is not None:
+            self.marks.mark(at)
+        return pos is not None
 
     def _load(self, gen: int) -> None:
         """The index of the snapshot the mark names, for fill generation `gen` (empty when it cannot be read)."""
         self._close()
         self._gen = gen
+        if not self._indexed:
+            return
         snap, _why = fill.follow(self.core, followed)  # only a snapshot this process would trust itself
         if snap is None:
             return
@@ -123,6 +174,7 @@ class SnapshotBelow(Lower):
     def close(self) -> None:
         with self._lock:
             self._close()
+            self.marks.close()
 
     def _close(self) -> None:
         snap, self._snap = self._snap, None

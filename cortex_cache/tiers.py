@@ -76,6 +76,7 @@ class Tiers:
                 t.close()
             raise
         self.explicit = False  # an `evict` runs (lock held): tiers write what they take before it leaves
+        self._ended: list[Lower] = []  # dropped once their time was over, closed with the handle
         self._arrange()
         if self._evict_takers:
             core.on_evict = self._on_evict
@@ -89,6 +90,8 @@ class Tiers:
         self._indexed = indexed[0] if indexed else None
         # In memory's lock holds: told of every value sealed (the C write path steps aside for them).
         self.sealers = indexed
+        # Told before memory seals a new value (the snapshot a fill brings back: its copy of the key goes).
+        self.superseders = [t for t in below if t.supersedes]
         self._writers = [t for t in below if t.writes_first]
         self.takes_puts = [t for t in below if t.takes_puts and not self.admit]
         self.takes_deletes = [t for t in below if t.takes_deletes]
@@ -97,7 +100,7 @@ class Tiers:
         self.answer_contains = [t for t in below if type(t).contains is not Lower.contains]
         # What the hot paths ask: may the C paths run (no tier in memory's lock holds)?  Is a miss looked
         # up below?  Does a put write a tier's record before memory seals it?
-        self.fast_ok = not indexed
+        self.fast_ok = not indexed and not self.superseders
         self.look_below = bool(below)
         self.writes_first = bool(self._writers)
 
@@ -132,7 +135,8 @@ class Tiers:
 
     def close(self) -> None:
         """Close the tiers; safe twice."""
-        attached, self.attached = self.attached, []
+        attached, self.attached = [*self.attached, *self._ended], []
+        self._ended = []
         for t in attached:
             t.close()
         self._arrange()
@@ -171,20 +175,28 @@ class Tiers:
                     core.locked(core.put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority)
                 else:
                     core.locked(self._put_small, kb, kh, flags, vb, nblk, checksum, ttl, priority, written)
-                return
-            i, off = core.locked(core.reserve, kb, kh, flags, vb.nbytes, nblk)
-            if checksum is None:
-                core.fill(i, lambda: copy_hashing(core.mv, off, vb), self.seal, kb, kh, ttl, priority, written)
             else:
-                def copy() -> int:
-                    core.mv[off : off + vb.nbytes] = vb
-                    return checksum  # type: ignore[return-value]
-                core.fill(i, copy, self.seal, kb, kh, ttl, priority, written)
+                self._put_large(kb, kh, flags, vb, nblk, ttl, priority, checksum, written)
         except CortexCacheError as e:
             if written is not None and not isinstance(e, SpillLost):
                 for t, token in written.items():  # the put failed: no record may come back
                     t.unwrite(token)
             raise
+        if self.superseders:
+            self.drop_ended()
+
+    def _put_large(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, ttl: float | None,
+                   priority: int, checksum: int | None, written: dict[Lower, Any] | None) -> None:
+        """Reserve in one lock hold, copy outside it, seal in another (Core.fill)."""
+        core = self.core
+        i, off = core.locked(core.reserve, kb, kh, flags, vb.nbytes, nblk)
+        if checksum is None:
+            core.fill(i, lambda: copy_hashing(core.mv, off, vb), self.seal, kb, kh, ttl, priority, written)
+        else:
+            def copy() -> int:
+                core.mv[off : off + vb.nbytes] = vb
+                return checksum  # type: ignore[return-value]
+            core.fill(i, copy, self.seal, kb, kh, ttl, priority, written)
 
     def _write_first(self, kb: bytes, flags: int, vb: memoryview, ttl: float | None,
                      priority: int) -> dict[Lower, Any]:
@@ -193,6 +205,8 @@ class Tiers:
 
     def _put_small(self, kb: bytes, kh: int, flags: int, vb: memoryview, nblk: int, checksum: int,
                    ttl: float | None, priority: int, written: dict[Lower, Any] | None) -> None:
+        for t in self.superseders:
+            t.supersede(kb, kh)
         self.core.put_small(kb, kh, flags, vb, nblk, checksum, ttl, priority)
         self._sealed(kb, kh, written)
 
@@ -202,6 +216,8 @@ class Tiers:
         records a write-through put wrote)."""
         if not self.core.is_writing(i):
             return  # a repair took the reservation back
+        for t in self.superseders:
+            t.supersede(kb, kh)
         self.core.seal(i, kb, kh, checksum, ttl, priority)
         if self.sealers:
             self._sealed(kb, kh, written)
@@ -285,10 +301,16 @@ class Tiers:
             t.served(got, promoted)
             value = got.value
             return value if value.__class__ is bytes else bytes(value)
-        if any(t.ended for t in self.below):  # the snapshot's fill is over: memory has all it will get from it
+        self.drop_ended()
+        return None
+
+    def drop_ended(self) -> None:
+        """Drop the tiers whose time is over (the snapshot's, once its fill is over: memory has all it will
+        get from it); the C write path may run again once no tier takes part in memory's lock holds."""
+        if any(t.ended for t in self.attached):
+            self._ended += [t for t in self.attached if t.ended]
             self.attached = [t for t in self.attached if not t.ended]
             self._arrange()
-        return None
 
     def _promote(self, tier: Lower, kb: bytes, kh: int, got: Fetched) -> bool:
         """Copy a value a tier below had back into memory, if it is still that tier's current one and memory
@@ -335,6 +357,8 @@ class Tiers:
         self._seal_promoted(tier, i, kb, kh, got)
 
     def _seal_promoted(self, tier: Lower, i: int, kb: bytes, kh: int, got: Fetched) -> None:
+        for t in self.superseders:  # the snapshot's copy goes before memory has the value (its own promotion too)
+            t.supersede(kb, kh)
         self.core.seal(i, kb, kh, got.checksum, None, got.priority, False, got.expiry)
         tier.promoted(got)
         for t in self.sealers:
@@ -347,8 +371,11 @@ class Tiers:
 
     def delete(self, kb: bytes, kh: int) -> bool:
         """Remove `kb` from memory and the tiers that keep it here (lock held); True if it was in any."""
-        below = [t.forget(kb, kh) for t in self.below]  # every tier forgets it
-        return self.core.delete(kb, kh, any(below))
+        below = [t.forget(kb, kh) for t in self.below]  # every tier forgets it, before memory does
+        found = self.core.delete(kb, kh, any(below))
+        if self.superseders:
+            self.drop_ended()
+        return found
 
     def contains(self, kb: bytes, kh: int) -> bool:
         """Is `kb` live in memory or a tier that answers here (the disk)?  (Lock held.)"""
