@@ -171,7 +171,8 @@ def say_restored(report: dict[str, Any]) -> None:
         f"from {report['path']} in {report['seconds']:.2f}s"
         + (f" (serving after {published:.2f}s)" if published is not None and not report.get("resumed") else "")
         + (f"; {entries(report['expired_skipped'], 'expired entries')} skipped" if report["expired_skipped"] else "")
-        + (f"; {entries(report['present_skipped'])} skipped, there already (put, or read early, meanwhile)"
+        + (f"; {entries(report['present_skipped'])} skipped, there already or gone (put, read early, "
+           "deleted or evicted meanwhile)"
            if report.get("present_skipped") else "")
     )
     if report.get("ended") == "stopped":
@@ -284,10 +285,11 @@ def fill_line(f: dict[str, Any], name: str) -> str:
     pct = 100.0 * f["bytes_loaded"] / f["bytes_total"] if f["bytes_total"] else 100.0
     done = (f"{pct:.0f}%: {fmt_size(f['bytes_loaded'])} of {fmt_size(f['bytes_total'])}, "
             f"{f['entries_done']} of {f['entries_total']} entries")
-    # Skipped: entries the fill found in the pool already (put meanwhile, or read from the snapshot when asked
-    # for before the fill came to them) or expired by then; damaged: failed their checksum, left out.
+    # Skipped: entries the fill found in the pool already or gone (put, deleted or evicted meanwhile, or read
+    # from the snapshot when asked for before the fill came to them) or expired by then; damaged: failed their
+    # checksum, left out.
     extra = "".join(f", {f[k]} {what}" for k, what in (
-        ("skipped", "skipped (there already: put, or read early; or expired)"),
+        ("skipped", "skipped (there already or gone: put, read early, deleted; or expired)"),
         ("corrupt", "damaged (failed their checksum: left out)")) if f[k])
     state = f["state"]
     if state == "filling":

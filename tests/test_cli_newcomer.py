@@ -159,7 +159,7 @@ def test_what_a_fill_skipped_is_explained_where_it_is_shown(pool_name, snapshot_
     assert "1 expired entry skipped" in r.stdout.decode(), show(r)
     line = next(ln for ln in ok(cli("cache", "status", pool_name)).stdout.decode().splitlines()
                 if ln.startswith("fill"))
-    assert "1 skipped (there already: put, or read early; or expired)" in line, line
+    assert "1 skipped (there already or gone: put, read early, deleted; or expired)" in line, line
     assert lib_stats(pool_name)["entries"] == 1
 
 
