@@ -38,7 +38,7 @@ from xxhash import xxh3_64_intdigest
 from . import fill
 from .errors import CortexCacheError
 from .gone import GoneMarks
-from .layout import FILL_RUNNING, SLOT_FLAG_STR_KEY
+from .layout import FILL_RUNNING, H_FILL_DONE, H_FILL_GEN, H_FILL_STATE, SLOT_FLAG_STR_KEY
 from .lower import Context, Fetched, Lower, too_small
 from .snapshot import Snapshot, followed
 
@@ -108,11 +108,12 @@ class SnapshotBelow(Lower):
     def _held(self, kb: bytes, kh: int) -> int | None:
         """Lock held: `kb`'s position if the snapshot is still its answer (the fill runs, has not come to it,
         it is not gone and has not expired), else None."""
-        h = self.core.header[0]
-        if int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
+        core = self.core
+        words = core.header_words  # typed words, not numpy's scalars: this runs in every put's lock hold
+        if words[H_FILL_STATE] != FILL_RUNNING or words[H_FILL_GEN] != self._gen:
             return None
         pos = self.position(kb, kh)
-        if pos is None or pos < int(h["fill_done"]) or self.marks.gone(pos, kh):
+        if pos is None or pos < core.counters[H_FILL_DONE] or self.marks.gone(pos, kh):
             return None
         expiry = self._index[kb][1].meta[2]
         return None if 0 < expiry <= self.core.clock() else pos
@@ -141,11 +142,11 @@ class SnapshotBelow(Lower):
         self._gone(kb, kh)
 
     def _gone(self, kb: bytes, kh: int) -> bool:
-        h = self.core.header[0]
-        if int(h["fill_state"]) != FILL_RUNNING:
+        words = self.core.header_words
+        if words[H_FILL_STATE] != FILL_RUNNING:
             self.ended = True  # the fill is over: nothing comes from the snapshot any more (Tiers drops it)
             return False
-        if self._snap is None or int(h["fill_gen"]) != self._gen:  # blind: no position, so the hash bucket
+        if self._snap is None or words[H_FILL_GEN] != self._gen:  # blind: no position, so the hash bucket
             self.marks.mark_hash(kh)
             return False
         pos = self._held(kb, kh)
