@@ -15,9 +15,11 @@ is still verified whole before its pool appears (restore.py).
 - **Batches**: one lock hold reserves room for a batch (never by evicting: an
   entry that finds no free room ends the fill, since what is left is older
   than everything the pool holds), the values are read and checked against
-  their checksums without the lock, and one lock hold seals them and advances
-  the mark.  An entry the pool already holds (put meanwhile) is skipped, and
-  so is one put while its value was being read: the newer value stays.  A
+  their checksums without the lock, and one lock hold seals them, marks them
+  gone and advances the mark.  An entry the pool already holds (put
+  meanwhile) or that is gone (gone.py: put, deleted or read early since the
+  publish, by any process) is skipped, and so is one put or deleted while its
+  value was being read: the newer value, or none, stays.  A
   value that fails its checksum is not loaded; it is counted (fill_corrupt)
   and the fill goes on.  The first batch is one entry, so the most recent
   entry is there within milliseconds of the publish.
@@ -32,13 +34,15 @@ is still verified whole before its pool appears (restore.py).
   posix_fallocate either.
 - **Crashes**: the mark is advanced in the lock hold that seals, so a filler
   killed at any point leaves its loaded entries and a mark from which the
-  next `restore --if-missing` (or `restore NAME`) goes on; the killed one's
-  reservations are taken back as any dead writer's are.
+  next `restore --if-missing` (or `restore NAME`) goes on, skipping what is
+  gone; the killed one's reservations are taken back as any dead writer's
+  are.
 
 A get of an entry not loaded yet does not wait for it: the snapshot is a
 read-only tier below memory meanwhile (snaptier.py), which serves the
-entries the fill has not come to yet (the mark's fill_done, in the order
-`manifest_items` gives every process alike).  Persist refuses
+entries the fill has not come to yet and that are not gone (the mark's
+fill_done and the gone marks, by position in the order `manifest_items`
+gives every process alike).  Persist refuses
 while the fill runs or was interrupted (a snapshot of half the pool would
 retire the whole one); `evict --all` and `restore --replace` stop it.
 """

@@ -403,8 +403,9 @@ class Pool:
         `snapshot_tier=False`: while the pool is being filled from a snapshot,
         do not index that snapshot (the index costs about 0.5 s per 100,000
         entries at every open); entries the fill has not come to are then
-        misses for this handle.  For a handle that only reads `stats()`
-        (`status`, `list`, `--watch`).
+        misses for this handle, and each key it puts or deletes meanwhile
+        marks its hash bucket gone from the snapshot (gone.py).  For a handle
+        that only reads `stats()` (`status`, `list`, `--watch`).
         """
         seg = header.open_segment(name)
         try:
