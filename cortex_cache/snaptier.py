@@ -39,7 +39,7 @@ from . import fill
 from .errors import CortexCacheError
 from .gone import GoneMarks
 from .layout import FILL_RUNNING, H_FILL_DONE, H_FILL_GEN, H_FILL_STATE, SLOT_FLAG_STR_KEY
-from .lower import Context, Fetched, Lower, too_small
+from .lower import Context, Fetched, Lower, Selector, too_small
 from .snapshot import Snapshot, followed
 
 
@@ -140,6 +140,30 @@ class SnapshotBelow(Lower):
         """Lock held, before memory seals a new value of `kb` (a put, a promotion): the snapshot's copy is no
         longer the answer."""
         self._gone(kb, kh)
+
+    def remove(self, sel: Selector) -> tuple[int, int]:
+        """`evict --tier all` of keys or a prefix: the snapshot's copies of them are gone, whether or not the
+        fill has come to them (an eviction by amount, or of the expired, leaves the snapshot as it is: the
+        fill never evicts, and expiry is checked at each lookup)."""
+        core = self.core
+        if sel.keys is not None:
+            keys = sel.keys
+        elif sel.prefix is not None:
+            pb = sel.prefix
+            with self._lock:  # outside the pool lock: the index is not rebuilt meanwhile
+                keys = [kb for kb in self._index if kb.startswith(pb)]
+        else:
+            return 0, 0
+
+        def mark_all() -> tuple[int, int]:
+            count = freed = 0
+            for kb in keys:
+                if self._gone(kb, xxh3_64_intdigest(kb)):
+                    count += 1
+                    freed += self._index[kb][1].length
+            return count, freed
+
+        return core.locked(mark_all)
 
     def _gone(self, kb: bytes, kh: int) -> bool:
         words = self.core.header_words

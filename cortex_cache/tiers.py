@@ -462,7 +462,7 @@ class Tiers:
         if tier != "all":
             return self.tier(tier).remove(sel)
         count, freed = self._evict_memory(sel, False)
-        for t in self.configured:
+        for t in self.below:  # the snapshot a fill brings back too: what is evicted from all never comes back
             if not t.shared:
                 c, b = t.remove(sel)
                 count, freed = count + c, freed + b

@@ -346,3 +346,23 @@ def test_the_c_write_path_steps_aside_while_a_snapshot_tier_is_live(persisted):
         assert q.tiers.fast_ok is True and q.get("k600") is None and q.get("k601") == make_value(601, 0, SIZE)
     finally:
         q.close()
+
+
+def test_evicting_from_every_tier_reaches_what_the_fill_has_not_loaded(persisted):
+    """`evict --tier all` of keys or a prefix takes the snapshot's copies too: they never come back."""
+    name = persisted()
+    w = _start(name)
+    try:
+        r = cli("cache", "evict", name, "--tier", "all", "--prefix", "k11")  # k11, k110-k119, k1100-k1199
+        assert r.returncode == 0, r.stderr
+        with Pool.open(name) as q:
+            assert q.evict(keys=["k7", "k8", "nope"], tier="all") == (2, 2 * SIZE)
+            assert q.evict(keys=["k7"], tier="all") == (0, 0)
+            assert q.get("k115") is None and q.get("k7") is None and q.get("k12") == make_value(12, 0, SIZE)
+        _go_on(w)
+        got = _contents(name)
+        out = {"k7", "k8", "k11", *keys(range(110, 120)), *keys(range(1100, 1200))}
+        assert got == {k: 0 for k in keys(range(N)) if k not in out}
+    finally:
+        if w.poll() is None:
+            _kill(w)
