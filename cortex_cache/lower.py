@@ -17,7 +17,9 @@ names one.  A tier answers:
   `writes_first`: a put's record written before memory seals it), `sealed`
   (lock held, an `in_segment` tier: memory has a new value of a key),
   `supersede` (lock held, a tier that `supersedes`: memory is about to
-  take a new value of a key, a put or a promotion; told before it does),
+  take a new value of a key, a put or a promotion; told before it does;
+  `never_holds`: outside the lock, a put of a key it can never hold may
+  skip it and take the C write path),
   `evicted` (lock held, a tier that `takes_evictions`: an entry leaves
   memory; a tier that takes puts gets evictions instead when the pool's
   admission lets only reused entries down), `ready_to_take` (before an
@@ -137,6 +139,11 @@ class Lower:
     def sealed(self, kb: bytes, kh: int, token: Any) -> None:
         """Lock held: memory has a new value of `kb` (a put, whose `write_first` gave `token`, or a promotion
         from another tier: None).  A copy of the old value here must go."""
+
+    def never_holds(self, kb: bytes) -> bool:
+        """Outside the lock, a tier that `supersedes`: is `kb` surely nowhere in it, now or later (a put of it
+        needs no `supersede`, and may take the C write path)?  False when it cannot tell."""
+        return False
 
     def supersede(self, kb: bytes, kh: int) -> None:
         """Lock held, before memory seals a new value of `kb` (a put, a promotion from any tier): a copy here

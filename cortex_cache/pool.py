@@ -523,7 +523,7 @@ class Pool:
         core = self.core
         fast = core.fast
         r = SLOW
-        if fast is not None and tiers.fast_ok:  # the C write path (_fastpath_put.h)
+        if fast is not None and (tiers.fast_ok or tiers.fast_put(kb)):  # the C write path (_fastpath_put.h)
             r = fast.put(kb, kh, flags, vb, nblk, ttl, int(priority))
             if r.__class__ is tuple:  # copied; the lock was busy for the seal
                 core.locked(tiers.seal, r[0], r[1], kb, kh, ttl, int(priority))

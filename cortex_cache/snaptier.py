@@ -23,7 +23,9 @@ that does not follow the mark) still has this tier, blind: it serves
 nothing, and its puts and deletes mark the key's hash gone instead (a few
 more misses for the other keys of that bucket, never a wrong answer).
 While the tier is attached memory's writes go through Python (Tiers.fast_ok
-is False), so the C write path never skips a mark.  A snapshot that cannot
+is False), so the C write path never skips a mark -- but a put of a key the
+indexed snapshot has no entry of (`never_holds`) has nothing to mark, and
+takes it (Tiers.fast_put).  A snapshot that cannot
 be read, has changed since the fill began, or a record that fails its
 checksum is a miss.
 """
@@ -104,6 +106,11 @@ class SnapshotBelow(Lower):
         key (or this process has no index).  Lock may be held: no I/O, no index built here."""
         place = self._index.get(kb)
         return None if place is None else place[0]
+
+    def never_holds(self, kb: bytes) -> bool:
+        """Outside the lock: the snapshot this process indexed has no entry of `kb` (its index never changes
+        while the fill runs; a blind tier cannot tell)."""
+        return self._snap is not None and kb not in self._index
 
     def _held(self, kb: bytes, kh: int) -> int | None:
         """Lock held: `kb`'s position if the snapshot is still its answer (the fill runs, has not come to it,

@@ -9,7 +9,8 @@ It names no tier: what a tier does is its own module's.
 
 Above it nothing names a tier either.  The hot paths ask `fast_ok` (no tier
 takes part in memory's lock holds: the C paths and a plain `Core.read` may
-be used) and `look_below` (a memory miss is looked up below).
+be used), `fast_put` (may this key's put take the C path anyway) and
+`look_below` (a memory miss is looked up below).
 """
 
 from __future__ import annotations
@@ -101,8 +102,19 @@ class Tiers:
         # What the hot paths ask: may the C paths run (no tier in memory's lock holds)?  Is a miss looked
         # up below?  Does a put write a tier's record before memory seals it?
         self.fast_ok = not indexed and not self.superseders
+        # ... and for a put of one key, when the only tiers in the way supersede (the snapshot a fill brings
+        # back) and none of them holds the key at all: nothing of it there to mark gone.
+        self._fast_unless_held = self.superseders if not indexed else []
         self.look_below = bool(below)
         self.writes_first = bool(self._writers)
+
+    def fast_put(self, kb: bytes) -> bool:
+        """May a put of `kb` take the C write path?  Always when `fast_ok`; while a fill runs, when no tier
+        that supersedes could hold `kb` (its index has no such key: a new key, an engine's next block)."""
+        if self.fast_ok:
+            return True
+        held = self._fast_unless_held
+        return bool(held) and all(t.never_holds(kb) for t in held)
 
     def named(self, name: str) -> Configured | None:
         """The pool's tier called `name`, or None."""

@@ -328,24 +328,62 @@ def test_a_filler_killed_inside_its_seal_hold_loses_one_entry_at_most_and_brings
     assert all(v == 0 for v in got.values()) and len(got) >= N - 1000 - 1
 
 
-def test_the_c_write_path_steps_aside_while_a_snapshot_tier_is_live(persisted):
-    """While the fill runs every write goes through Python, which marks (the C path cannot); once it is over
-    and a miss saw it, the C path is back."""
+@pytest.fixture
+def filling_with_c(persisted):
+    """A pool whose fill is paused after its first batch, and a handle on it with the C fast path."""
     name = persisted()
     w = _start(name)
     q = Pool.open(name)
     try:
         if q.core.fast is None:
             pytest.skip("the C fast path is not built here")
-        assert q.tiers.fast_ok is False
-        q.put("k600", make_value(600, 7, SIZE))  # would be the C path's put: it marks k600's position
-        q.evict(keys=["k600"])
-        assert q.get("k600") is None
-        _go_on(w)
-        assert q.get("nope") is None  # a miss sees the fill is over: the snapshot tier is dropped
-        assert q.tiers.fast_ok is True and q.get("k600") is None and q.get("k601") == make_value(601, 0, SIZE)
+        yield name, w, q
     finally:
         q.close()
+        if w.poll() is None:
+            _kill(w)
+
+
+def test_the_c_write_path_steps_aside_while_a_snapshot_tier_is_live(filling_with_c):
+    """While the fill runs a write of a key the snapshot holds goes through Python, which marks (the C path
+    cannot); once it is over and a miss saw it, the C path is back."""
+    name, w, q = filling_with_c
+    assert q.tiers.fast_ok is False
+    q.put("k600", make_value(600, 7, SIZE))  # would be the C path's put: it marks k600's position
+    q.evict(keys=["k600"])
+    assert q.get("k600") is None
+    _go_on(w)
+    assert q.get("nope") is None  # a miss sees the fill is over: the snapshot tier is dropped
+    assert q.tiers.fast_ok is True and q.get("k600") is None and q.get("k601") == make_value(601, 0, SIZE)
+
+
+def test_a_put_of_a_key_the_snapshot_never_held_takes_the_c_path_during_the_fill(filling_with_c):
+    """The C write path cannot mark: a put of a key the snapshot holds goes through Python, but one of a key it
+    never held (an engine's new block) has nothing to mark and keeps the C path."""
+    name, w, q = filling_with_c
+    real, calls = q.core.fast, []
+
+    class Counting:
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        def put(self, *a):
+            calls.append(a[0])
+            return real.put(*a)
+
+    q.core.fast = Counting()
+    try:
+        q.put("k5000", make_value(5000, 1, SIZE))
+        q.put("k600", make_value(600, 9, SIZE))
+    finally:
+        q.core.fast = real
+    assert calls == [b"k5000"]
+    with Pool.open(name, snapshot_tier=False) as blind:  # cannot tell what the snapshot holds: Python
+        assert blind.tiers.fast_put(b"k5001") is False
+    q.evict(keys=["k600"])
+    _go_on(w)
+    got = _contents(name)
+    assert "k600" not in got and got["k5000"] == 1
 
 
 def test_evicting_from_every_tier_reaches_what_the_fill_has_not_loaded(persisted):
