@@ -135,8 +135,22 @@ def persisted(make_pool, snapshot_dir):
             Pool.unlink(name)
 
 
+_workers: list = []
+
+
+@pytest.fixture(autouse=True)
+def _no_filler_left():
+    """A filler a failed test left paused is killed (it would wait on its stdin for ever)."""
+    yield
+    while _workers:
+        w = _workers.pop()
+        if w.poll() is None:
+            _kill(w)
+
+
 def _start(name: str, where: str = "batch", n: int = 1, jump: float = 0.0):
     w = spawn_py(WORKER, name, where, str(n), str(jump))
+    _workers.append(w)
     assert w.stdout.readline() == b"paused\n", w.stderr.read().decode()
     return w
 
@@ -218,24 +232,20 @@ def test_deletes_by_other_processes_during_the_fill_never_come_back(persisted):
 def test_overwrites_evictions_and_early_reads_during_the_fill_hold(persisted):
     name = persisted()
     w = _start(name)
-    try:
-        act(name, [
-            ["put", keys(range(0, 300)), 1],  # the C write path's case: a small put
-            ["delete", keys(range(0, 100)), 0],  # overwritten, then deleted: neither value comes back
-            ["evict", keys(range(100, 200)), 0],  # overwritten, then evicted: the old value never comes back
-            ["get", keys(range(300, 500)), 0],  # read early (promoted from the snapshot) ...
-            ["evict", keys(range(300, 400)), 0],  # ... then evicted: never back either
-            ["put_many", keys(range(500, 600)), 2],
-        ])
-        _go_on(w)
-        got = _contents(name)
-        assert not any(k in got for k in keys(range(0, 200)))
-        assert not any(k in got for k in keys(range(300, 400)))
-        assert got == {**{k: 1 for k in keys(range(200, 300))}, **{k: 0 for k in keys(range(400, 500))},
-                       **{k: 2 for k in keys(range(500, 600))}, **{k: 0 for k in keys(range(600, N))}}
-    finally:
-        if w.poll() is None:
-            _kill(w)
+    act(name, [
+        ["put", keys(range(0, 300)), 1],  # small puts of keys the snapshot holds: through Python, marked
+        ["delete", keys(range(0, 100)), 0],  # overwritten, then deleted: neither value comes back
+        ["evict", keys(range(100, 200)), 0],  # overwritten, then evicted: the old value never comes back
+        ["get", keys(range(300, 500)), 0],  # read early (promoted from the snapshot) ...
+        ["evict", keys(range(300, 400)), 0],  # ... then evicted: never back either
+        ["put_many", keys(range(500, 600)), 2],
+    ])
+    _go_on(w)
+    got = _contents(name)
+    assert not any(k in got for k in keys(range(0, 200)))
+    assert not any(k in got for k in keys(range(300, 400)))
+    assert got == {**{k: 1 for k in keys(range(200, 300))}, **{k: 0 for k in keys(range(400, 500))},
+                   **{k: 2 for k in keys(range(500, 600))}, **{k: 0 for k in keys(range(600, N))}}
 
 
 def test_a_handle_without_the_snapshot_index_marks_what_it_writes(persisted):
@@ -340,8 +350,6 @@ def filling_with_c(persisted):
         yield name, w, q
     finally:
         q.close()
-        if w.poll() is None:
-            _kill(w)
 
 
 def test_the_c_write_path_steps_aside_while_a_snapshot_tier_is_live(filling_with_c):
@@ -390,17 +398,13 @@ def test_evicting_from_every_tier_reaches_what_the_fill_has_not_loaded(persisted
     """`evict --tier all` of keys or a prefix takes the snapshot's copies too: they never come back."""
     name = persisted()
     w = _start(name)
-    try:
-        r = cli("cache", "evict", name, "--tier", "all", "--prefix", "k11")  # k11, k110-k119, k1100-k1199
-        assert r.returncode == 0, r.stderr
-        with Pool.open(name) as q:
-            assert q.evict(keys=["k7", "k8", "nope"], tier="all") == (2, 2 * SIZE)
-            assert q.evict(keys=["k7"], tier="all") == (0, 0)
-            assert q.get("k115") is None and q.get("k7") is None and q.get("k12") == make_value(12, 0, SIZE)
-        _go_on(w)
-        got = _contents(name)
-        out = {"k7", "k8", "k11", *keys(range(110, 120)), *keys(range(1100, 1200))}
-        assert got == {k: 0 for k in keys(range(N)) if k not in out}
-    finally:
-        if w.poll() is None:
-            _kill(w)
+    r = cli("cache", "evict", name, "--tier", "all", "--prefix", "k11")  # k11, k110-k119, k1100-k1199
+    assert r.returncode == 0, r.stderr
+    with Pool.open(name) as q:
+        assert q.evict(keys=["k7", "k8", "nope"], tier="all") == (2, 2 * SIZE)
+        assert q.evict(keys=["k7"], tier="all") == (0, 0)
+        assert q.get("k115") is None and q.get("k7") is None and q.get("k12") == make_value(12, 0, SIZE)
+    _go_on(w)
+    got = _contents(name)
+    out = {"k7", "k8", "k11", *keys(range(110, 120)), *keys(range(1100, 1200))}
+    assert got == {k: 0 for k in keys(range(N)) if k not in out}
