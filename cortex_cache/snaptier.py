@@ -79,7 +79,7 @@ class SnapshotBelow(Lower):
             gen = int(h["fill_gen"])
             if gen != self._gen:
                 self._load(gen)
-            place = self._index.get(kb)
+            place = self._entry(kb)
             snap = self._snap
             if place is None or snap is None:
                 return None
@@ -101,16 +101,21 @@ class SnapshotBelow(Lower):
                 return None  # a damaged record, or a pack gone: a miss, never wrong bytes
         return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos, kh))
 
+    def _entry(self, kb: bytes) -> tuple[int, fill.Item] | None:
+        """(position in the fill's order, entry) of `kb` in the snapshot this process indexed, or None.  The
+        one place the index is asked by key (lock may be held: no I/O, no index built here)."""
+        return self._index.get(kb)
+
     def position(self, kb: bytes, kh: int) -> int | None:
         """`kb`'s position in the fill's order of the snapshot this process indexed, None if it holds no such
         key (or this process has no index).  Lock may be held: no I/O, no index built here."""
-        place = self._index.get(kb)
+        place = self._entry(kb)
         return None if place is None else place[0]
 
     def never_holds(self, kb: bytes) -> bool:
         """Outside the lock: the snapshot this process indexed has no entry of `kb` (its index never changes
         while the fill runs; a blind tier cannot tell)."""
-        return self._snap is not None and kb not in self._index
+        return self._snap is not None and self._entry(kb) is None
 
     def _held(self, kb: bytes, kh: int) -> int | None:
         """Lock held: `kb`'s position if the snapshot is still its answer (the fill runs, has not come to it,
@@ -119,11 +124,13 @@ class SnapshotBelow(Lower):
         words = core.header_words  # typed words, not numpy's scalars: this runs in every put's lock hold
         if words[H_FILL_STATE] != FILL_RUNNING or words[H_FILL_GEN] != self._gen:
             return None
-        pos = self.position(kb, kh)
-        if pos is None or pos < core.counters[H_FILL_DONE] or self.marks.gone(pos, kh):
+        place = self._entry(kb)
+        if place is None:
             return None
-        expiry = self._index[kb][1].meta[2]
-        return None if 0 < expiry <= self.core.clock() else pos
+        pos, it = place
+        if pos < core.counters[H_FILL_DONE] or self.marks.gone(pos, kh):
+            return None
+        return None if 0 < it.meta[2] <= core.clock() else pos
 
     def contains(self, kb: bytes, kh: int) -> bool:
         """Lock held: does the snapshot still hold `kb` for this pool?  Answered from the index built when the
@@ -167,7 +174,7 @@ class SnapshotBelow(Lower):
             for kb in keys:
                 if self._gone(kb, xxh3_64_intdigest(kb)):
                     count += 1
-                    freed += self._index[kb][1].length
+                    freed += self._entry(kb)[1].length  # type: ignore[index]  # held: it has an entry
             return count, freed
 
         return core.locked(mark_all)
