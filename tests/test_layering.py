@@ -155,7 +155,7 @@ def _private(name: str) -> bool:
 
 
 # Compiled extensions that are the C half of one module, which alone imports them.
-C_HALVES = {f"{PACKAGE}._fastpath": f"{PACKAGE}.core"}
+C_HALVES = {f"{PACKAGE}._fastpath": f"{PACKAGE}.core_fast"}
 
 
 # Standard-library names that are public despite their underscore: os._exit is the documented way out of a
