@@ -73,7 +73,6 @@ from .layout import (
     Geometry, blocks_for,
 )
 from .lock import PoolLock, default_timeout as default_lock_timeout
-from .stats import memory_stats
 from .units import format_size
 
 POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
@@ -809,10 +808,6 @@ class Core(Allocation, Pins):
             "checksum": f"{self._c_cks[i]:016x}",
             "pins": self._c_pins[i],
         }
-
-    def stats(self) -> dict[str, Any]:
-        """The memory tier's usage and counters (lock held; stats.py); `Pool.stats` adds the tiers'."""
-        return memory_stats(self)
 
     # ------------------------------------------------------------------ generations
 

@@ -30,6 +30,7 @@ from .pool_create import default_disk_path, tier_home  # noqa: F401 (re-exported
 from .restore import resize as resize_pool
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
+from .stats import memory_stats
 from .tiers import Tiers
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes, put_args, show_key, valid_nbytes, writable_bytes
@@ -730,7 +731,7 @@ class Pool:
     def stats(self) -> dict[str, Any]:
         """Counters and usage, with the field names of `cortex cache status --json`."""
         core = self.core
-        return core.locked(lambda: {**core.stats(), **self.tiers.stats()})
+        return core.locked(lambda: {**memory_stats(core), **self.tiers.stats()})
 
     def persist(
         self,
