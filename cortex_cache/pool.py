@@ -78,6 +78,18 @@ def unlink_marked(name: str) -> None:
         pool.close()
 
 
+def _copy_out(core: Core, pinned: Pinned) -> bytes:
+    """The value of a pinned entry, copied out as bytes outside the lock, checked (with verify_reads) and
+    unpinned."""
+    _, _, off, n = pinned  # unpacked: cheaper than attribute lookups on the hot path
+    try:
+        value = core.mv[off : off + n].tobytes()
+        core.check_copy(pinned, value)
+        return value
+    finally:
+        core.release_pins([pinned])
+
+
 # A closed handle's header words: never marked superseded (its operations raise PoolClosed).
 _CLOSED_WORDS = memoryview(bytes(4 * (H_FLAGS + 1))).cast("I")
 
@@ -288,6 +300,22 @@ class Pool:
         if self.core.lost_name():
             raise self.core.superseded_error(did)
 
+    def _read_key(self, key: str | bytes) -> tuple[bytes, int]:
+        """The opening of every read of one key: PoolSuperseded if this handle's pool lost its name (the
+        one-load check first), then the key's bytes and hash (UsageError for a bad key)."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
+        kb, _ = key_bytes(key)
+        return kb, xxh3_64_intdigest(kb)
+
+    def _read_slow(self, kb: bytes, kh: int, out: memoryview | None) -> Any:
+        """A read the fast path left (not built, or SLOW): Core.read under the lock, or through the tiers when
+        one takes part (Tiers.read, settled while a tier below is busy with the key)."""
+        tiers = self.tiers
+        if tiers.fast_ok:
+            return self.core.locked(self.core.read, kb, kh, out)
+        return tiers.settled(tiers.read, kb, kh, out)
+
     def reopen(self) -> "Pool":
         """A new handle on the pool now named as this one, opened with the same options (PoolNotFound if
         there is none).  This handle stays open: close it once its views are released."""
@@ -393,10 +421,7 @@ class Pool:
 
     def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         tiers = self.tiers
         core = self.core
         fast = core.fast
@@ -407,20 +432,11 @@ class Pool:
                     return r
                 value = tiers.from_below(kb, kh, None)  # a miss counted: a tier below may have it
                 return default if value is None else value
-        if tiers.fast_ok:
-            r = core.locked(core.read, kb, kh, None)
-        else:
-            r = tiers.settled(tiers.read, kb, kh, None)
+        r = self._read_slow(kb, kh, None)
         if r.__class__ is bytes:
             return r
         if r.__class__ is Pinned:
-            _, _, off, n = r  # unpacked: cheaper than attribute lookups on the hot path
-            try:
-                value = core.mv[off : off + n].tobytes()
-                core.check_copy(r, value)
-                return value
-            finally:
-                core.release_pins([r])
+            return _copy_out(core, r)
         value = tiers.from_below(kb, kh, r)
         return default if value is None else value
 
@@ -431,10 +447,7 @@ class Pool:
         eviction order (access time and count) as it was, expires nothing and
         does not look in, or promote from, the tiers below memory.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         core = self.core
         fast = core.fast
         if fast is not None:
@@ -442,26 +455,15 @@ class Pool:
             if r is not SLOW:
                 return default if r is None else r
         r = core.locked(core.pin_quietly, kb, kh)
-        if r is None:
-            return default
-        _, _, off, n = r
-        try:
-            value = core.mv[off : off + n].tobytes()
-            core.check_copy(r, value)
-            return value
-        finally:
-            core.release_pins([r])
+        return default if r is None else _copy_out(core, r)
 
     def get_into(self, key: str | bytes, out: Any) -> int | None:
         """Copy the value of `key` into the writable buffer `out`; return its length, or None if absent.
 
         Raises BufferTooSmall if `out` is smaller than the value.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
+        kb, kh = self._read_key(key)
         omv = writable_bytes(out)
-        kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
         fast = core.fast
@@ -469,10 +471,7 @@ class Pool:
             r = fast.read(kb, kh, omv, READ_COUNTED if tiers.fast_ok else READ_HITS)
             if r is not SLOW:
                 return r if r is not None else batch.finish_read_into(core, tiers, kb, kh, None, omv)
-        if tiers.fast_ok:
-            r = core.locked(core.read, kb, kh, omv)
-        else:
-            r = tiers.settled(tiers.read, kb, kh, omv)
+        r = self._read_slow(kb, kh, omv)
         return batch.finish_read_into(core, tiers, kb, kh, r, omv)
 
     def view(self, key: str | bytes) -> EntryView:
@@ -480,10 +479,7 @@ class Pool:
 
         Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         tiers = self.tiers
         core = self.core
         if core.fast is not None and not tiers.look_below:
@@ -675,10 +671,8 @@ class Pool:
 
     def info(self, key: str | bytes) -> dict[str, Any]:
         """Metadata of `key`'s entry (does not count as an access).  Raises KeyNotFound."""
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        r = self.core.locked(self.tiers.info, kb, xxh3_64_intdigest(kb))
+        kb, kh = self._read_key(key)
+        r = self.core.locked(self.tiers.info, kb, kh)
         if r is None:
             raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
         if r["tier"] != "memory":
