@@ -26,9 +26,7 @@ in one section.  The raw tables (`columns`, `header`, `block_map`, `key_map`,
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -86,40 +84,6 @@ class _Fields:
     def __init__(self, arr: np.ndarray) -> None:
         for name in arr.dtype.names:
             setattr(self, name, arr[name])
-
-
-def _unmap(seg: segment.Segment) -> None:
-    try:
-        seg.close()
-    except BufferError:
-        # A buffer exported from the mapping is still alive somewhere
-        # (a numpy array made from a view): the mapping goes when it does.
-        if seg.fd >= 0:
-            os.close(seg.fd)
-            seg.fd = -1
-
-
-# Unmaps of retired segments that Core.close left to a thread and that may still run (wait_unmapped).
-_UNMAPPING: set[threading.Thread] = set()
-_UNMAPPING_LOCK = threading.Lock()
-
-
-def _unmap_in_background(seg: segment.Segment) -> None:
-    try:
-        _unmap(seg)
-    finally:
-        with _UNMAPPING_LOCK:
-            _UNMAPPING.discard(threading.current_thread())
-
-
-def wait_unmapped(timeout: float | None = None) -> bool:
-    """Wait until the unmaps of retired segments that `Core.close` runs on threads are done (a process that
-    checks it no longer maps an old copy: the tests, a tool reading /proc); False if `timeout` ran out."""
-    with _UNMAPPING_LOCK:
-        running = list(_UNMAPPING)
-    for t in running:
-        t.join(timeout)
-    return not any(t.is_alive() for t in running)
 
 
 class Core(Allocation, Pins):
@@ -264,17 +228,9 @@ class Core(Allocation, Pins):
             # all its memory (~0.3 s per GiB), on a thread of its own (the GIL let go), so that a handle
             # moving to the pool now under the name (Pool.reopen, the engine adapters) never waits for it.
             # Its descriptors go with it (the segment's, and the one mmap keeps): `wait_unmapped` waits.
-            unmapping = threading.Thread(target=_unmap_in_background, args=(self.seg,), name="cortex-unmap",
-                                         daemon=True)
-            with _UNMAPPING_LOCK:
-                _UNMAPPING.add(unmapping)
-            try:
-                unmapping.start()
+            if segment.unmap_in_background(self.seg):
                 return
-            except RuntimeError:  # no new threads (the interpreter is shutting down)
-                with _UNMAPPING_LOCK:
-                    _UNMAPPING.discard(unmapping)
-        _unmap(self.seg)
+        self.seg.unmap()
 
     def data_region(self) -> tuple[int, int]:
         """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
@@ -892,5 +848,4 @@ class Core(Allocation, Pins):
 
 
 __all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "GUARD", "SLOW", "READ_COUNTED", "READ_HITS",
-           "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA", "C_COPY_HASH_MANY", "SEQLOCK_COPIES",
-           "wait_unmapped"]
+           "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA", "C_COPY_HASH_MANY", "SEQLOCK_COPIES"]

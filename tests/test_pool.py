@@ -27,10 +27,10 @@ from cortex_cache import (
     UsageError,
     ValueTooLarge,
 )
-from cortex_cache.core import PURE_PYTHON_ENV, wait_unmapped
+from cortex_cache.core import PURE_PYTHON_ENV
 from cortex_cache.eviction import POLICY_IDS
 from cortex_cache.layout import MAX_KEY_BYTES
-from cortex_cache.segment import shm_path
+from cortex_cache.segment import shm_path, wait_unmapped
 
 
 # Every policy, single- and multi-threaded, without a disk tier and with one (write-back; and
