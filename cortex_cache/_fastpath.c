@@ -133,7 +133,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core.py uses them).", -1,
+    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core_fast.py binds them).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import xxhash
@@ -75,7 +75,24 @@ from .lock import RecordLock
 
 if TYPE_CHECKING:
     from .core import Core
-    from .snapshot import Snapshot
+
+
+class Source(Protocol):
+    """What a fill reads of a snapshot (snapshot.Snapshot is one).  Named here, not imported: snapshot.py is
+    above this module (a persist asks it whether a fill runs)."""
+
+    path: Any
+    entries: int
+    value_bytes: int
+    file_check: int
+    header: Any
+
+    def close(self) -> None: ...
+    def references(self, verify: bool = ...) -> Iterator[Any]: ...
+    def check_whole(self) -> None: ...
+    def pack_fd(self, pack: Any) -> int: ...
+    def pack_reader(self, pack: Any) -> Any: ...
+
 
 FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (lock.py's bytes)
 BAND_BYTES = 64 << 20
@@ -102,7 +119,7 @@ class Item(NamedTuple):
 # ---------------------------------------------------------------- the mark
 
 
-def mark(core: "Core", snap: "Snapshot", private: bool) -> None:
+def mark(core: "Core", snap: "Source", private: bool) -> None:
     """Put a new fill's mark into a pool not published yet (restore.py; no lock needed: nobody else sees it)."""
     path = str(Path(snap.path).resolve()).encode()
     h = core.header[0]
@@ -174,7 +191,7 @@ def stop(core: "Core") -> None:
         h["fill_ended"] = time.time()
 
 
-def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot | None", str | None]:
+def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | None", str | None]:
     """(the snapshot the pool's fill mark names, None), if this process would trust that snapshot as its own;
     else (None, why not).  The one place a process decides to follow a mark.
 
@@ -219,7 +236,7 @@ def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot
     return snap, None
 
 
-def busy_reason(core: "Core", opener: Callable[[str], "Snapshot"]) -> str | None:
+def busy_reason(core: "Core", opener: Callable[[str], "Source"]) -> str | None:
     """Why a persist of this pool must wait for its fill (None: no fill in the way).  A fill whose mark this
     process would not follow (`follow`, `opener` its opener) is none of its business: it never holds it up."""
     if not running(core):
@@ -242,7 +259,7 @@ def busy_reason(core: "Core", opener: Callable[[str], "Snapshot"]) -> str | None
 # ---------------------------------------------------------------- the order
 
 
-def manifest_items(snap: "Snapshot") -> list[Item]:
+def manifest_items(snap: "Source") -> list[Item]:
     """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
     in pack and offset order.  Every record is checked against its own checksum here.  A function of the
     manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
@@ -291,7 +308,7 @@ class _Reader:
 
     DEPTH = 2
 
-    def __init__(self, snap: "Snapshot", items: list[Item]) -> None:
+    def __init__(self, snap: "Source", items: list[Item]) -> None:
         self.snap = snap
         self.items = items
         self.fds: dict[int, int] = {}
@@ -427,7 +444,7 @@ class _Ended(Exception):
     """The fill was stopped by someone else (its generation changed)."""
 
 
-def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Fill `core`'s pool from `snap` as its mark says, from where the mark says the fill got to.
 
     The caller holds FILL_BYTE and checked that the mark names `snap`.

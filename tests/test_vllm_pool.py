@@ -218,16 +218,15 @@ def test_a_pool_created_under_the_name_is_found_at_the_next_call_not_the_next_re
     att.close()
 
 
-@pytest.mark.xfail(reason="since the merge of issue 40's PoolSuperseded and issue 43's pool probing, the old "
-                   "handle stays mapped after its last lease ends (left for the next session; see the stop's note)",
-                   strict=False)
 def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
     """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
-    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
+    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies").
+    A retired segment is unmapped on a thread of its own (Core.close): segment.wait_unmapped waits for that."""
     from cortex_cache.integrations.vllm.blocks import _Leased
-    from cortex_cache.segment import mapped_generations
+    from cortex_cache.segment import mapped_generations, wait_unmapped
 
     def on_old_copy() -> bool:
+        assert wait_unmapped(60)
         return os.getpid() in mapped_generations()[1].get(pool_name, [])
 
     pool, store, faults, d, rows, snap = _one_block_saved_and_persisted(make_pool, pool_name, tmp_path)
