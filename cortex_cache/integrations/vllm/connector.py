@@ -28,6 +28,11 @@ A block that cannot be loaded is reported to vLLM as a load error and
 recomputed: the connector sets `kv_load_failure_policy` to "recompute",
 since a cache miss must never fail a request.
 
+A hybrid model (KV cache groups of full and windowed attention; the
+connector declares SupportsHMA) is served as one chain too: a position's
+value holds every group's block of it (groups.py), and its block ids are
+tuples, one per group.
+
 Both sides hand their counters to vLLM's own metrics (stats.py):
 `get_kv_connector_stats`, `build_kv_connector_stats`, `build_prom_metrics`.
 
@@ -238,7 +243,7 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
         self._matched: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the workers' saves end
         self._store: BlockStore | None = None
-        self._paged: PagedLayers | None = None
+        self._paged: PagedLayers | PagedGroups | None = None
         self._saver: Saver | None = None
         self._saving: set[str] = set()  # requests the workers were asked to save
         self._finishing: set[str] = set()  # of those, finished ones not yet reported
