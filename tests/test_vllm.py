@@ -33,6 +33,72 @@ def needs_vllm(test):
 
 BLOCK = 32
 ENGINE = str(REPO / "tests" / "vllm_engine.py")
+SHM = "/dev/shm"
+
+
+def _vllm_segments() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith("vllm_dist_")}
+
+
+def _held_paths() -> set[str]:
+    """Every file some live process maps or holds open (what another engine running now uses)."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_leftovers():
+    """Remove what vLLM's CPU build leaves behind when its engines end without their teardown: the
+    shared-memory segments of its ranks' all-reduce (/dev/shm/vllm_dist_<id>-...-cpushm_<rank>, made with
+    tensor parallelism) that appeared during this file's tests and no live process uses (another engine
+    running now may be using its own), and, through a temp dir of this file's own (TMPDIR for the engine
+    processes), the file store of its process group (vllm_dist_<id>) and its other temp files."""
+    before = _vllm_segments()
+    tmp = tempfile.mkdtemp(prefix="cctest-vllm-tmp-")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", tmp)
+        yield
+    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_vllm_segments(_vllm_segments() - before)
+
+
+def _remove_vllm_segments(names: set[str]) -> None:
+    """Unlink those of `names` (in /dev/shm) that no live process maps or holds open."""
+    if not names:
+        return
+    held = {p.removeprefix(SHM + "/") for p in _held_paths() if p.startswith(SHM + "/")}
+    for name in names - held:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except FileNotFoundError:
+            pass
+
+
+def test_vllm_segments_left_behind_are_removed_and_those_in_use_kept():
+    import mmap
+
+    left, used = (f"vllm_dist_cctest{os.getpid()}{kind}-tp:0-[0-1]-cpushm_0" for kind in ("left", "used"))
+    for name in (left, used):
+        with open(os.path.join(SHM, name), "wb") as f:
+            f.write(bytes(4096))
+    with open(os.path.join(SHM, used), "r+b") as f:
+        m = mmap.mmap(f.fileno(), 4096)  # as a running engine's rank maps its segment
+    try:
+        _remove_vllm_segments({left, used})
+        assert not os.path.exists(os.path.join(SHM, left)) and os.path.exists(os.path.join(SHM, used))
+    finally:
+        m.close()
+        for name in (left, used):
+            if os.path.exists(os.path.join(SHM, name)):
+                os.unlink(os.path.join(SHM, name))
 
 
 def _prompts() -> tuple[list[int], list[int]]:
