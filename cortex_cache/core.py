@@ -85,6 +85,7 @@ GUARD = _fastpath.Guard if _fastpath is not None else None
 # Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
 C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
 C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
+C_GATHER_HASH = getattr(_fastpath, "gather_hash", None) if _fastpath is not None else None
 C_COPY_HASH_ISA = _fastpath.COPY_HASH_ISA if _fastpath is not None else None
 # Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
 # look); count nothing, move nothing (peek).

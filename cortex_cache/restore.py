@@ -299,11 +299,14 @@ def _same_file(a, b) -> bool:
 
 
 def _check_before_publish(snap: Snapshot) -> None:
-    """What is checked before a pool anyone can see is filled from `snap`: a version 3 manifest's own
-    checksum and every pack it names (there, the right size, its header whole).  Each record and value is
-    checked as the fill reaches it."""
+    """What is checked before a pool anyone can see is filled from `snap`: every pack it names (there, the
+    right size, its header whole) and, for a version 3 manifest, its own checksum.  A version 4 manifest's
+    header, trailer and section table were checked when it was opened (O(1)); its sections are checked by
+    the fill before it reads them, after the publish.  Each record and value is checked as the fill reaches
+    it."""
     if snap.header.version == 3:
         snap.check_manifest_file()
+    if snap.header.version in (3, 4):
         snap.open_packs()
 
 
@@ -372,7 +375,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     it before its values are in and fill it (fill.py), or, for a snapshot whose path the fill mark cannot
     hold, fill it whole first."""
     h = snap.header
-    later = snap.header.version == 3 and fill.fits_mark(snap.path)
+    later = snap.header.version in (3, 4) and fill.fits_mark(snap.path)
     if later:
         _check_before_publish(snap)
     cfg = h.config or {"reserve": True, "keep": None, **{kind.name: None for kind in TIERS}}

@@ -130,13 +130,13 @@ def test_a_signal_during_persist_leaves_no_temp_file(make_pool, tmp_path):
         p.put(f"k{i}", bytes([i]) * VALUE)
     snaps = tmp_path / "snaps"
     child = Child("""
-        import cortex_cache.snapshot as s
-        orig = s._live_values
-        def values(core, skipped, held=None):  # every persist's entries, one by one
-            for item in orig(core, skipped, held):
+        import cortex_cache.capture as c
+        orig = c.gather
+        def gather(core, live, which=None):  # every persist's values, a batch at a time
+            for batch in orig(core, live, which):
                 stop()
-                yield item
-        s._live_values = values
+                yield batch
+        c.gather = gather
         """, ["cache", "persist", p.name], {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)})
     child.wait_stopped()
     assert any(".tmp-" in n for n in os.listdir(snaps))
@@ -222,12 +222,12 @@ def test_doctor_reports_a_killed_persists_temp_file(make_pool, tmp_path):
     snaps = tmp_path / "snaps"
     env = {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)}
     child = Child("""
-        import cortex_cache.snapshot as s
-        orig = s._live_values
-        def values(core, skipped, held=None):  # before the first entry is written
+        import cortex_cache.capture as c
+        orig = c.capture
+        def capture(core):  # before the first entry is read
             stop()
-            yield from orig(core, skipped, held)
-        s._live_values = values
+            return orig(core)
+        c.capture = capture
         """, ["cache", "persist", p.name], env)
     child.wait_stopped()
     child.proc.kill()
