@@ -62,7 +62,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from .errors import SnapshotCorrupt
 from .layout import MAX_KEY_BYTES
 
 VERSION = 4

@@ -519,12 +519,17 @@ def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
             with Snapshot(path, verify=False, private=True) as snap:
                 if snap.header.version not in MANIFESTS:
                     continue
-                snap.verify_manifest()
+                if snap.v4 is not None:  # the sections sharing reads (the rest is checked when it is restored)
+                    snap.v4.verify_sections(("packs", "pack", "offset", "length", "checksum"))
+                else:
+                    snap.verify_manifest()
                 if not all(_pack_there(directory, r) for r in snap.pack_refs):
                     continue
                 snap.open_packs()  # each pack's header checked (its values are checked when read back)
                 if snap.v4 is not None:
                     c = snap.v4.cols
+                    if snap.v4.n and int(c["pack"].max()) >= len(snap.pack_refs):
+                        continue
                     out.append(_Kept(path, MANIFEST_VERSION, list(snap.pack_refs), c["pack"].astype(np.int64),
                                      c["offset"].copy(), c["length"].copy(), c["checksum"].copy()))
                     continue
