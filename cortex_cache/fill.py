@@ -251,11 +251,13 @@ class Positions:
     the fill comes to them: a sequence from position `start` on."""
 
     CHUNK = 4096
+    KEEP = 64  # chunks kept made: enough for READAHEAD bytes of 2 KiB values between the two cursors
 
     def __init__(self, snap: "Snapshot", start: int = 0) -> None:
         assert snap.v4 is not None
         self.snap, self.v4, self.start = snap, snap.v4, start
-        self._at, self._items = -1, []
+        self._chunks: dict[int, list[Item]] = {}  # made chunks, by first position: the read cursor and the
+        # readahead's (64 MiB further on) each keep theirs
 
     def __len__(self) -> int:
         return max(0, self.v4.n - self.start)
@@ -269,9 +271,12 @@ class Positions:
             raise IndexError(k)
         p = self.start + k
         at = p - p % self.CHUNK
-        if at != self._at:
-            self._items, self._at = self._make(at, min(self.v4.n, at + self.CHUNK)), at
-        return self._items[p - at]
+        items = self._chunks.get(at)
+        if items is None:
+            if len(self._chunks) >= self.KEEP:
+                del self._chunks[min(self._chunks)]  # both cursors only move forward
+            items = self._chunks[at] = self._make(at, min(self.v4.n, at + self.CHUNK))
+        return items[p - at]
 
     def __iter__(self) -> Iterator[Item]:
         for k in range(len(self)):
