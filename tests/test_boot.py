@@ -368,3 +368,14 @@ def test_a_damaged_version_4_manifest_gives_misses_or_errors_never_wrong_bytes(v
     finally:
         s.close()
         path.write_bytes(image)
+
+
+def test_the_format_table_in_manifest_py_names_every_column_with_its_type():
+    """The bytes are documented where they are defined: the module's table cannot drift from COLUMNS."""
+    doc = " ".join(manifest.__doc__.split())
+    bits = {"u": "u", "i": "i", "f": "f"}
+    for name, fmt in manifest.COLUMNS:
+        kind, size = fmt[1], int(fmt[2:])
+        assert f"{name} {bits[kind]}{size * 8}" in doc, name
+    assert manifest.SECTION.size == 40 and manifest.SECTIONS_AT_OFFSET == 204
+    assert "204 u64 offset of the section table" in doc and "212 u32 sections in it" in doc
