@@ -24,8 +24,8 @@ the pool is filled, its newest 5% read, then
                and what opening cost it in memory (RSS growth, <= 16 MiB)
   fill         the fill's own time (the header's fill_started to fill_ended),
                beside a cold read of the snapshot's files (manifest and packs,
-               dropped from the cache first): fill / read (target >= 0.9 is
-               read / fill <= 1.1 ... printed as read/fill)
+               dropped from the cache first), printed as read / fill: the
+               fill's speed as a share of the disk's (target >= 0.9)
 
 The machine is shared (other helpers' tests run beside this): figures taken
 under load say so in the header line; rerun on a quiet machine for the record.

@@ -33,7 +33,7 @@ import xxhash
 from . import capture, config, fill, interrupts, manifest, packs, safefs, snapplaces
 from .copyhash import gather_hash
 from .core import GUARD, Core
-from .errors import CannotCreate, CortexCacheError, PermissionDenied, PersistBusy, UsageError
+from .errors import CannotCreate, CortexCacheError, PermissionDenied, PersistBusy, SnapshotCorrupt, UsageError
 from .layout import FLAG_MULTI_THREADED
 from .lock import PERSIST_BYTE, RecordLock
 from .retention import (  # noqa: F401 (re-exported)
@@ -732,7 +732,12 @@ class _Incremental:
         if self.remap:
             for kept in self.staying:
                 if kept.version == MANIFEST_VERSION and any(r.name in self.remap for r in kept.table):
-                    self._rewrite(kept)
+                    try:
+                        self._rewrite(kept)
+                    except SnapshotCorrupt:
+                        # A section damaged since it was read: never rewritten with fresh checksums over the
+                        # damage.  It keeps naming the compacted pack, which retention then keeps for it.
+                        continue
             fsync_dir(directory)  # the rewritten snapshots are on disk before the packs they left go
         retain(self.core.name, directory, self.keep)
 

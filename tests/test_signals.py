@@ -87,11 +87,11 @@ def test_a_signal_during_restore_replace_removes_what_it_made(tier_pool, tmpdir_
     tmp, env = tmpdir_env
     child = Child("""
         import cortex_cache.restore as r
-        orig = r._restore_entry
+        orig = r.restore_entry
         def entry(*a):
             stop()
             return orig(*a)
-        r._restore_entry = entry
+        r.restore_entry = entry
         """, ["cache", "restore", tier_pool.name, "--replace"], env)
     child.wait_stopped()
     assert staging_segments() and os.listdir(tmp)  # it had made both
@@ -192,11 +192,11 @@ def test_what_a_killed_restore_left_is_reported_by_doctor_and_swept_by_the_next(
     tmp, env = tmpdir_env
     child = Child("""
         import cortex_cache.restore as r
-        orig = r._restore_entry
+        orig = r.restore_entry
         def entry(*a):
             stop()
             return orig(*a)
-        r._restore_entry = entry
+        r.restore_entry = entry
         """, ["cache", "restore", tier_pool.name, "--replace"], env)
     child.wait_stopped()
     child.proc.kill()
