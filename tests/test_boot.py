@@ -379,3 +379,20 @@ def test_the_format_table_in_manifest_py_names_every_column_with_its_type():
         assert f"{name} {bits[kind]}{size * 8}" in doc, name
     assert manifest.SECTION.size == 40 and manifest.SECTIONS_AT_OFFSET == 204
     assert "204 u64 offset of the section table" in doc and "212 u32 sections in it" in doc
+
+
+def test_gather_hash_copies_each_piece_and_its_checksum_and_refuses_a_piece_outside():
+    from cortex_cache import copyhash
+
+    src = os.urandom(1 << 16)
+    offs = np.array([0, 100, 5000, 60000, 7], np.uint64)
+    lens = np.array([10, 2048, 0, 5536, 1], np.uint64)
+    want = b"".join(src[int(o) : int(o + n)] for o, n in zip(offs, lens))
+    for fn in {copyhash.gather_hash, copyhash.gather_hash_py}:
+        dst, sums = bytearray(len(want) + 3), np.zeros(len(offs), np.uint64)
+        assert fn(dst, src, offs, lens, sums) == len(want) and bytes(dst[: len(want)]) == want
+        assert sums.tolist() == [xxhash.xxh3_64_intdigest(src[int(o) : int(o + n)]) for o, n in zip(offs, lens)]
+        dst = bytearray(len(want))
+        with pytest.raises(ValueError):
+            fn(dst, src, np.array([0, 1 << 16], np.uint64), np.array([4, 1], np.uint64), np.zeros(2, np.uint64))
+        assert dst == bytearray(len(want))  # nothing copied
