@@ -41,6 +41,7 @@ GUARD = _fastpath.Guard if _fastpath is not None else None
 # Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
 C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
 C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
+C_GATHER_HASH = getattr(_fastpath, "gather_hash", None) if _fastpath is not None else None
 C_COPY_HASH_ISA = _fastpath.COPY_HASH_ISA if _fastpath is not None else None
 # Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
 # look); count nothing, move nothing (peek).
@@ -114,5 +115,5 @@ def bind(seg: Any, g: Geometry, victims: Any, slot_offsets: dict[str, int], *, q
 
 
 __all__ = ["bind", "guard", "COPY_IN_LOCK", "GET_COPY_IN_LOCK", "PURE_PYTHON_ENV", "SLOW", "PIN", "GUARD",
-           "C_COPY_HASH", "C_COPY_HASH_MANY", "C_COPY_HASH_ISA", "READ_COUNTED", "READ_HITS", "READ_QUIET",
+           "C_COPY_HASH", "C_COPY_HASH_MANY", "C_GATHER_HASH", "C_COPY_HASH_ISA", "READ_COUNTED", "READ_HITS", "READ_QUIET",
            "SEQLOCK_COPIES"]

@@ -1,7 +1,7 @@
 """The background fill: a restored pool serves at once, and its values come in afterwards.
 
 restore.py publishes a pool that is gone, restored from an incremental
-snapshot (the snapshot directory's, version 3: what the boot line restores),
+snapshot (the snapshot directory's, version 4 or 3: what the boot line restores),
 as soon as its configuration is in place (an empty pool with the snapshot's
 size, policy, tiers and counters) and a fill mark in its header (the fill_*
 fields, layout.py); this module then loads the snapshot's values into it
@@ -11,7 +11,11 @@ is still verified whole before its pool appears (restore.py).
 - **Order**: most recently used first (the snapshot's access sequence
   numbers, newest first), in bands of BAND_BYTES inside which values are read
   in file order: the entries engines want come back first, and the disk
-  still reads long runs.
+  still reads long runs.  A version 4 manifest is written in that order
+  (persist computed it: manifest.py), and its columns are read a chunk at a
+  time as the fill reaches them, once the fill has checked the sections'
+  checksums (in the background: the pool was published before); a version 3
+  manifest is read whole and sorted here first.
 - **Batches**: one lock hold reserves room for a batch (never by evicting: an
   entry that finds no free room ends the fill, since what is left is older
   than everything the pool holds), the values are read and checked against
@@ -58,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 import xxhash
 
-from . import packs
+from . import manifest, packs
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .layout import (
     FILL_DONE,
@@ -78,7 +82,7 @@ if TYPE_CHECKING:
 
 
 class Source(Protocol):
-    """What a fill reads of a snapshot (snapshot.Snapshot is one).  Named here, not imported: snapshot.py is
+    """What a fill reads of a snapshot (snapfile.Snapshot is one).  Named here, not imported: snapfile.py is
     above this module (a persist asks it whether a fill runs)."""
 
     path: Any
@@ -86,8 +90,10 @@ class Source(Protocol):
     value_bytes: int
     file_check: int
     header: Any
+    v4: Any  # a version 4 manifest's columns (manifest.py), None for older versions
 
     def close(self) -> None: ...
+    def verify_manifest(self) -> None: ...
     def references(self, verify: bool = ...) -> Iterator[Any]: ...
     def check_whole(self) -> None: ...
     def pack_fd(self, pack: Any) -> int: ...
@@ -95,7 +101,7 @@ class Source(Protocol):
 
 
 FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (lock.py's bytes)
-BAND_BYTES = 64 << 20
+BAND_BYTES = manifest.BAND_BYTES
 READAHEAD = 64 << 20
 BATCH_ENTRIES = 64
 BATCH_BYTES = 8 << 20
@@ -224,7 +230,7 @@ def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | N
         return None, no + (str(e) if isinstance(e, CortexCacheError) else f"{path!r}: {e.strerror or e}")
     g, sh = core.geometry, snap.header
     why = None
-    if sh.version != 3:
+    if sh.version not in (3, 4):
         why = "it is not an incremental snapshot"
     elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.entries > g.n_slots:
         why = "it is a snapshot of a pool of another size or shape"
@@ -259,11 +265,67 @@ def busy_reason(core: "Core", opener: Callable[[str], "Source"]) -> str | None:
 # ---------------------------------------------------------------- the order
 
 
-def manifest_items(snap: "Source") -> list[Item]:
-    """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
-    in pack and offset order.  Every record is checked against its own checksum here.  A function of the
-    manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
-    reads the fill's progress (fill_done) against it."""
+class Positions:
+    """A version 4 manifest's entries in fill order (its columns' order), as Items made a chunk at a time as
+    the fill comes to them: a sequence from position `start` on."""
+
+    CHUNK = 4096
+    KEEP = 64  # chunks kept made: enough for READAHEAD bytes of 2 KiB values between the two cursors
+
+    def __init__(self, snap: "Source", start: int = 0) -> None:
+        assert snap.v4 is not None
+        self.snap, self.v4, self.start = snap, snap.v4, start
+        self._chunks: dict[int, list[Item]] = {}  # made chunks, by first position: the read cursor and the
+        # readahead's (64 MiB further on) each keep theirs
+
+    def __len__(self) -> int:
+        return max(0, self.v4.n - self.start)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            if k.step not in (None, 1) or k.stop is not None:
+                raise ValueError("Positions: only [start:] slices")
+            return Positions(self.snap, self.start + (k.start or 0))
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        p = self.start + k
+        at = p - p % self.CHUNK
+        items = self._chunks.get(at)
+        if items is None:
+            if len(self._chunks) >= self.KEEP:
+                del self._chunks[min(self._chunks)]  # both cursors only move forward
+            items = self._chunks[at] = self._make(at, min(self.v4.n, at + self.CHUNK))
+        return items[p - at]
+
+    def __iter__(self) -> Iterator[Item]:
+        for k in range(len(self)):
+            yield self[k]
+
+    def _make(self, a: int, b: int) -> list[Item]:
+        c = {name: col[a:b].tolist() for name, col in self.v4.cols.items()}
+        keys = self.v4.keys(a, b)
+        return [Item(k, f, n, ck, pr, (cr, la, ex, iseq, aseq, cnt), (pk, off))
+                for k, f, n, ck, pr, cr, la, ex, iseq, aseq, cnt, pk, off in zip(
+                    keys, c["flags"], c["length"], c["checksum"], c["priority"], c["created"], c["last_access"],
+                    c["expiry"], c["insert_seq"], c["access_seq"], c["access_count"], c["pack"], c["offset"])]
+
+    def blocks_bytes(self, block: int) -> int:
+        """The pool memory (whole blocks of `block` bytes) the values from `start` on take."""
+        lengths = self.v4.cols["length"][self.start :]
+        return int(((lengths + np.uint64(block - 1)) // np.uint64(block)).sum()) * block if len(lengths) else 0
+
+
+def manifest_items(snap: "Source") -> "list[Item] | Positions":
+    """A snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read in pack and
+    offset order.  Version 4 is stored in that order: its sections are checked against their checksums
+    (and its keys and packs against the blob and the table) and its columns used in place (Positions).
+    Version 3: every record is checked against its own checksum, and sorted here -- a function of the
+    manifest alone, so that the snapshot tier of every process attached (snaptier.py) computes the same
+    order, and reads the fill's progress (fill_done) against it."""
+    if snap.v4 is not None:
+        snap.verify_manifest()
+        snap.check_whole()  # read through a mapping: zeros from a file cut short are never used
+        return Positions(snap)
     # No more records than the trailer counts: what a process indexes is bounded by what the file says
     # (and `follow` bounds that by what the pool can hold).
     refs = [(ref, off) for ref, _pack, off in itertools.islice(snap.references(verify=True), snap.entries + 1)]
@@ -308,9 +370,10 @@ class _Reader:
 
     DEPTH = 2
 
-    def __init__(self, snap: "Source", items: list[Item]) -> None:
+    def __init__(self, snap: "Source", items: "list[Item] | Positions") -> None:
         self.snap = snap
         self.items = items
+        self.raw = snap.v4 is not None  # version 4: a value's offset is the value's own, no record head
         self.fds: dict[int, int] = {}
         self.ahead = 0  # items[:ahead] have had their readahead asked for
         self.asked = 0  # bytes asked for ahead of the read cursor
@@ -359,8 +422,9 @@ class _Reader:
                 batch: list[Item] = []
                 nbytes = 0
                 while pos < len(items) and len(batch) < BATCH_ENTRIES and nbytes < limit:
-                    batch.append(items[pos])
-                    nbytes += packs.REC_SIZE + len(items[pos].key) + items[pos].length
+                    it = items[pos]
+                    batch.append(it)
+                    nbytes += self._span(it)
                     pos += 1
                 limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
                 buf = self._buffer(nbytes)
@@ -372,6 +436,10 @@ class _Reader:
                                      f"{getattr(e, 'strerror', None) or e}"))
             return
         self._put(None)
+
+    def _span(self, it: Item) -> int:
+        """The bytes read for `it`: its value (version 4), or its record (head, key, value)."""
+        return it.length if self.raw else packs.REC_SIZE + len(it.key) + it.length
 
     def _put(self, what: Any) -> None:
         while not self.stopping.is_set():
@@ -389,7 +457,7 @@ class _Reader:
         while self.ahead < len(items) and self.asked < READAHEAD:
             it = items[self.ahead]
             pack, off = it.where
-            n = packs.REC_SIZE + len(it.key) + it.length
+            n = self._span(it)
             try:
                 os.posix_fadvise(self.fd(pack), off, n, os.POSIX_FADV_WILLNEED)
             except OSError:
@@ -404,19 +472,20 @@ class _Reader:
         for it in batch:
             pack, off = it.where
             klen = len(it.key)
-            n = packs.REC_SIZE + klen + it.length
+            n = self._span(it)
             view = mv[at : at + n]
             at += n
-            reader = self.snap.pack_reader(pack)
-            got = os.preadv(self.fd(pack), [view], off)
             try:
+                reader = self.snap.pack_reader(pack)
+                got = os.preadv(self.fd(pack), [view], off) if n else 0
                 if got != n:
                     raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
-                reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
+                if not self.raw:
+                    reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
             except SnapshotCorrupt as e:
                 out.append(e)
                 continue
-            out.append(view[packs.REC_SIZE + klen :])
+            out.append(view if self.raw else view[packs.REC_SIZE + klen :])
         return out
 
     def value_corrupt(self, it: Item) -> SnapshotCorrupt:
@@ -460,10 +529,12 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     start = int(h["fill_done"])
     items = manifest_items(snap)
     block = core.geometry.block_size
-    prepare = _Prepare(core, sum(-(-it.length // block) for it in items[start:]) * block)
+    rest = items[start:]
+    extent = rest.blocks_bytes(block) if isinstance(rest, Positions) else sum(-(-it.length // block) for it in rest) * block
+    prepare = _Prepare(core, extent)
     report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
               "corrupt_why": None, "ended": "done", "expiring": []}
-    reader = _Reader(snap, items[start:])
+    reader = _Reader(snap, rest)
     try:
         for batch, values, buf in reader.batches():
             full = _fill_batch(core, reader, batch, values, gen, report)
@@ -675,5 +746,5 @@ def _unreserved(core: "Core") -> None:
     h["flags"] = int(h["flags"]) & ~FLAG_RESERVED
 
 
-__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "follow", "busy_reason",
+__all__ = ["FILL_BYTE", "Item", "Positions", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "follow", "busy_reason",
            "manifest_items", "run"]

@@ -142,10 +142,7 @@ def test_no_import_cycles_even_through_imports_inside_functions():
 
 # Type-only imports that still close a circle, each with why it is left: the coordinator empties this list at
 # merge.  Each entry must still be an edge of such a circle (the test below says when one is gone).
-TYPE_ONLY_CIRCLES = {
-    (f"{PACKAGE}.restore", f"{PACKAGE}.pool"):
-        "restore.restore is handed the Pool class and annotates it (helper boot splits restore.py: issue 41)",
-}
+TYPE_ONLY_CIRCLES: dict[tuple[str, str], str] = {}
 
 
 def _type_only_circles() -> list[list[str]]:
@@ -173,10 +170,7 @@ def test_every_allowed_type_only_circle_is_still_one():
 MAX_PY_LINES, MAX_C_LINES = 900, 1000
 # Files of the package over those sizes, each with why: the coordinator empties this list at merge, and an
 # entry whose file is no longer over fails the test (so that it comes off).
-OVERSIZE = {
-    f"{PACKAGE}/snapshot.py": "format, naming, writer, retention and reader: helper boot splits it (issue 39, 41)",
-    f"{PACKAGE}/restore.py": "restore, staging sweeps and resize: helper boot splits it (issue 39, 41)",
-}
+OVERSIZE: dict[str, str] = {}
 
 
 def _oversize() -> dict[str, int]:
