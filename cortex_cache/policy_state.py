@@ -123,8 +123,8 @@ def _window(hashes: np.ndarray, head: int, tail: int) -> np.ndarray:
         return np.zeros(0, np.uint64)
     seqs = np.arange(max(tail, head - n), head, dtype=np.uint64)
     out = hashes[(seqs % np.uint64(n)).astype(np.int64)]
-    live = np.flatnonzero(out)
-    return out[live[0]:] if live.size else out[:0]  # leading holes say nothing about any depth
+    held = np.flatnonzero(out)
+    return out[held[0]:] if held.size else out[:0]  # leading holes say nothing about any depth
 
 
 def _pack(policy: int, fields: list[tuple[str, np.ndarray]]) -> bytes:
