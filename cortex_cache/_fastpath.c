@@ -127,13 +127,16 @@ static PyMethodDef module_methods[] = {
     {"copy_hash_many", copy_hash_many, METH_VARARGS,
      "copy_hash_many(dsts, srcs, head=b'') -> int: copy each src into its dst, and the xxh3_64 of head "
      "followed by all the copies in order"},
+    {"gather_hash", gather_hash, METH_VARARGS,
+     "gather_hash(dst, src, offsets, lengths, sums) -> int: copy each piece src[offsets[i]:+lengths[i]] into dst "
+     "back to back and its xxh3_64 into sums[i] (u64 buffers); the bytes copied"},
     {"use_copy_hash_isa", use_copy_hash_isa, METH_O,
      "use_copy_hash_isa(name) -> str: run copy_hash on 'baseline' or 'avx2' from now on (tests); the previous"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core.py uses them).", -1,
+    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core_fast.py binds them).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

@@ -18,7 +18,7 @@
  *   _fastpath_read.c     read, read_many, pin_many, unpin_many (and probe, still, populate)
  *   _fastpath_put.c      put, put_many, reserve_many, seal_many, evicted
  *   _fastpath_load.c     load_many: a batch pinned, checked against caller-given headers, copied
- *   _copyhash.c          copy_hash for Python, its baseline build, and the pick of the build the CPU runs
+ *   _copyhash.c          copy_hash (and gather_hash) for Python, its baseline build, and the pick of the build the CPU runs
  *   _copyhash_avx2.c     copy_hash's AVX2 build (_copyhash.h, _copyhash_loop.h)
  * and _fastpath_entries.h, included by read, put and load: the lock, and what every path does under it
  * (find, lookup, touch, pin, unpin), static inline.
@@ -193,6 +193,7 @@ FAST_METHOD(load_many);
 /* _copyhash.c: the module's functions */
 PyObject *copy_hash(PyObject *module, PyObject *args);
 PyObject *copy_hash_many(PyObject *module, PyObject *args);
+PyObject *gather_hash(PyObject *module, PyObject *args);
 PyObject *use_copy_hash_isa(PyObject *module, PyObject *arg);
 
 #endif

@@ -1,4 +1,4 @@
-/* Fast.__init__(buffer, fd, spec): a Fast over one mapped segment, from the layout spec core.py builds
+/* Fast.__init__(buffer, fd, spec): a Fast over one mapped segment, from the layout spec core_fast.py builds
  * (layout.py's offsets and widths, the policy, the hooks into Python).  Every region the object will
  * touch is checked to lie inside the mapping before any pointer is made from it. */
 #define PY_SSIZE_T_CLEAN

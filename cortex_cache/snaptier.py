@@ -10,12 +10,18 @@ it, and the fill then skips it as present.  An entry the fill has come to
 back from the snapshot: the fill's mark (fill_done, advanced in the lock hold
 that seals each batch) says where that line is.
 
-Each process that opens the pool while its fill runs builds its index of
-the snapshot (key -> place in the fill's order, which every process
-computes alike: fill.manifest_items) from the manifest alone, checked whole
-first, and drops it once the fill has ended -- only if it would trust that
-snapshot itself (fill.follow: the mark is in the segment, which another
-member of a group pool may write); otherwise it has no snapshot tier.  With it, `in` and the
+Each process that opens the pool while its fill runs maps the snapshot's
+manifest read-only -- only if it would trust that snapshot itself
+(fill.follow: the mark is in the segment, which another member of a group
+pool may write); otherwise it has no snapshot tier -- and drops it once the
+fill has ended.  A version 4 manifest is used in place: opening it reads its
+header and section table, a lookup probes its table (manifest.py) and reads
+the one entry's columns, every number bounds-checked, so attaching costs the
+same at ten thousand entries as at ten million, and the page cache's copy of
+the manifest is shared by every process.  A version 3 manifest (persisted by
+an older cortex_cache) is still indexed per process, as it was: its key ->
+place in the fill's order, which every process computes alike
+(fill.manifest_items), from the manifest checked whole first.  With it, `in` and the
 lookups' leading runs (engines' prefix matches) count the entries the fill
 will still bring as there.  A snapshot that cannot be read, has changed since
 the fill began, or a record that fails its checksum is a miss.
@@ -46,7 +52,7 @@ class SnapshotBelow(Lower):
         self.ended = False
         self._gen: int | None = None  # the fill generation the index is for
         self._snap: Snapshot | None = None
-        self._index: dict[bytes, tuple[int, fill.Item]] = {}
+        self._index: dict[bytes, tuple[int, fill.Item]] = {}  # a version 3 manifest's, built per process
         self._lock = threading.Lock()
         with self._lock:  # built now, outside every lock hold: `contains` answers from it
             self._load(int(core.header[0]["fill_gen"]))
@@ -66,37 +72,75 @@ class SnapshotBelow(Lower):
             gen = int(h["fill_gen"])
             if gen != self._gen:
                 self._load(gen)
-            place = self._index.get(kb)
             snap = self._snap
-            if place is None or snap is None:
+            pos = self._position(kb, kh)
+            if pos is None or snap is None:
                 return None
-            pos, it = place
             if pos < int(h["fill_done"]):
                 return None  # the fill came to it: loaded (perhaps evicted or deleted since) or skipped
-            if 0 < it.meta[2] <= self.core.clock():
-                return None  # expired
+            it = self._item(pos, kb)
+            if it is None or 0 < it.meta[2] <= self.core.clock():
+                return None  # damaged, or expired
             too_small(room, it.length)
             pack, off = it.where
             try:
                 # Copied out of the pack's mapping, then checked against the manifest's checksum: what is
                 # checked is what is served, even if the pack is cut short meanwhile (its reads are zeros).
                 reader = snap.pack_reader(pack)
-                value = bytes(reader.value(off, it.key, it.length, it.checksum, snap.path, False))
+                if snap.v4 is not None:
+                    value = bytes(reader.raw_value(off, it.length, it.checksum, snap.path, False))
+                else:
+                    value = bytes(reader.value(off, it.key, it.length, it.checksum, snap.path, False))
                 if reader.cut_short() or xxh3_64_intdigest(value) != it.checksum:
                     return None
             except (CortexCacheError, OSError, ValueError):
                 return None  # a damaged record, or a pack gone: a miss, never wrong bytes
         return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos))
 
+    def position(self, kb: bytes, kh: int) -> int | None:
+        """The fill position of key `kb` (`kh`: its xxh3_64) in the snapshot this pool is filled from, whether
+        or not the fill has come to it; None if the snapshot does not hold it (or none is followed).  The
+        pool's lock may be held: a probe of the mapped manifest (or of a version 3 manifest's index), no I/O
+        beyond the mapping."""
+        if int(self.core.header[0]["fill_gen"]) != self._gen:
+            return None
+        return self._position(kb, kh)
+
+    def _position(self, kb: bytes, kh: int) -> int | None:
+        snap = self._snap
+        if snap is None:
+            return None
+        if snap.v4 is not None:
+            pos = snap.position(kb, kh)
+            # A manifest cut short while mapped reads zeros: nothing read from it is used.
+            return None if pos is None or snap.check_cut() else pos
+        place = self._index.get(kb)
+        return None if place is None else place[0]
+
+    def _item(self, pos: int, kb: bytes) -> fill.Item | None:
+        """The snapshot's entry at fill position `pos` (key `kb`), as the fill would load it."""
+        snap = self._snap
+        assert snap is not None
+        if snap.v4 is None:
+            return self._index[kb][1]
+        r = snap.v4.row(pos)
+        if r["pack"] >= len(snap.pack_refs):
+            return None
+        return fill.Item(kb, r["flags"], r["length"], r["checksum"], r["priority"],
+                         (r["created"], r["last_access"], r["expiry"], r["insert_seq"], r["access_seq"],
+                          r["access_count"]), (r["pack"], r["offset"]))
+
     def contains(self, kb: bytes, kh: int) -> bool:
         """Lock held: does the snapshot still hold `kb` for this pool (the fill has not come to it)?  Answered
         from the index built when the pool was opened (never built here, under the pool's lock)."""
         h = self.core.header[0]
-        place = self._index.get(kb)
-        if place is None or int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
+        if int(h["fill_state"]) != FILL_RUNNING or int(h["fill_gen"]) != self._gen:
             return False
-        pos, it = place
-        return pos >= int(h["fill_done"]) and not 0 < it.meta[2] <= self.core.clock()
+        pos = self._position(kb, kh)
+        if pos is None or pos < int(h["fill_done"]):
+            return False
+        it = self._item(pos, kb)
+        return it is not None and not 0 < it.meta[2] <= self.core.clock()
 
     def still(self, got: Fetched) -> bool:
         """Lock held: the fill is still the same one and has not come to this entry (it would have loaded it,
@@ -111,6 +155,9 @@ class SnapshotBelow(Lower):
         self._gen = gen
         snap, _why = fill.follow(self.core, followed)  # only a snapshot this process would trust itself
         if snap is None:
+            return
+        if snap.v4 is not None:  # used in place: nothing is read or built here
+            self._snap = snap
             return
         try:
             self._index = {it.key: (n, it) for n, it in enumerate(fill.manifest_items(snap))}
