@@ -20,7 +20,8 @@ benchmark's full output.
             and through the KV layer, beside exact LRU of the same run, and on
             the access patterns of benchmarks/workloads.py (auto beside the
             best of the others); each policy's full-pool put p50/p99 beside
-            LRU's (issues 27, 42)
+            LRU's (issues 27, 42); the hit rate after a persist, delete and
+            restore beside the pool that never stopped (issue 39)
   persist   snapshot persist/restore against plain file write/read
   boot      restore of a pool that is gone (1, 4, 8 GiB; --quick 0.25, 1):
             first hit after the command starts, the background fill against

@@ -29,8 +29,15 @@
               evicted entry goes to disk) and 2 (only entries seen twice): the hit rate of memory and disk
               together, the disk's share of the hits, and the bytes written to disk.
 
+6. restart   The synthetic trace's first half through a pool of 2,000 / 6,000 one-block entries, then the
+              pool persisted (the snapshot directory's incremental snapshot), deleted and restored (the
+              background fill's path), and the next 600 requests replayed: the hit rate of those 600 beside
+              the pool that never stopped, for every policy, restored with its policy state
+              (policy_state.py, carried by benchmarks/restart.py until the snapshot's own section does) and
+              without it (as before).  Target: with the state, within 0.005 of the pool that never stopped.
+
 --quick: the synthetic trace only, capacities 2,000 and 6,000, the KV layer at 6,000, fewer puts, the
-workloads at 1,000 entries only.
+workloads at 1,000 entries only, the restart at 2,000.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 
 import bench_eviction  # noqa: E402  (its put-latency measure and pool clean-up)
+import restart  # noqa: E402
 import sim_eviction  # noqa: E402
 import workloads  # noqa: E402
 from cortex_cache import Pool, PoolNotFound  # noqa: E402
@@ -63,6 +71,8 @@ ISSUE_TABLE = {  # issue 27's simulated table: exact LRU, S3-FIFO (10% small que
     "synthetic": {2000: (0.144, 0.146, 0.142), 6000: (0.311, 0.321, 0.322), 20000: (0.571, 0.594, 0.593)},
 }
 WITHIN = 0.005
+RESTART_WITHIN = 0.005
+RESTART_NEXT = 600  # requests replayed after the restart
 WORKLOAD_WITHIN = 0.01
 WORKLOAD_VALUE = bytes(4096)
 COST_LIMIT = 1.5
@@ -321,6 +331,65 @@ def bench_workloads(caps: list[int]) -> dict:
     return {"rows": rows, "goals": goals, "value_bytes": len(WORKLOAD_VALUE)}
 
 
+def replay_restart(reqs: list[list[int]], cap: int, policy: str, how: str) -> float:
+    """The first half of `reqs`, then (`how`: "state", "none") a persist, delete and restore, or ("never")
+    nothing; the hit rate of the next RESTART_NEXT requests."""
+    half = len(reqs) // 2
+    name = f"rs-{policy}-{cap}"
+    p = _pool(name, cap * 64, block_size=64, max_entries=cap, policy=policy)
+    try:
+        bench_eviction.replay_pool(p, reqs[:half])
+        if how != "never":
+            _, blob = restart.persist(p, state=how == "state")
+            p.close()
+            Pool.unlink(name)
+            p, report = restart.restore(blob, name=name)
+            if report is not None and not report["applied"]:
+                raise RuntimeError(f"policy state not applied: {report['note']}")
+        hits, total = bench_eviction.replay_pool(p, reqs[half : half + RESTART_NEXT])
+    finally:
+        _close(p)
+    return hits / total
+
+
+def bench_restart(data: Path, caps: list[int]) -> dict:
+    import tempfile
+
+    reqs = sim_eviction.load(data / "mooncake_synthetic_trace.jsonl")
+    rows, goals = [], []
+    saved = os.environ.get("CORTEX_CACHE_SNAPSHOT_DIR")
+    with tempfile.TemporaryDirectory(prefix="ccbench-restart-") as tmp:
+        os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = str(Path(tmp) / "snapshots")  # never the user's own
+        try:
+            for cap in caps:
+                for policy in POLICY_IDS:
+                    r = {how: replay_restart(reqs, cap, policy, how) for how in ("never", "state", "none")}
+                    rows.append({"capacity": cap, "policy": policy, **r})
+                    print(f"  restart {cap:>6,} {policy:<8} never stopped {r['never']:.4f}  restored {r['state']:.4f}"
+                          f"  without its state {r['none']:.4f}", file=sys.stderr, flush=True)
+                    gap = abs(r["state"] - r["never"])
+                    goals.append({"target": f"policies: restart {cap:,} {policy} restored within {RESTART_WITHIN} "
+                                  "of never stopped", "value": f"{r['state']:.4f}",
+                                  "baseline": f"never stopped {r['never']:.4f}", "ratio": r["state"] / max(r["never"], 1e-9),
+                                  "met": gap <= RESTART_WITHIN})
+        finally:
+            if saved is None:
+                os.environ.pop("CORTEX_CACHE_SNAPSHOT_DIR", None)
+            else:
+                os.environ["CORTEX_CACHE_SNAPSHOT_DIR"] = saved
+    return {"rows": rows, "goals": goals, "next_requests": RESTART_NEXT}
+
+
+def print_restart(r: dict) -> None:
+    print(f"\n== 6. restart: the synthetic trace's first half, persist, delete, restore, then {r['next_requests']} "
+          "requests: their hit rate ==")
+    print(f"  {'capacity':>9}  {'policy':<9}{'never stopped':>14}{'restored':>10}{'- never':>9}{'without state':>14}"
+          f"{'- never':>9}")
+    for x in r["rows"]:
+        print(f"  {x['capacity']:>9,}  {x['policy']:<9}{x['never']:>14.4f}{x['state']:>10.4f}"
+              f"{x['state'] - x['never']:>+9.4f}{x['none']:>14.4f}{x['none'] - x['never']:>+9.4f}")
+
+
 def print_workloads(w: dict) -> None:
     print(f"\n== 5. workload classes (benchmarks/workloads.py) through pools of {w['value_bytes']:,}-byte values: "
           "hit rate ==")
@@ -373,7 +442,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--data", type=Path, default=bench_eviction.DEFAULT_DATA)
-    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs", "admission", "workloads"])
+    ap.add_argument("--skip", action="append", default=[], choices=["hits", "costs", "admission", "workloads",
+                                                                              "restart"])
     args = ap.parse_args()
     q = args.quick
     out: dict = {"quick": q, "goals": []}
@@ -394,6 +464,10 @@ def main() -> int:
         if "admission" not in args.skip and (args.data / "mooncake_synthetic_trace.jsonl").exists():
             out["admission"] = bench_admission(args.data, ["synthetic"] if q else ["conversation", "synthetic"], 2000)
             print_admission(out["admission"])
+        if "restart" not in args.skip and (args.data / "mooncake_synthetic_trace.jsonl").exists():
+            out["restart"] = bench_restart(args.data, [2000] if q else [2000, 6000])
+            print_restart(out["restart"])
+            out["goals"] += out["restart"]["goals"]
         if "costs" not in args.skip:
             out["costs"] = bench_costs(20_000, 5_000 if q else 20_000, 3)
             print_costs(out["costs"])

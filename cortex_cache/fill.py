@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 import xxhash
 
-from . import manifest, packs
+from . import manifest, packs, policy_state
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .layout import (
     FILL_DONE,
@@ -534,6 +534,10 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     prepare = _Prepare(core, extent)
     report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
               "corrupt_why": None, "ended": "done", "expiring": []}
+    # The policy's state (policy_state.py), laid over the entries in the lock hold that ends the fill; read
+    # now (its section's checksum checked), copied out of the manifest's mapping.  Older formats: none.
+    blob = snap.section("policy") if snap.v4 is not None else None
+    policy = bytes(blob) if blob else None
     reader = _Reader(snap, rest)
     try:
         for batch, values, buf in reader.batches():
@@ -545,7 +549,8 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
                 report["ended"] = "stopped"
                 break
         prepare.finish()
-        core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED)
+        report["policy_state"] = core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED,
+                                             policy)
     except _Ended:
         report["ended"] = "stopped"
         prepare.finish()
@@ -691,12 +696,16 @@ def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[
     report["bytes"] += nbytes
 
 
-def _finish(core: "Core", gen: int, end: int) -> None:
+def _finish(core: "Core", gen: int, end: int, policy: bytes | None = None) -> dict[str, Any] | None:
+    """Lock held: end the fill; lay the snapshot's policy state (if it has one) over what the fill loaded,
+    in the same hold, so that no put sees the entries without it.  Returns policy_state.apply's report."""
     h = core.header[0]
     if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
         raise _Ended
+    applied = policy_state.apply(core, policy) if policy else None
     h["fill_state"] = end
     h["fill_ended"] = time.time()
+    return applied
 
 
 class _Prepare:

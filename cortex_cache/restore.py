@@ -337,7 +337,8 @@ def _run_fill(core: Core, snap: Snapshot, progress) -> dict[str, Any]:
         )
     return {"entries": out["entries"], "bytes": out["bytes"], "expired_skipped": out["expired_skipped"],
             "present_skipped": out["present_skipped"], "corrupt": out["corrupt"], "corrupt_why": out["corrupt_why"],
-            "ended": out["ended"], "reserve_failed": out["reserve_failed"], "filling": False}
+            "ended": out["ended"], "reserve_failed": out["reserve_failed"], "filling": False,
+            "policy_state": out.get("policy_state")}
 
 
 def _fill_failed(core: Core) -> None:

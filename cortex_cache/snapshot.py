@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import xxhash
 
-from . import capture, config, fill, interrupts, manifest, packs, safefs, snapplaces
+from . import capture, config, fill, interrupts, manifest, packs, policy_state, safefs, snapplaces
 from .copyhash import gather_hash
 from .core import GUARD, Core
 from .errors import CannotCreate, CortexCacheError, PermissionDenied, PersistBusy, SnapshotCorrupt, UsageError
@@ -365,10 +365,10 @@ def pool_config(core: Core) -> dict[str, Any]:
 
 
 def policy_blob(core: Core) -> bytes:
-    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section): none yet.  The seam
-    where the queue policies' state (issue 39 item 5) comes in; a restore that finds it empty rebuilds the
-    policy from the entries' metadata, as for an older snapshot."""
-    return b""
+    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section: policy_state.py's
+    blob, taken in one lock hold of its own once the entries are listed; it is keyed by the keys' hashes,
+    so an entry put or evicted between the two holds is simply not matched at the restore)."""
+    return core.locked(policy_state.capture, core)
 
 
 def _file_head(core: Core, configuration, now: float, version: int, sections_at: tuple[int, int] | None = None
