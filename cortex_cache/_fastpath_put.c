@@ -9,7 +9,7 @@
  *   reserve   a slot from the free list, key cells and blocks where the two cursors point or the next
  *             free run beyond them (a pool with room, or the run an eviction or a replaced value just
  *             freed); in a full pool, step by step as Core._alloc_slot, _alloc_kcells and _alloc_blocks
- *             do, calling Core.evict_one (the victim list is Python's) for each victim; when nothing
+ *             do, evicting for each (evict_one: _fastpath_evict.c); when nothing
  *             can go, or a field looks damaged, Core.reserve_or_corrupt does it all, lock held (and
  *             raises PoolFull);
  *   copy      copy_hash (the fused copy and checksum), inside the lock for values up to put_in_lock,
@@ -68,24 +68,6 @@ static int64_t run_around(const uint8_t *map, uint64_t n, uint64_t first, uint64
     return -1;
 }
 
-/* Core.evict_one (lock held): 1 a victim went, its run of blocks in *first, *n; 0 nothing could go; -1
- * the hook raised. */
-static int evict(Fast *s, uint64_t *first, uint64_t *n) {
-    PyObject *r = PyObject_CallNoArgs(s->evict_hook);
-    if (r == NULL) return -1;
-    if (r == Py_None) {
-        Py_DECREF(r);
-        return 0;
-    }
-    unsigned long long f = 0, c = 0;
-    int ok = PyArg_ParseTuple(r, "KK", &f, &c);
-    Py_DECREF(r);
-    if (!ok) return -1;
-    *first = f;
-    *n = c;
-    return 1;
-}
-
 /* Core._free_slot of a slot just taken from the free list. */
 static void give_slot(Fast *s, int64_t i) {
     s->state[i] = FREE;
@@ -104,7 +86,7 @@ static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
 }
 
 /* Core.reserve (lock held): _alloc_slot, _alloc_kcells and _alloc_blocks step by step -- the free list's
- * head, the run at each cursor or the next free one beyond it -- each evicting (Core.evict_one, the victim
+ * head, the run at each cursor or the next free one beyond it -- each evicting (evict_one, the policy's victim
  * list's choice) until it has what it needs when the pool is full, and placing as they do, so the pool
  * ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back (nothing
  * could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised (what this
@@ -115,7 +97,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     int rc;
     int64_t i;
     while ((i = LOAD(*s->free_slot)) < 0)
-        if ((rc = evict(s, &vf, &vn)) <= 0) return rc;
+        if ((rc = evict_one(s, &vf, &vn)) <= 0) return rc;
     if ((uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
     int32_t after = LOAD(s->next[i]);
     if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
@@ -129,7 +111,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     } else {
         at = find_run(s->kmap, s->n_kcells, k, kf);
         while (at < 0) {
-            if ((rc = evict(s, &vf, &vn)) <= 0) {
+            if ((rc = evict_one(s, &vf, &vn)) <= 0) {
                 give_slot(s, i);
                 return rc;
             }
@@ -147,7 +129,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
         uint64_t used = LOAD(*s->used_blocks);
         at = used <= s->n_blocks && nblk <= s->n_blocks - used ? find_run(s->bmap, s->n_blocks, nblk, first) : -1;
         while (at < 0) {
-            if ((rc = evict(s, &vf, &vn)) <= 0) {
+            if ((rc = evict_one(s, &vf, &vn)) <= 0) {
                 give_kcells(s, kf, k);
                 give_slot(s, i);
                 return rc;
@@ -227,21 +209,17 @@ static void free_entry_here(Fast *s, int64_t i) {
     *s->free_slot = i;
 }
 
-/* Core.remove of sealed entry i, which find() reached through its bucket (lock held). */
-static void remove_entry(Fast *s, int64_t i) {
-    int32_t *head = &s->buckets[s->khash[i] & s->mask];
-    if (*head == i) {
-        *head = s->next[i];
-    } else {
-        for (int32_t j = *head; j >= 0 && (uint64_t)j < s->n_slots;) {
-            int32_t nj = s->next[j];
-            if (nj == i) {
-                s->next[j] = s->next[i];
-                break;
-            }
-            j = nj;
-        }
+/* Core.remove of sealed entry i (lock held): 0, or -1 with nothing changed when i's fields or chain look
+ * damaged (a victim's: find() checked a replaced entry's; the caller raises, the repair fixes them). */
+int remove_entry(Fast *s, int64_t i) {
+    uint64_t f = s->first[i], n = s->nblk[i], kf = s->kcell[i], k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
+    if (f > s->n_blocks || n > s->n_blocks - f || kf > s->n_kcells || k > s->n_kcells - kf) return -1;
+    int32_t *link = &s->buckets[s->khash[i] & s->mask];
+    for (uint64_t steps = 0; *link != i; steps++) {
+        if (*link < 0 || (uint64_t)*link >= s->n_slots || steps > s->n_slots) return -1;
+        link = &s->next[*link];
     }
+    *link = s->next[i];
     if (s->qkind) { /* QueueVictims.removed */
         uint8_t q = s->queue[i] & 1;
         if (s->qcount[q]) s->qcount[q] -= 1;
@@ -252,6 +230,7 @@ static void remove_entry(Fast *s, int64_t i) {
         s->state[i] = ZOMBIE;
     else
         free_entry_here(s, i);
+    return 0;
 }
 
 /* Ghosts.take: forget hash kh if ring g holds it; its depth (ghosts added after it) if it did, else -1.
@@ -305,7 +284,7 @@ static void ghost_forget(GhostRing *g, int32_t p) {
 
 /* Ghosts.add (lock held): remember hash kh in ring g, forgetting what falls out of its window of
  * factor x `entries` ghosts, and an older place of kh itself. */
-static void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
+void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
     if (!g->n) return;
     if (!kh) kh = 1;
     ghost_take(g, kh);
@@ -428,8 +407,8 @@ static void queue_admit(Fast *s, int64_t i) {
     s->qcount[q] += 1;
 }
 
-/* Core._stamp: the metadata of a new put on slot i (lock held).  -1 if the victim list's hook raised. */
-static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
+/* Core._stamp: the metadata of a new put on slot i (lock held). */
+static void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
     double e = ttl > 0 ? t + ttl : 0.0;
     uint64_t seq = *s->seq + 1;
     *s->seq = seq;
@@ -449,18 +428,13 @@ static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, dou
     s->ostart[i] = 0;
     s->opid[i] = 0;
     *s->puts += 1;
-    /* VictimCache.on_score_change's fast exit and on_expiry_set, as touch() does. */
-    if (!s->monotone && *s->cand_valid && !(primary(s, i) > *s->cand_max_primary)) {
-        PyObject *r = PyObject_CallFunction(s->on_score_change, "L", (long long)i);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-    }
+    /* VictimCache.on_score_change and on_expiry_set, as touch() does. */
+    if (!s->monotone && *s->cand_valid && below_last_victim(s, i, t)) offer(s, i, t);
     if (s->qkind) {
         queue_admit(s, i);
         if (e > 0 && e < *s->cand1_next_expiry) *s->cand1_next_expiry = e;
     }
     if (e > 0 && e < *s->cand_next_expiry) *s->cand_next_expiry = e;
-    return 0;
 }
 
 /* Core.seal's end: chain stamped slot i into its bucket and make it visible (lock held). */
@@ -504,12 +478,12 @@ static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const c
             uint64_t cks = copy_in(s->base + f.off, v, vlen);
             s->vlen[old] = vlen;
             s->flags_col[old] = flags;
-            if (stamp(s, old, cks, ttl, prio, t) < 0) return -1;
+            stamp(s, old, cks, ttl, prio, t);
             *slot = old;
             *dirty = 0;
             return 1;
         }
-        remove_entry(s, old);
+        (void)remove_entry(s, old); /* find() walked its chain */
     }
     int64_t i;
     uint64_t off;
@@ -518,7 +492,7 @@ static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const c
         return -1;
     }
     uint64_t cks = copy_in(s->base + off, v, vlen);
-    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    stamp(s, i, cks, ttl, prio, t);
     chain_in(s, i, kh);
     *slot = i;
     *dirty = 0;
@@ -534,8 +508,8 @@ static int seal_held(Fast *s, int64_t i, PyObject *kbo, uint64_t kh, uint64_t ck
     Found f;
     int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
     if (rc < 0) return 2;
-    if (rc == 1) remove_entry(s, f.slot);
-    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    if (rc == 1) (void)remove_entry(s, f.slot);
+    stamp(s, i, cks, ttl, prio, t);
     chain_in(s, i, kh);
     return 1;
 }

@@ -158,7 +158,7 @@ class Core:
         self.name = seg.name
         self._repairer = repairer
         self.repair_hooks: list[Callable[[bool], list[str]]] = []
-        self.on_evict: Callable[[int], None] | None = None
+        self._on_evict: Callable[[int], None] | None = None
         self.after_unlock: list[Callable[[], None]] = []
         self.forked = False  # set in a forked child: its OFD lock would be its parent's
         mm = seg.mm
@@ -252,7 +252,6 @@ class Core:
             "pin_size": PIN_SIZE, "pin_pid": poff["pid"], "pin_slot": poff["slot"], "pin_start": poff["start"],
             "n_blocks_col": slot_offsets["n_blocks"], "lfu_epoch_col": slot_offsets["lfu_epoch"],
             "thread_lock": self.lock.thread, "guard": self.guard,
-            "on_score_change": None if pol.monotone else self.victims.on_score_change,
             "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
             # The write path (_fastpath_put.c).
             "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
@@ -261,8 +260,18 @@ class Core:
         }
         for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
                      "cand_max_primary", "cand_max_secondary", "cand_next_expiry", "free_slot", "alloc_hint",
-                     "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq"):
+                     "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq", "expirations",
+                     "evictions", "bytes_evicted"):
             spec["h_" + name] = hoff[name]
+        # Victim choice (_fastpath_evict.c): the lists' rows and words; a list found stale is filled by Python.
+        n_lists = 2 if self.queues is not None else 1
+        vo = g.victim_columns()
+        spec.update(lists=n_lists, list_rows=CANDIDATES // n_lists, refill_hook=self.refill_or_corrupt,
+                    ident_col=(g.qslot_columns() if pol.identity == "qseq" else slot_offsets)[pol.identity],
+                    **{f"victims_{name}": vo[name] for name in ("slot", "ident", "primary", "secondary")})
+        for q, prefix in enumerate(("cand", "cand1")[:n_lists]):
+            for word in ("valid", "count", "pos", "next_expiry", "max_primary", "max_secondary", "epoch"):
+                spec[f"l{q}_{word}"] = hoff[f"{prefix}_{word}"] if q == 0 else g.queue_field(f"{prefix}_{word}")
         for name in ("state", "pins", "key_len", "next", "key_hash", "value_len", "first_block", "checksum",
                      "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell",
                      "flags", "owner_pid", "owner_start", "created"):
@@ -530,6 +539,25 @@ class Core:
             self.locked(seal_all)
         return got
 
+    def refill_or_corrupt(self, q: int) -> bool:
+        """Fill victim list `q` again (VictimCache.fill), for the C victim choice (lock held, taken by C);
+        damaged metadata is a SegmentCorrupt, as in `evict_or_corrupt`."""
+        try:
+            return (self.queues.lists[q] if self.queues is not None else self.victims).fill()
+        except METADATA_ERRORS as e:
+            raise self.damaged(e) from e
+
+    @property
+    def on_evict(self) -> Callable[[int], None] | None:
+        """Called with the lock held for an entry about to leave memory by eviction (the module docstring)."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Callable[[int], None] | None) -> None:
+        self._on_evict = fn
+        if self.fast is not None:  # the C victim choice leaves a spilling pool's evictions to Python
+            self.fast.spill = fn is not None
+
     def evict_or_corrupt(self) -> tuple[int, int] | None:
         """`evict_one`, for the C write path making room (lock held, taken by C); damaged metadata is a
         SegmentCorrupt, as in `reserve_or_corrupt`."""
@@ -776,8 +804,8 @@ class Core:
         if i < 0:
             return (0, 0) if self.reap_dead() else None
         first, n = self._c_first[i], self._c_nblk[i]
-        if not expired and self.on_evict is not None:
-            self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+        if not expired and self._on_evict is not None:
+            self._on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
         self._count_eviction(i, expired)
         if not expired and self.queues is not None:
             self.queues.evicted(i)
@@ -803,8 +831,8 @@ class Core:
             count += 1
             freed += self._c_vlen[i]
             gone = self.expired(i)
-            if spill and not gone and self.on_evict is not None:
-                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+            if spill and not gone and self._on_evict is not None:
+                self._on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
             self._count_eviction(i, gone and count_expired)
             self.remove(i)
         return count, freed
@@ -837,8 +865,8 @@ class Core:
                 break
             count += 1
             freed += self._c_vlen[i]
-            if spill and not expired and self.on_evict is not None:
-                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
+            if spill and not expired and self._on_evict is not None:
+                self._on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
             self._count_eviction(i, expired)
             if not expired and self.queues is not None:
                 self.queues.evicted(i)
