@@ -45,10 +45,10 @@ static inline int list_sound(VList *l) {
 
 /* VictimCache.peek: the slot at the head of list q (left there), *expired whether it has expired; V_NONE,
  * V_ERROR (the refill raised) or V_PYTHON (a damaged row or word: nothing more changed here). */
-static int64_t list_peek(Fast *s, int q, int *expired) {
+static int64_t list_peek(Fast *s, int q, double t, int *expired) {
     VList *l = &s->vl[q];
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (!*l->valid || now() >= *l->next_expiry || *l->epoch != *s->lfu_epoch) {
+        if (!*l->valid || t >= *l->next_expiry || *l->epoch != *s->lfu_epoch) {
             int rc = refill(s, q);
             if (rc < 0) return V_ERROR;
             if (rc == 0) return V_NONE;
@@ -65,7 +65,7 @@ static int64_t list_peek(Fast *s, int q, int *expired) {
             if (s->state[i] == SEALED && s->pins[i] == 0 && s->ident[i] == l->ident[pos]) {
                 *l->pos = pos;
                 double e = s->expiry[i];
-                *expired = e > 0 && e <= now();
+                *expired = e > 0 && e <= t;
                 return i;
             }
         }
@@ -76,9 +76,9 @@ static int64_t list_peek(Fast *s, int q, int *expired) {
 }
 
 /* VictimCache.may_expire: could list q's peek give an expired entry? */
-static int list_may_expire(Fast *s, int q) {
+static int list_may_expire(Fast *s, int q, double t) {
     VList *l = &s->vl[q];
-    if (!*l->valid || now() >= *l->next_expiry) return 1;
+    if (!*l->valid || t >= *l->next_expiry) return 1;
     uint32_t pos = *l->pos;
     return pos < *l->count && pos < l->rows && l->prim[pos] == -INFINITY;
 }
@@ -98,11 +98,11 @@ static int frequency_regime(Fast *s) {
 
 /* QueueVictims._expired_first: the soonest expired head of either list, taken off it (*q = -1); else the
  * rule's choice, not taken (*q its queue); V_NONE if neither list gives one. */
-static int64_t expired_first(Fast *s, uint64_t n0, uint64_t n1, int *q) {
+static int64_t expired_first(Fast *s, uint64_t n0, uint64_t n1, double t, int *q) {
     int e0 = 0, e1 = 0;
-    int64_t i0 = n0 ? list_peek(s, 0, &e0) : V_NONE;
+    int64_t i0 = n0 ? list_peek(s, 0, t, &e0) : V_NONE;
     if (i0 < V_NONE) return i0;
-    int64_t i1 = n1 ? list_peek(s, 1, &e1) : V_NONE;
+    int64_t i1 = n1 ? list_peek(s, 1, t, &e1) : V_NONE;
     if (i1 < V_NONE) return i1;
     if (i0 < 0) e0 = 0;
     if (i1 < 0) e1 = 0;
@@ -129,14 +129,14 @@ static void queue_move(Fast *s, int64_t i, int a, int b) {
 }
 
 /* QueueVictims.next_victim: the next entry to evict, taken off its list (*expired: it has expired). */
-static int64_t queue_next_victim(Fast *s, int *expired) {
+static int64_t queue_next_victim(Fast *s, double t, int *expired) {
     int second_chance = s->qkind == Q_COUNT_READS;
     for (;;) {
         uint64_t n0 = s->qcount[0], n1 = s->qcount[1];
         int64_t i;
         int q = 0, e = 0;
-        if ((n0 && list_may_expire(s, 0)) || (n1 && list_may_expire(s, 1))) {
-            i = expired_first(s, n0, n1, &q);
+        if ((n0 && list_may_expire(s, 0, t)) || (n1 && list_may_expire(s, 1, t))) {
+            i = expired_first(s, n0, n1, t, &q);
             if (i < 0 || q < 0) {
                 *expired = q < 0 && i >= 0;
                 return i;
@@ -144,11 +144,11 @@ static int64_t queue_next_victim(Fast *s, int *expired) {
         } else {
             /* The queue the rule picks, or the other when the rule's has nothing to give. */
             q = n0 && (!n1 || from_queue0(s, n0, n1)) ? 0 : 1;
-            i = (q ? n1 : n0) ? list_peek(s, q, &e) : V_NONE;
+            i = (q ? n1 : n0) ? list_peek(s, q, t, &e) : V_NONE;
             if (i < V_NONE) return i;
             if (i < 0) {
                 q = 1 - q;
-                i = (q ? n1 : n0) ? list_peek(s, q, &e) : V_NONE;
+                i = (q ? n1 : n0) ? list_peek(s, q, t, &e) : V_NONE;
                 if (i < 0) return i;
             }
         }
@@ -194,10 +194,11 @@ int evict_one(Fast *s, uint64_t *first, uint64_t *n) {
     if (s->spill) return evict_in_python(s, first, n); /* on_evict sees each victim first */
     int expired = 0;
     int64_t i;
+    double t = now(); /* one instant for the whole choice (the reference reads its clock at each look) */
     if (s->qkind) {
-        i = queue_next_victim(s, &expired);
+        i = queue_next_victim(s, t, &expired);
     } else {
-        i = list_peek(s, 0, &expired);
+        i = list_peek(s, 0, t, &expired);
         if (i >= 0) *s->vl[0].pos += 1;
     }
     if (i == V_ERROR) return -1;
@@ -207,6 +208,8 @@ int evict_one(Fast *s, uint64_t *first, uint64_t *n) {
     uint8_t q = s->qkind ? s->queue[i] & 1 : 0;
     *first = s->first[i];
     *n = s->nblk[i];
+    GhostRing *g = &s->ghost[q];
+    if (s->qkind && !expired && g->n) __builtin_prefetch(&g->bkt[(kh ? kh : 1) & g->mask]); /* for ghost_add */
     if (remove_entry(s, i) < 0) {
         PyErr_SetString(s->err_corrupt, "a pool's victim has damaged fields or chain; it is repaired on its next "
                                         "use, or with `cortex cache verify NAME --repair`");
@@ -217,7 +220,7 @@ int evict_one(Fast *s, uint64_t *first, uint64_t *n) {
     } else {
         *s->evictions += 1;
         *s->bytes_evicted += vlen;
-        if (s->qkind) ghost_add(&s->ghost[q], kh, entries);
+        if (s->qkind) ghost_add(g, kh, entries);
     }
     s->evicted_in_c += 1;
     return 1;

@@ -255,18 +255,6 @@ static int64_t ghost_take(GhostRing *g, uint64_t kh) {
     return -1;
 }
 
-/* Ghosts.__contains__: whether ring g holds hash kh (the same walk, nothing changed). */
-static int ghost_has(GhostRing *g, uint64_t kh) {
-    if (!g->n) return 0;
-    if (!kh) kh = 1;
-    int32_t p = g->bkt[kh & g->mask];
-    for (uint64_t steps = 0; p >= 0 && (uint64_t)p < g->n && steps <= g->n; steps++) {
-        if (g->hash[p] == kh) return 1;
-        p = g->next[p];
-    }
-    return 0;
-}
-
 /* Ghosts._forget: take place p out of its chain and empty it. */
 static void ghost_forget(GhostRing *g, int32_t p) {
     int32_t *link = &g->bkt[g->hash[p] & g->mask];
@@ -283,11 +271,10 @@ static void ghost_forget(GhostRing *g, int32_t p) {
 }
 
 /* Ghosts.add (lock held): remember hash kh in ring g, forgetting what falls out of its window of
- * factor x `entries` ghosts, and an older place of kh itself. */
+ * factor x `entries` ghosts (kh itself is not looked for: its put took it back). */
 void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
     if (!g->n) return;
     if (!kh) kh = 1;
-    ghost_take(g, kh);
     uint64_t head = *g->head, tail = *g->tail;
     uint64_t window = g->factor * (entries ? entries : 1);
     if (window > g->n || window / (entries ? entries : 1) != g->factor) window = g->n;
@@ -304,6 +291,9 @@ void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
     g->bkt[b] = (int32_t)p;
     *g->head = head + 1;
     *g->live += 1;
+    /* The next add forgets the ghost at the tail: its chain's head, fetched now, is in cache by then. */
+    uint64_t next = g->hash[tail % g->n];
+    if (next) __builtin_prefetch(&g->bkt[next & g->mask]);
 }
 
 /* Fast.evicted(slot): QueueVictims.evicted -- the victim's key goes into its queue's ghost ring.  The
@@ -348,7 +338,11 @@ static double auto_weight(int64_t depth, double n, double boost) {
  * the loop regime, the move of queue 0's share), in the Python reference's order of operations. */
 static uint8_t auto_admit(Fast *s, uint64_t kh, uint64_t entries, uint64_t live0, uint64_t live1) {
     double n = (double)(entries ? entries : 1);
-    double ghost = ghost_has(&s->ghost[0], kh) || ghost_has(&s->ghost[1], kh) ? 1.0 : 0.0;
+    /* The ghost taken first (the reference asks whether it is one, then takes it): one walk of each chain,
+     * not two, and the same bits, since the rates below read neither ring. */
+    int64_t d0 = ghost_take(&s->ghost[0], kh);
+    int64_t d1 = d0 < 0 ? ghost_take(&s->ghost[1], kh) : -1;
+    double ghost = d0 >= 0 || d1 >= 0 ? 1.0 : 0.0;
     uint64_t hits = *s->hits, seen = *s->qhits_seen;
     double fresh = hits >= seen ? (double)(hits - seen) : 0.0; /* a counter reset is no burst of hits */
     *s->qhits_seen = hits;
@@ -361,8 +355,6 @@ static uint8_t auto_admit(Fast *s, uint64_t kh, uint64_t entries, uint64_t live0
     } else if (rate > AUTO_LOOP_ENTER && hit_rate < rate) {
         *s->qregime = AUTO_LOOP;
     }
-    int64_t d0 = ghost_take(&s->ghost[0], kh);
-    int64_t d1 = d0 < 0 ? ghost_take(&s->ghost[1], kh) : -1;
     if (*s->qregime == AUTO_LOOP) return d0 >= 0 ? 1 : 0;
     double t = *s->qtarget;
     if (d0 >= 0) {
@@ -460,10 +452,28 @@ static uint64_t copy_in(char *dst, const char *src, uint64_t n) {
     return h;
 }
 
+/* The places at the heads of key hash kh's chains in both ghost rings, fetched ahead of the admission's
+ * walks (a ghost ring is larger than the caches close to the core: each walk would wait on memory). */
+static void prefetch_ghost_heads(Fast *s, uint64_t kh) {
+    for (int r = 0; r < 2; r++) {
+        GhostRing *g = &s->ghost[r];
+        if (!g->n) continue;
+        int32_t p = g->bkt[(kh ? kh : 1) & g->mask];
+        if (p >= 0 && (uint64_t)p < g->n) {
+            __builtin_prefetch(&g->hash[p]);
+            __builtin_prefetch(&g->next[p]);
+        }
+    }
+}
+
 /* One put whose value is copied in this lock hold: Core.put_small.  1 done (*slot), 2 SLOW (nothing
  * changed), -1 error (exception set; *dirty says whether the metadata may be half-changed). */
 static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const char *v, uint64_t vlen,
                     uint64_t nblk, double ttl, int64_t prio, double t, int64_t *slot, int *dirty) {
+    if (s->qkind) { /* the admission looks the key up in both ghost rings: their buckets, on the way */
+        for (int r = 0; r < 2; r++)
+            if (s->ghost[r].n) __builtin_prefetch(&s->ghost[r].bkt[(kh ? kh : 1) & s->ghost[r].mask]);
+    }
     Found f;
     int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
     if (rc < 0) return 2;
@@ -491,6 +501,7 @@ static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const c
         *dirty = !error_is_clean(s);
         return -1;
     }
+    if (s->qkind) prefetch_ghost_heads(s, kh); /* their buckets came in meanwhile; the copy hides the rest */
     uint64_t cks = copy_in(s->base + off, v, vlen);
     stamp(s, i, cks, ttl, prio, t);
     chain_in(s, i, kh);
