@@ -16,7 +16,7 @@ from cortex_cache.core import PURE_PYTHON_ENV
 from cortex_cache.errors import SegmentCorrupt
 from cortex_cache.policy_names import POLICY_IDS
 
-from tests.test_fastpath import _state
+from tests.test_fastpath import same_state
 
 BS = 64
 N = 96  # entries the pools hold
@@ -83,12 +83,7 @@ def test_c_and_python_choose_the_same_victims(make_pool, monkeypatch, policy):
     gone_fast, gone_slow = _run(fast, ops), _run(slow, ops)
     for step, (a, b) in enumerate(zip(gone_fast, gone_slow)):
         assert a == b, f"step {step} ({ops[step]}): C evicted {a}, Python {b}"
-    a, b = _state(fast), _state(slow)
-    for name in a:
-        if isinstance(a[name], np.ndarray):
-            assert np.array_equal(a[name], b[name]), name
-        else:
-            assert a[name] == b[name], name
+    same_state(fast, slow)
     st = fast.stats()
     assert st["evictions"] > 500 and st["expirations"] > 0, "the trace missed its point"
     assert fast.core.fast.evicted_in_c >= st["evictions"], "C did not evict"
