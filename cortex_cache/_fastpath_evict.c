@@ -37,12 +37,6 @@ static int refill(Fast *s, int q) {
     return got;
 }
 
-/* Are rows [pos, count) of list l inside its rows?  (A damaged word: the Python path reports it.) */
-static inline int list_sound(VList *l) {
-    uint32_t pos = *l->pos, count = *l->count;
-    return count <= l->rows && pos <= count;
-}
-
 /* VictimCache.peek: the slot at the head of list q (left there), *expired whether it has expired; V_NONE,
  * V_ERROR (the refill raised) or V_PYTHON (a damaged row or word: nothing more changed here). */
 static int64_t list_peek(Fast *s, int q, double t, int *expired) {
@@ -53,10 +47,12 @@ static int64_t list_peek(Fast *s, int q, double t, int *expired) {
             if (rc < 0) return V_ERROR;
             if (rc == 0) return V_NONE;
         }
-        if (!list_sound(l)) return V_PYTHON;
-        uint32_t pos = *l->pos, count = *l->count;
+        /* Each word and row loaded once, checked, and only the checked value used: another process may
+         * change any of them meanwhile (find(), _fastpath_entries.h).  A damaged one: Python reports it. */
+        uint32_t pos = LOAD(*l->pos), count = LOAD(*l->count);
+        if (count > l->rows || pos > count) return V_PYTHON;
         for (; pos < count; pos++) {
-            int32_t i = l->slot[pos];
+            int32_t i = LOAD(l->slot[pos]);
             if (i < 0 || (uint64_t)i >= s->n_slots) {
                 *l->pos = pos;
                 return V_PYTHON;
@@ -79,7 +75,7 @@ static int64_t list_peek(Fast *s, int q, double t, int *expired) {
 static int list_may_expire(Fast *s, int q, double t) {
     VList *l = &s->vl[q];
     if (!*l->valid || t >= *l->next_expiry) return 1;
-    uint32_t pos = *l->pos;
+    uint32_t pos = LOAD(*l->pos);
     return pos < *l->count && pos < l->rows && l->prim[pos] == -INFINITY;
 }
 

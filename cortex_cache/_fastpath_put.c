@@ -190,14 +190,35 @@ static int reserve(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, uint64_t
     return 1;
 }
 
-/* Core._free_entry: give slot i's blocks, key cells and the slot back (lock held; i's fields checked by
- * find()). */
-static void free_entry_here(Fast *s, int64_t i) {
-    uint64_t first = s->first[i], n = s->nblk[i];
-    memset(s->bmap + first, 0, n);
+/* Core.remove of sealed entry i (lock held): 0, or -1 with nothing changed when i's fields or chain look
+ * damaged (the caller raises; the repair fixes them).  Each field is loaded once, checked and only the
+ * checked value used: another process may change any of them meanwhile (find(), _fastpath_entries.h). */
+int remove_entry(Fast *s, int64_t i) {
+    uint64_t f = LOAD(s->first[i]), n = LOAD(s->nblk[i]), kf = LOAD(s->kcell[i]);
+    uint64_t k = ((uint64_t)LOAD(s->klen[i]) + KEY_CELL - 1) / KEY_CELL;
+    if (f > s->n_blocks || n > s->n_blocks - f || kf > s->n_kcells || k > s->n_kcells - kf) return -1;
+    int32_t *link = &s->buckets[LOAD(s->khash[i]) & s->mask];
+    for (uint64_t steps = 0;; steps++) {
+        int32_t j = LOAD(*link);
+        if (j == i) break;
+        if (j < 0 || (uint64_t)j >= s->n_slots || steps > s->n_slots) return -1;
+        link = &s->next[j];
+    }
+    *link = s->next[i];
+    if (s->qkind) { /* QueueVictims.removed */
+        uint8_t q = s->queue[i] & 1;
+        if (s->qcount[q]) s->qcount[q] -= 1;
+    }
+    *s->n_entries -= 1;
+    *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
+    if (s->pins[i]) {
+        s->state[i] = ZOMBIE;
+        return 0;
+    }
+    /* Core._free_entry: its blocks, key cells and the slot back */
+    memset(s->bmap + f, 0, n);
     *s->used_blocks -= n;
-    *s->alloc_hint = first;
-    uint64_t kf = s->kcell[i], k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
+    *s->alloc_hint = f;
     memset(s->kmap + kf, 0, k);
     *s->used_kcells -= k;
     *s->key_hint = kf;
@@ -207,29 +228,6 @@ static void free_entry_here(Fast *s, int64_t i) {
     s->cks[i] = 0;
     s->next[i] = (int32_t)*s->free_slot;
     *s->free_slot = i;
-}
-
-/* Core.remove of sealed entry i (lock held): 0, or -1 with nothing changed when i's fields or chain look
- * damaged (a victim's: find() checked a replaced entry's; the caller raises, the repair fixes them). */
-int remove_entry(Fast *s, int64_t i) {
-    uint64_t f = s->first[i], n = s->nblk[i], kf = s->kcell[i], k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
-    if (f > s->n_blocks || n > s->n_blocks - f || kf > s->n_kcells || k > s->n_kcells - kf) return -1;
-    int32_t *link = &s->buckets[s->khash[i] & s->mask];
-    for (uint64_t steps = 0; *link != i; steps++) {
-        if (*link < 0 || (uint64_t)*link >= s->n_slots || steps > s->n_slots) return -1;
-        link = &s->next[*link];
-    }
-    *link = s->next[i];
-    if (s->qkind) { /* QueueVictims.removed */
-        uint8_t q = s->queue[i] & 1;
-        if (s->qcount[q]) s->qcount[q] -= 1;
-    }
-    *s->n_entries -= 1;
-    *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
-    if (s->pins[i])
-        s->state[i] = ZOMBIE;
-    else
-        free_entry_here(s, i);
     return 0;
 }
 
@@ -239,8 +237,9 @@ static int64_t ghost_take(GhostRing *g, uint64_t kh) {
     if (!g->n) return -1;
     if (!kh) kh = 1; /* 0 marks an empty place */
     int32_t *link = &g->bkt[kh & g->mask];
-    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
-        int32_t p = *link;
+    for (uint64_t steps = 0; steps <= g->n; steps++) {
+        int32_t p = LOAD(*link); /* loaded once: another process may change it (remove_entry) */
+        if (p < 0 || (uint64_t)p >= g->n) break;
         if (g->hash[p] == kh) {
             *link = g->next[p];
             g->hash[p] = 0;
@@ -258,12 +257,14 @@ static int64_t ghost_take(GhostRing *g, uint64_t kh) {
 /* Ghosts._forget: take place p out of its chain and empty it. */
 static void ghost_forget(GhostRing *g, int32_t p) {
     int32_t *link = &g->bkt[g->hash[p] & g->mask];
-    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
-        if (*link == p) {
+    for (uint64_t steps = 0; steps <= g->n; steps++) {
+        int32_t j = LOAD(*link);
+        if (j < 0 || (uint64_t)j >= g->n) break;
+        if (j == p) {
             *link = g->next[p];
             break;
         }
-        link = &g->next[*link];
+        link = &g->next[j];
     }
     g->hash[p] = 0;
     g->next[p] = -1;

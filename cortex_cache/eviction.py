@@ -21,6 +21,10 @@ number).  Between scans the list stays exact:
 So eviction is exact for every policy and costs O(1) per victim in the
 steady state, plus one O(n) scan per CANDIDATES victims.  Expired entries are
 always reclaimed before any policy victim.
+
+The C fast path does the same for its puts (_fastpath_evict.c: peek, take,
+may_expire; _fastpath_entries.h: offer), calling `VictimCache.fill` here for
+the scan; tests/test_fast_evict.py holds the two to the same victims.
 """
 
 from __future__ import annotations
