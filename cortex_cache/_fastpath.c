@@ -3,6 +3,7 @@
  * module's init. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include "_fastpath.h"
 
@@ -106,6 +107,14 @@ static PyMethodDef Fast_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Fast_members[] = {
+    {"spill", T_INT, offsetof(Fast, spill), 0,
+     "nonzero while a tier sees each victim first (Core.on_evict): victims are then evicted in Python"},
+    {"evicted_in_c", T_ULONGLONG, offsetof(Fast, evicted_in_c), READONLY,
+     "victims this handle chose and evicted in C (tests)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject FastType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cortex_cache._fastpath.Fast",
@@ -118,6 +127,7 @@ static PyTypeObject FastType = {
     .tp_traverse = (traverseproc)Fast_traverse,
     .tp_clear = (inquiry)Fast_clear,
     .tp_methods = Fast_methods,
+    .tp_members = Fast_members,
 };
 
 static PyMethodDef module_methods[] = {

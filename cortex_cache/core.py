@@ -116,7 +116,7 @@ class Core(Allocation, Pins):
         self.name = seg.name
         self._repairer = repairer
         self.repair_hooks: list[Callable[[bool], list[str]]] = []
-        self.on_evict: Callable[[int], None] | None = None
+        self._on_evict: Callable[[int], None] | None = None
         self.after_unlock: list[Callable[[], None]] = []
         self.forked = False  # set in a forked child: its OFD lock would be its parent's
         mm = seg.mm
@@ -197,7 +197,27 @@ class Core(Allocation, Pins):
         return core_fast.bind(self.seg, self.geometry, self.victims, slot_offsets, queued=self.queues is not None,
                               verify_reads=self.verify_reads, thread_lock=self.lock.thread, guard=self.guard,
                               hooks={"free_entry": self._free_entry, "late_unpin": self._unpin_late,
-                                     "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt})
+                                     "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt,
+                                     "refill_hook": self.refill_or_corrupt})
+
+    def refill_or_corrupt(self, q: int) -> bool:
+        """Fill victim list `q` again (VictimCache.fill), for the C victim choice (lock held, taken by C);
+        damaged metadata is a SegmentCorrupt, as in `evict_or_corrupt`."""
+        try:
+            return (self.queues.lists[q] if self.queues is not None else self.victims).fill()
+        except METADATA_ERRORS as e:
+            raise self.damaged(e) from e
+
+    @property
+    def on_evict(self) -> Callable[[int], None] | None:
+        """Called with the lock held for an entry about to leave memory by eviction (the module docstring)."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Callable[[int], None] | None) -> None:
+        self._on_evict = fn
+        if self.fast is not None:  # the C victim choice leaves a spilling pool's evictions to Python
+            self.fast.spill = fn is not None
 
     def close(self) -> None:
         """Unmap.  Safe to call twice, and on a half-built handle."""

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from . import procs
 from .errors import CortexCacheError, SegmentCorrupt
-from .layout import HEADER_FIELDS, PIN_FIELDS, PIN_SIZE, Geometry, ghost_buckets
+from .layout import CANDIDATES, HEADER_FIELDS, PIN_FIELDS, PIN_SIZE, Geometry, ghost_buckets
 from .lock import METADATA_BYTE
 
 # Values up to this size are put (and restored) in one lock hold: two extra lock
@@ -84,7 +84,6 @@ def bind(seg: Any, g: Geometry, victims: Any, slot_offsets: dict[str, int], *, q
         "pin_size": PIN_SIZE, "pin_pid": poff["pid"], "pin_slot": poff["slot"], "pin_start": poff["start"],
         "n_blocks_col": slot_offsets["n_blocks"], "lfu_epoch_col": slot_offsets["lfu_epoch"],
         "thread_lock": thread_lock, "guard": guard,
-        "on_score_change": None if pol.monotone else victims.on_score_change,
         "on_unpin": victims.on_unpin,
         # The write path (_fastpath_put.c).
         "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
@@ -93,8 +92,19 @@ def bind(seg: Any, g: Geometry, victims: Any, slot_offsets: dict[str, int], *, q
     }
     for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
                  "cand_max_primary", "cand_max_secondary", "cand_next_expiry", "free_slot", "alloc_hint",
-                 "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq"):
+                 "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq", "expirations",
+                 "evictions", "bytes_evicted"):
         spec["h_" + name] = hoff[name]
+    # Victim choice (_fastpath_evict.c): the lists' rows and words; a list found stale is filled by Python
+    # (hooks["refill_hook"]).
+    n_lists = 2 if queued else 1
+    vo = g.victim_columns()
+    spec.update(lists=n_lists, list_rows=CANDIDATES // n_lists,
+                ident_col=(g.qslot_columns() if pol.identity == "qseq" else slot_offsets)[pol.identity],
+                **{f"victims_{name}": vo[name] for name in ("slot", "ident", "primary", "secondary")})
+    for q, prefix in enumerate(("cand", "cand1")[:n_lists]):
+        for word in ("valid", "count", "pos", "next_expiry", "max_primary", "max_secondary", "epoch"):
+            spec[f"l{q}_{word}"] = hoff[f"{prefix}_{word}"] if q == 0 else g.queue_field(f"{prefix}_{word}")
     for name in ("state", "pins", "key_len", "next", "key_hash", "value_len", "first_block", "checksum",
                  "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell",
                  "flags", "owner_pid", "owner_start", "created"):

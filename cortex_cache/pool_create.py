@@ -30,7 +30,7 @@ def create(
     size: int | str,
     *,
     block_size: int | str = 64 * 1024,
-    policy: str = DEFAULT_POLICY,
+    policy: str | None = None,
     max_entries: int | None = None,
     mode: int = 0o600,
     reserve: bool = True,
@@ -77,10 +77,12 @@ def create(
     evicts them -- fewer bytes written below, for the entries likely to be read again.
 
     `keep`: how many snapshots `persist` keeps of this pool (stored with
-    it; default 3).  `exist_ok`: a pool of this name that exists is opened
-    and returned if it is configured as asked (what the call gives
-    explicitly, defaults for the rest of size, block size, policy and
-    index); PoolExists naming each difference if not.  Such a pool must be
+    it; default 3).  `policy`: default DEFAULT_POLICY.  `exist_ok`: a pool
+    of this name that exists is opened and returned if it is configured as
+    asked (what the call gives explicitly, defaults for the rest of size,
+    block size and index; its policy only when `policy` is given: a pool
+    restored from a snapshot keeps the policy it had); PoolExists naming
+    each difference if not.  Such a pool must be
     this user's or root's (its segment's owner, by fstat): another user may
     have taken the name first under the shared prefix, and what its header
     says (mode included) is theirs to forge.  PermissionDenied (77) for
@@ -98,6 +100,7 @@ def create(
     if exist_ok and segment.exists(name):
         return _open_as_asked(cls, name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, wants,
                                   clock, lock_timeout, allow_other_owner)
+    asked_policy, policy = policy, policy or DEFAULT_POLICY
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
     if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
@@ -124,7 +127,7 @@ def create(
         for plan in plans.values():
             plan.undo()
         if exist_ok and isinstance(e, PoolExists):  # another process created it meanwhile
-            return _open_as_asked(cls, name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep,
+            return _open_as_asked(cls, name, nbytes, bsize, asked_policy, max_entries, mode, multi_threaded, keep,
                                       wants, clock, lock_timeout, allow_other_owner)
         raise
     init_lock = RecordLock(seg.fd)
@@ -169,7 +172,7 @@ def create(
         raise
 
 
-def _open_as_asked(cls: Any, name: str, nbytes: int, bsize: int, policy: str, max_entries: int | None, mode: int,
+def _open_as_asked(cls: Any, name: str, nbytes: int, bsize: int, policy: str | None, max_entries: int | None, mode: int,
                    multi_threaded: bool, keep: int | None, wants: dict[str, Any], clock: Any,
                    lock_timeout: float | None, allow_other_owner: bool) -> Any:
     """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""

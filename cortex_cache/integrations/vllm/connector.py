@@ -40,7 +40,7 @@ kv_connector_extra_config:
   pool        pool name (required)
   create      create the pool if missing (default false); then size (required),
               block_size (default: the one the engine's KV blocks fill best,
-              blocks.fit_block_size), policy (default lru),
+              blocks.fit_block_size), policy (default auto),
               disk_path / disk_size / disk_write (a disk tier)
   namespace   key prefix (default "vllm/")
   model       the model's name in keys (default: the served model name);
