@@ -20,7 +20,8 @@ benchmark's full output.
             and through the KV layer, beside exact LRU of the same run, and on
             the access patterns of benchmarks/workloads.py (auto beside the
             best of the others); each policy's full-pool put p50/p99 beside
-            LRU's (issues 27, 42)
+            LRU's (issues 27, 42); the hit rate after a persist, delete and
+            restore beside the pool that never stopped (issue 39)
   persist   snapshot persist/restore against plain file write/read
   boot      restore of a pool that is gone (1, 4, 8 GiB; --quick 0.25, 1):
             first hit after the command starts, the background fill against
@@ -202,8 +203,10 @@ def rows_policies(d: dict) -> list:
                      f"hit rate {a['hit_rate']:.3f}, disk share {a['disk_hit_share']:.3f}",
                      f"{a['disk_bytes_written'] / 2**20:.0f} MiB written to disk", None, None))
     for c in d.get("costs", {}).get("rows", []):
-        rows.append((f"{c['policy']} put into a full pool, p50/p99 us", f"{c['p50']:.1f}/{c['p99']:.1f}",
-                     "lru's", max(c["p50_vs_lru"], c["p99_vs_lru"]), None))
+        vs_lru = "" if c["cost_vs_lru"] is None else f", {c['cost_vs_lru']:.2f}x lru's (paired)"
+        rows.append((f"{c['policy']} 4 KiB put into a full pool (each evicts)", f"{c['full_us']:.2f} us, "
+                     f"p50/p99 {c['p50']:.1f}/{c['p99']:.1f} us{vs_lru}",
+                     f"into free space {c['free_us']:.2f} us (target >= {c['target']}x)", c["ratio"], c["met"]))
     return rows
 
 

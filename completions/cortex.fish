@@ -122,7 +122,7 @@ complete -c cortex -n '__cortex_using create' -l remote -x -d 'A Valkey/Redis se
 complete -c cortex -n '__cortex_using create' -l remote-cluster -d 'The --remote URL names a node of a Valkey/Redis cluster'
 complete -c cortex -n '__cortex_using create' -l keep -x -d 'Snapshots of this pool that persist keeps (stored with the pool; default 3)'
 complete -c cortex -n '__cortex_using create' -l tier-admit -x -d 'Admission to the disk and remote tiers: 1 (default) every entry memory evicts goes to a write-back disk tier and every put to the remote; 2: only entries seen at least twice (read since their put; under s3fifo, arc and auto also put again while remembered as a ghost), when memory evicts them (stored with the pool)'
-complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs; 77 if it is neither yours nor root\'s)'
+complete -c cortex -n '__cortex_using create' -l if-missing -d 'Exit 0 if a pool of this name and configuration exists already (73, naming each difference, if its configuration differs; its policy only if --policy is given; 77 if it is neither yours nor root\'s)'
 complete -c cortex -n '__cortex_using create' -l allow-other-owner -d 'With --if-missing: accept an existing pool of another user (by default only your own or root\'s: another user may have taken the name first)'
 complete -c cortex -n '__cortex_using create' -l json -d 'Print one JSON document on stdout'
 complete -c cortex -n '__cortex_using create' -s q -l quiet -d 'Print no confirmations or progress bars; data, --json output, warnings and errors still appear'

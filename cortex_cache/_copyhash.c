@@ -129,6 +129,58 @@ done:
     return r;
 }
 
+/* gather_hash(dst, src, offsets, lengths, sums) -> int: copy the pieces src[offsets[i] : offsets[i] + lengths[i]]
+ * into dst back to back and put each piece's own xxh3_64 into sums[i] (offsets, lengths, sums: buffers of
+ * native u64, one per piece); the bytes copied.  A persist's gather of many small values out of a pool (or a
+ * pack) into one buffer to write, each value's checksum taken from the copy, with one call and one GIL
+ * release for thousands of them.  Every piece is checked against src's and dst's sizes first: a bad one
+ * copies nothing (ValueError). */
+PyObject *gather_hash(PyObject *module, PyObject *args) {
+    Py_buffer dst, src, offs, lens, sums;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*w*:gather_hash", &dst, &src, &offs, &lens, &sums)) return NULL;
+    PyObject *r = NULL;
+    size_t n = (size_t)offs.len / 8, total = 0;
+    if ((size_t)offs.len % 8 || (size_t)lens.len != n * 8 || (size_t)sums.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "gather_hash: offsets, lengths and sums must be u64 buffers of one length");
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint64_t off, len;
+        memcpy(&off, (const char *)offs.buf + 8 * i, 8);
+        memcpy(&len, (const char *)lens.buf + 8 * i, 8);
+        if (off > (uint64_t)src.len || len > (uint64_t)src.len - off || len > (uint64_t)dst.len - total) {
+            PyErr_Format(PyExc_ValueError, "gather_hash: piece %zu (%llu bytes at %llu) is outside src or dst", i,
+                         (unsigned long long)len, (unsigned long long)off);
+            goto done;
+        }
+        total += (size_t)len;
+    }
+    {
+        const char *s = src.buf, *o = offs.buf, *l = lens.buf;
+        char *d = dst.buf, *out = sums.buf;
+        Py_BEGIN_ALLOW_THREADS
+        size_t at = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t off, len, h;
+            memcpy(&off, o + 8 * i, 8);
+            memcpy(&len, l + 8 * i, 8);
+            struct copy_piece one = {d + at, s + off, (size_t)len};
+            h = copy_hash_impl(&one, 1, NULL, 0);
+            memcpy(out + 8 * i, &h, 8);
+            at += (size_t)len;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    r = PyLong_FromSize_t(total);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&sums);
+    return r;
+}
+
 /* use_copy_hash_isa(name) -> str: run copy_hash on "baseline" or "avx2" (if built and the CPU has it) from
  * now on; the previous name.  For tests, so that a machine with AVX2 checks the baseline build too. */
 PyObject *use_copy_hash_isa(PyObject *module, PyObject *arg) {

@@ -3,6 +3,7 @@
  * module's init. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include "_fastpath.h"
 
@@ -106,6 +107,14 @@ static PyMethodDef Fast_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Fast_members[] = {
+    {"spill", T_INT, offsetof(Fast, spill), 0,
+     "nonzero while a tier sees each victim first (Core.on_evict): victims are then evicted in Python"},
+    {"evicted_in_c", T_ULONGLONG, offsetof(Fast, evicted_in_c), READONLY,
+     "victims this handle chose and evicted in C (tests)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject FastType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cortex_cache._fastpath.Fast",
@@ -118,6 +127,7 @@ static PyTypeObject FastType = {
     .tp_traverse = (traverseproc)Fast_traverse,
     .tp_clear = (inquiry)Fast_clear,
     .tp_methods = Fast_methods,
+    .tp_members = Fast_members,
 };
 
 static PyMethodDef module_methods[] = {
@@ -127,13 +137,16 @@ static PyMethodDef module_methods[] = {
     {"copy_hash_many", copy_hash_many, METH_VARARGS,
      "copy_hash_many(dsts, srcs, head=b'') -> int: copy each src into its dst, and the xxh3_64 of head "
      "followed by all the copies in order"},
+    {"gather_hash", gather_hash, METH_VARARGS,
+     "gather_hash(dst, src, offsets, lengths, sums) -> int: copy each piece src[offsets[i]:+lengths[i]] into dst "
+     "back to back and its xxh3_64 into sums[i] (u64 buffers); the bytes copied"},
     {"use_copy_hash_isa", use_copy_hash_isa, METH_O,
      "use_copy_hash_isa(name) -> str: run copy_hash on 'baseline' or 'avx2' from now on (tests); the previous"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core.py uses them).", -1,
+    PyModuleDef_HEAD_INIT, "_fastpath", "The hot paths of a pool, in C (core_fast.py binds them).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

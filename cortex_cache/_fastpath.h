@@ -17,8 +17,9 @@
  *   _fastpath_pin.c      Pin: a pinned value's bytes, exported read-only
  *   _fastpath_read.c     read, read_many, pin_many, unpin_many (and probe, still, populate)
  *   _fastpath_put.c      put, put_many, reserve_many, seal_many, evicted
+ *   _fastpath_evict.c    victim choice: the victim lists, the queue policies' next_victim, evict_one
  *   _fastpath_load.c     load_many: a batch pinned, checked against caller-given headers, copied
- *   _copyhash.c          copy_hash for Python, its baseline build, and the pick of the build the CPU runs
+ *   _copyhash.c          copy_hash (and gather_hash) for Python, its baseline build, and the pick of the build the CPU runs
  *   _copyhash_avx2.c     copy_hash's AVX2 build (_copyhash.h, _copyhash_loop.h)
  * and _fastpath_entries.h, included by read, put and load: the lock, and what every path does under it
  * (find, lookup, touch, pin, unpin), static inline.
@@ -64,12 +65,24 @@ typedef struct {
     uint64_t factor; /* the window: factor x the entries */
 } GhostRing;
 
+/* A victim list (eviction.VictimCache): its header words (layout.VICTIM_LIST_WORDS) and its rows. */
+typedef struct {
+    volatile uint32_t *valid;
+    uint32_t *count, *pos;
+    double *next_expiry, *max_primary;
+    uint64_t *max_secondary, *epoch;
+    int32_t *slot;
+    uint64_t *ident, *sec;
+    double *prim;
+    uint32_t rows;
+} VList;
+
 extern PyObject *SLOW; /* the module's sentinel */
 
 /* The Python objects a Fast holds, listed once: close(), tp_clear and tp_traverse go over this list. */
 #define FAST_OBJECTS(X)                                                                                  \
-    X(thread_acquire) X(thread_release) X(on_score_change) X(on_unpin) X(free_entry) X(late_unpin)        \
-    X(reserve_hook) X(evict_hook) X(err_base) X(err_corrupt)
+    X(thread_acquire) X(thread_release) X(on_unpin) X(free_entry) X(late_unpin)        \
+    X(reserve_hook) X(evict_hook) X(refill_hook) X(err_base) X(err_corrupt)
 
 typedef struct {
     PyObject_HEAD
@@ -81,7 +94,6 @@ typedef struct {
     int fd;
     struct flock lk, unlk;
     PyObject *thread_acquire, *thread_release; /* a threading.Lock's methods (multi-threaded handles) */
-    PyObject *on_score_change;                 /* VictimCache.on_score_change (non-monotone policies) */
     PyObject *on_unpin;                        /* VictimCache.on_unpin */
     PyObject *free_entry;                      /* Core's free of a slot (a zombie's last unpin) */
     PyObject *late_unpin;                      /* unpin(pin, slot) for a Pin whose last user went */
@@ -115,6 +127,13 @@ typedef struct {
     uint64_t put_in_lock;      /* values up to this size are put in one lock hold (core.COPY_IN_LOCK) */
     PyObject *reserve_hook;    /* Core.reserve_or_corrupt: a reservation C leaves to Python, lock held */
     PyObject *evict_hook;      /* Core.evict_or_corrupt: evict one victim by policy, lock held */
+    PyObject *refill_hook;     /* Core.refill_or_corrupt(q): fill victim list q again, lock held */
+    /* victim choice (_fastpath_evict.c): the lists (two for a queue policy), the policy's identity
+     * column, the eviction counters; `spill`: a tier sees each victim (Core.on_evict), so Python evicts */
+    VList vl[2];
+    uint64_t *ident, *expirations, *evictions, *bytes_evicted;
+    int spill;
+    unsigned long long evicted_in_c; /* victims this handle evicted in C (tests) */
     PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
     /* queue policies (queues.py): the queue columns, the header's two queue counts, target and clock,
      * the second victim list's next expiry, the two ghost rings */
@@ -187,12 +206,17 @@ FAST_METHOD(put_many);
 FAST_METHOD(reserve_many);
 FAST_METHOD(seal_many);
 FAST_METHOD(evicted);
+void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries);
+int remove_entry(Fast *s, int64_t i);
+/* _fastpath_evict.c */
+int evict_one(Fast *s, uint64_t *first, uint64_t *n);
 /* _fastpath_load.c */
 FAST_METHOD(load_many);
 
 /* _copyhash.c: the module's functions */
 PyObject *copy_hash(PyObject *module, PyObject *args);
 PyObject *copy_hash_many(PyObject *module, PyObject *args);
+PyObject *gather_hash(PyObject *module, PyObject *args);
 PyObject *use_copy_hash_isa(PyObject *module, PyObject *arg);
 
 #endif

@@ -140,8 +140,71 @@ static inline double primary(Fast *self, int64_t i) {
     }
 }
 
-/* Core.touch: count a hit on entry i.  -1 (exception set, metadata mid-change) if the victim list's
- * Python hook failed. */
+/* Could entry i, just given a new score, belong in the victim list (VictimCache._offer's test: expired, or
+ * scoring below the last listed victim, access_seq breaking a tie)?  When not, on_score_change would
+ * change nothing, and is not called. */
+static inline int below_last_victim(Fast *self, int64_t i, double t) {
+    if (expired(self, i, t)) return 1;
+    double p = primary(self, i), mp = *self->cand_max_primary;
+    return p < mp || (p == mp && self->aseq[i] < *self->cand_max_secondary);
+}
+
+/* Move rows [from, to) of list l by `by` rows (-1 or 1), every column. */
+static inline void shift_rows(VList *l, uint32_t from, uint32_t to, int by) {
+    size_t n = to - from;
+    memmove(l->slot + from + by, l->slot + from, n * sizeof *l->slot);
+    memmove(l->ident + from + by, l->ident + from, n * sizeof *l->ident);
+    memmove(l->prim + from + by, l->prim + from, n * sizeof *l->prim);
+    memmove(l->sec + from + by, l->sec + from, n * sizeof *l->sec);
+}
+
+/* VictimCache._offer (list 0, the only list of a non-monotone policy): put entry i into the list if it
+ * scores below the last listed victim, where its score sorts -- the fewer rows moving: those before it
+ * into the row taken last, or those after it down one (a full list dropping its last row). */
+static inline void offer(Fast *self, int64_t i, double t) {
+    VList *l = &self->vl[0];
+    double e = self->expiry[i], p;
+    uint64_t sec;
+    if (e > 0 && e <= t) { /* expired: first, soonest to expire first (eviction._expiry_key) */
+        p = -INFINITY;
+        memcpy(&sec, &e, sizeof sec);
+    } else {
+        p = primary(self, i);
+        sec = self->aseq[i];
+    }
+    double mp = *l->max_primary;
+    if (!(p < mp || (p == mp && sec < *l->max_secondary))) return;
+    uint32_t pos = *l->pos, count = *l->count;
+    if (count > l->rows || pos > count) return; /* damaged words: the next scan, or the repair, rewrites them */
+    uint32_t lo = pos, hi = count; /* the first row scoring above (p, sec): the rows are sorted */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (l->prim[mid] > p || (l->prim[mid] == p && l->sec[mid] > sec))
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    uint32_t k = lo;
+    if (k == count) return; /* the list is used up: the next eviction rescans anyway */
+    if (pos > 0 && k - pos < count - k) {
+        shift_rows(l, pos, k, -1);
+        k -= 1;
+        *l->pos = pos - 1;
+    } else {
+        uint32_t end = count < l->rows ? count : count - 1;
+        shift_rows(l, k, end, 1);
+        count = end + 1;
+        *l->count = count;
+    }
+    l->slot[k] = (int32_t)i;
+    l->ident[k] = self->ident[i];
+    l->prim[k] = p;
+    l->sec[k] = sec;
+    *l->max_primary = l->prim[count - 1];
+    *l->max_secondary = l->sec[count - 1];
+}
+
+/* Core.touch: count a hit on entry i.  0 (an int for its callers, which once met a Python hook's error). */
 static inline int touch(Fast *self, int64_t i, double t) {
     uint64_t seq = *self->seq + 1;
     *self->seq = seq;
@@ -165,12 +228,8 @@ static inline int touch(Fast *self, int64_t i, double t) {
         double e = self->expiry[i]; /* queue 1's list was filled without it (QueueVictims._move) */
         if (e > 0 && e < *self->cand1_next_expiry) *self->cand1_next_expiry = e;
     }
-    /* VictimCache.on_score_change's fast exit, here; the rest in Python. */
-    if (!self->monotone && *self->cand_valid && !(primary(self, i) > *self->cand_max_primary)) {
-        PyObject *r = PyObject_CallFunction(self->on_score_change, "L", (long long)i);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-    }
+    /* VictimCache.on_score_change */
+    if (!self->monotone && *self->cand_valid && below_last_victim(self, i, t)) offer(self, i, t);
     return 0;
 }
 
@@ -217,8 +276,7 @@ static inline int unpin(Fast *self, uint64_t j, int64_t i) {
     } else if (st == SEALED && *self->cand_valid) {
         /* VictimCache.on_unpin: nothing to do when the entry scores above the last listed victim
          * (it cannot belong in the list) and has not expired; then only its expiry matters. */
-        double t = now(), p1 = primary(self, i), mp = *self->cand_max_primary;
-        if (!expired(self, i, t) && (p1 > mp || (p1 == mp && self->aseq[i] >= *self->cand_max_secondary))) {
+        if (!below_last_victim(self, i, now())) {
             double e = self->expiry[i];
             if (e > 0 && e < *self->cand_next_expiry) *self->cand_next_expiry = e;
             return 0;

@@ -9,7 +9,7 @@
  *   reserve   a slot from the free list, key cells and blocks where the two cursors point or the next
  *             free run beyond them (a pool with room, or the run an eviction or a replaced value just
  *             freed); in a full pool, step by step as Core._alloc_slot, _alloc_kcells and _alloc_blocks
- *             do, calling Core.evict_one (the victim list is Python's) for each victim; when nothing
+ *             do, evicting for each (evict_one: _fastpath_evict.c); when nothing
  *             can go, or a field looks damaged, Core.reserve_or_corrupt does it all, lock held (and
  *             raises PoolFull);
  *   copy      copy_hash (the fused copy and checksum), inside the lock for values up to put_in_lock,
@@ -68,24 +68,6 @@ static int64_t run_around(const uint8_t *map, uint64_t n, uint64_t first, uint64
     return -1;
 }
 
-/* Core.evict_one (lock held): 1 a victim went, its run of blocks in *first, *n; 0 nothing could go; -1
- * the hook raised. */
-static int evict(Fast *s, uint64_t *first, uint64_t *n) {
-    PyObject *r = PyObject_CallNoArgs(s->evict_hook);
-    if (r == NULL) return -1;
-    if (r == Py_None) {
-        Py_DECREF(r);
-        return 0;
-    }
-    unsigned long long f = 0, c = 0;
-    int ok = PyArg_ParseTuple(r, "KK", &f, &c);
-    Py_DECREF(r);
-    if (!ok) return -1;
-    *first = f;
-    *n = c;
-    return 1;
-}
-
 /* Core._free_slot of a slot just taken from the free list. */
 static void give_slot(Fast *s, int64_t i) {
     s->state[i] = FREE;
@@ -104,7 +86,7 @@ static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
 }
 
 /* Core.reserve (lock held): _alloc_slot, _alloc_kcells and _alloc_blocks step by step -- the free list's
- * head, the run at each cursor or the next free one beyond it -- each evicting (Core.evict_one, the victim
+ * head, the run at each cursor or the next free one beyond it -- each evicting (evict_one, the policy's victim
  * list's choice) until it has what it needs when the pool is full, and placing as they do, so the pool
  * ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back (nothing
  * could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised (what this
@@ -115,7 +97,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     int rc;
     int64_t i;
     while ((i = LOAD(*s->free_slot)) < 0)
-        if ((rc = evict(s, &vf, &vn)) <= 0) return rc;
+        if ((rc = evict_one(s, &vf, &vn)) <= 0) return rc;
     if ((uint64_t)i >= s->n_slots || LOAD(s->state[i]) != FREE) return 0;
     int32_t after = LOAD(s->next[i]);
     if (after < -1 || (int64_t)after >= (int64_t)s->n_slots) return 0;
@@ -129,7 +111,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
     } else {
         at = find_run(s->kmap, s->n_kcells, k, kf);
         while (at < 0) {
-            if ((rc = evict(s, &vf, &vn)) <= 0) {
+            if ((rc = evict_one(s, &vf, &vn)) <= 0) {
                 give_slot(s, i);
                 return rc;
             }
@@ -147,7 +129,7 @@ static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uin
         uint64_t used = LOAD(*s->used_blocks);
         at = used <= s->n_blocks && nblk <= s->n_blocks - used ? find_run(s->bmap, s->n_blocks, nblk, first) : -1;
         while (at < 0) {
-            if ((rc = evict(s, &vf, &vn)) <= 0) {
+            if ((rc = evict_one(s, &vf, &vn)) <= 0) {
                 give_kcells(s, kf, k);
                 give_slot(s, i);
                 return rc;
@@ -208,14 +190,35 @@ static int reserve(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, uint64_t
     return 1;
 }
 
-/* Core._free_entry: give slot i's blocks, key cells and the slot back (lock held; i's fields checked by
- * find()). */
-static void free_entry_here(Fast *s, int64_t i) {
-    uint64_t first = s->first[i], n = s->nblk[i];
-    memset(s->bmap + first, 0, n);
+/* Core.remove of sealed entry i (lock held): 0, or -1 with nothing changed when i's fields or chain look
+ * damaged (the caller raises; the repair fixes them).  Each field is loaded once, checked and only the
+ * checked value used: another process may change any of them meanwhile (find(), _fastpath_entries.h). */
+int remove_entry(Fast *s, int64_t i) {
+    uint64_t f = LOAD(s->first[i]), n = LOAD(s->nblk[i]), kf = LOAD(s->kcell[i]);
+    uint64_t k = ((uint64_t)LOAD(s->klen[i]) + KEY_CELL - 1) / KEY_CELL;
+    if (f > s->n_blocks || n > s->n_blocks - f || kf > s->n_kcells || k > s->n_kcells - kf) return -1;
+    int32_t *link = &s->buckets[LOAD(s->khash[i]) & s->mask];
+    for (uint64_t steps = 0;; steps++) {
+        int32_t j = LOAD(*link);
+        if (j == i) break;
+        if (j < 0 || (uint64_t)j >= s->n_slots || steps > s->n_slots) return -1;
+        link = &s->next[j];
+    }
+    *link = s->next[i];
+    if (s->qkind) { /* QueueVictims.removed */
+        uint8_t q = s->queue[i] & 1;
+        if (s->qcount[q]) s->qcount[q] -= 1;
+    }
+    *s->n_entries -= 1;
+    *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
+    if (s->pins[i]) {
+        s->state[i] = ZOMBIE;
+        return 0;
+    }
+    /* Core._free_entry: its blocks, key cells and the slot back */
+    memset(s->bmap + f, 0, n);
     *s->used_blocks -= n;
-    *s->alloc_hint = first;
-    uint64_t kf = s->kcell[i], k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
+    *s->alloc_hint = f;
     memset(s->kmap + kf, 0, k);
     *s->used_kcells -= k;
     *s->key_hint = kf;
@@ -225,33 +228,7 @@ static void free_entry_here(Fast *s, int64_t i) {
     s->cks[i] = 0;
     s->next[i] = (int32_t)*s->free_slot;
     *s->free_slot = i;
-}
-
-/* Core.remove of sealed entry i, which find() reached through its bucket (lock held). */
-static void remove_entry(Fast *s, int64_t i) {
-    int32_t *head = &s->buckets[s->khash[i] & s->mask];
-    if (*head == i) {
-        *head = s->next[i];
-    } else {
-        for (int32_t j = *head; j >= 0 && (uint64_t)j < s->n_slots;) {
-            int32_t nj = s->next[j];
-            if (nj == i) {
-                s->next[j] = s->next[i];
-                break;
-            }
-            j = nj;
-        }
-    }
-    if (s->qkind) { /* QueueVictims.removed */
-        uint8_t q = s->queue[i] & 1;
-        if (s->qcount[q]) s->qcount[q] -= 1;
-    }
-    *s->n_entries -= 1;
-    *s->gone_seq += 1; /* a memoized lookup may have counted it (layout.py, gone_seq) */
-    if (s->pins[i])
-        s->state[i] = ZOMBIE;
-    else
-        free_entry_here(s, i);
+    return 0;
 }
 
 /* Ghosts.take: forget hash kh if ring g holds it; its depth (ghosts added after it) if it did, else -1.
@@ -260,8 +237,9 @@ static int64_t ghost_take(GhostRing *g, uint64_t kh) {
     if (!g->n) return -1;
     if (!kh) kh = 1; /* 0 marks an empty place */
     int32_t *link = &g->bkt[kh & g->mask];
-    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
-        int32_t p = *link;
+    for (uint64_t steps = 0; steps <= g->n; steps++) {
+        int32_t p = LOAD(*link); /* loaded once: another process may change it (remove_entry) */
+        if (p < 0 || (uint64_t)p >= g->n) break;
         if (g->hash[p] == kh) {
             *link = g->next[p];
             g->hash[p] = 0;
@@ -276,27 +254,17 @@ static int64_t ghost_take(GhostRing *g, uint64_t kh) {
     return -1;
 }
 
-/* Ghosts.__contains__: whether ring g holds hash kh (the same walk, nothing changed). */
-static int ghost_has(GhostRing *g, uint64_t kh) {
-    if (!g->n) return 0;
-    if (!kh) kh = 1;
-    int32_t p = g->bkt[kh & g->mask];
-    for (uint64_t steps = 0; p >= 0 && (uint64_t)p < g->n && steps <= g->n; steps++) {
-        if (g->hash[p] == kh) return 1;
-        p = g->next[p];
-    }
-    return 0;
-}
-
 /* Ghosts._forget: take place p out of its chain and empty it. */
 static void ghost_forget(GhostRing *g, int32_t p) {
     int32_t *link = &g->bkt[g->hash[p] & g->mask];
-    for (uint64_t steps = 0; *link >= 0 && (uint64_t)*link < g->n && steps <= g->n; steps++) {
-        if (*link == p) {
+    for (uint64_t steps = 0; steps <= g->n; steps++) {
+        int32_t j = LOAD(*link);
+        if (j < 0 || (uint64_t)j >= g->n) break;
+        if (j == p) {
             *link = g->next[p];
             break;
         }
-        link = &g->next[*link];
+        link = &g->next[j];
     }
     g->hash[p] = 0;
     g->next[p] = -1;
@@ -304,11 +272,10 @@ static void ghost_forget(GhostRing *g, int32_t p) {
 }
 
 /* Ghosts.add (lock held): remember hash kh in ring g, forgetting what falls out of its window of
- * factor x `entries` ghosts, and an older place of kh itself. */
-static void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
+ * factor x `entries` ghosts (kh itself is not looked for: its put took it back). */
+void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
     if (!g->n) return;
     if (!kh) kh = 1;
-    ghost_take(g, kh);
     uint64_t head = *g->head, tail = *g->tail;
     uint64_t window = g->factor * (entries ? entries : 1);
     if (window > g->n || window / (entries ? entries : 1) != g->factor) window = g->n;
@@ -325,6 +292,9 @@ static void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries) {
     g->bkt[b] = (int32_t)p;
     *g->head = head + 1;
     *g->live += 1;
+    /* The next add forgets the ghost at the tail: its chain's head, fetched now, is in cache by then. */
+    uint64_t next = g->hash[tail % g->n];
+    if (next) __builtin_prefetch(&g->bkt[next & g->mask]);
 }
 
 /* Fast.evicted(slot): QueueVictims.evicted -- the victim's key goes into its queue's ghost ring.  The
@@ -369,7 +339,11 @@ static double auto_weight(int64_t depth, double n, double boost) {
  * the loop regime, the move of queue 0's share), in the Python reference's order of operations. */
 static uint8_t auto_admit(Fast *s, uint64_t kh, uint64_t entries, uint64_t live0, uint64_t live1) {
     double n = (double)(entries ? entries : 1);
-    double ghost = ghost_has(&s->ghost[0], kh) || ghost_has(&s->ghost[1], kh) ? 1.0 : 0.0;
+    /* The ghost taken first (the reference asks whether it is one, then takes it): one walk of each chain,
+     * not two, and the same bits, since the rates below read neither ring. */
+    int64_t d0 = ghost_take(&s->ghost[0], kh);
+    int64_t d1 = d0 < 0 ? ghost_take(&s->ghost[1], kh) : -1;
+    double ghost = d0 >= 0 || d1 >= 0 ? 1.0 : 0.0;
     uint64_t hits = *s->hits, seen = *s->qhits_seen;
     double fresh = hits >= seen ? (double)(hits - seen) : 0.0; /* a counter reset is no burst of hits */
     *s->qhits_seen = hits;
@@ -382,8 +356,6 @@ static uint8_t auto_admit(Fast *s, uint64_t kh, uint64_t entries, uint64_t live0
     } else if (rate > AUTO_LOOP_ENTER && hit_rate < rate) {
         *s->qregime = AUTO_LOOP;
     }
-    int64_t d0 = ghost_take(&s->ghost[0], kh);
-    int64_t d1 = d0 < 0 ? ghost_take(&s->ghost[1], kh) : -1;
     if (*s->qregime == AUTO_LOOP) return d0 >= 0 ? 1 : 0;
     double t = *s->qtarget;
     if (d0 >= 0) {
@@ -428,8 +400,8 @@ static void queue_admit(Fast *s, int64_t i) {
     s->qcount[q] += 1;
 }
 
-/* Core._stamp: the metadata of a new put on slot i (lock held).  -1 if the victim list's hook raised. */
-static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
+/* Core._stamp: the metadata of a new put on slot i (lock held). */
+static void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
     double e = ttl > 0 ? t + ttl : 0.0;
     uint64_t seq = *s->seq + 1;
     *s->seq = seq;
@@ -449,18 +421,13 @@ static int stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, dou
     s->ostart[i] = 0;
     s->opid[i] = 0;
     *s->puts += 1;
-    /* VictimCache.on_score_change's fast exit and on_expiry_set, as touch() does. */
-    if (!s->monotone && *s->cand_valid && !(primary(s, i) > *s->cand_max_primary)) {
-        PyObject *r = PyObject_CallFunction(s->on_score_change, "L", (long long)i);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-    }
+    /* VictimCache.on_score_change and on_expiry_set, as touch() does. */
+    if (!s->monotone && *s->cand_valid && below_last_victim(s, i, t)) offer(s, i, t);
     if (s->qkind) {
         queue_admit(s, i);
         if (e > 0 && e < *s->cand1_next_expiry) *s->cand1_next_expiry = e;
     }
     if (e > 0 && e < *s->cand_next_expiry) *s->cand_next_expiry = e;
-    return 0;
 }
 
 /* Core.seal's end: chain stamped slot i into its bucket and make it visible (lock held). */
@@ -486,10 +453,28 @@ static uint64_t copy_in(char *dst, const char *src, uint64_t n) {
     return h;
 }
 
+/* The places at the heads of key hash kh's chains in both ghost rings, fetched ahead of the admission's
+ * walks (a ghost ring is larger than the caches close to the core: each walk would wait on memory). */
+static void prefetch_ghost_heads(Fast *s, uint64_t kh) {
+    for (int r = 0; r < 2; r++) {
+        GhostRing *g = &s->ghost[r];
+        if (!g->n) continue;
+        int32_t p = g->bkt[(kh ? kh : 1) & g->mask];
+        if (p >= 0 && (uint64_t)p < g->n) {
+            __builtin_prefetch(&g->hash[p]);
+            __builtin_prefetch(&g->next[p]);
+        }
+    }
+}
+
 /* One put whose value is copied in this lock hold: Core.put_small.  1 done (*slot), 2 SLOW (nothing
  * changed), -1 error (exception set; *dirty says whether the metadata may be half-changed). */
 static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const char *v, uint64_t vlen,
                     uint64_t nblk, double ttl, int64_t prio, double t, int64_t *slot, int *dirty) {
+    if (s->qkind) { /* the admission looks the key up in both ghost rings: their buckets, on the way */
+        for (int r = 0; r < 2; r++)
+            if (s->ghost[r].n) __builtin_prefetch(&s->ghost[r].bkt[(kh ? kh : 1) & s->ghost[r].mask]);
+    }
     Found f;
     int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
     if (rc < 0) return 2;
@@ -504,12 +489,12 @@ static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const c
             uint64_t cks = copy_in(s->base + f.off, v, vlen);
             s->vlen[old] = vlen;
             s->flags_col[old] = flags;
-            if (stamp(s, old, cks, ttl, prio, t) < 0) return -1;
+            stamp(s, old, cks, ttl, prio, t);
             *slot = old;
             *dirty = 0;
             return 1;
         }
-        remove_entry(s, old);
+        (void)remove_entry(s, old); /* find() walked its chain */
     }
     int64_t i;
     uint64_t off;
@@ -517,8 +502,9 @@ static int put_held(Fast *s, PyObject *kbo, uint64_t kh, uint32_t flags, const c
         *dirty = !error_is_clean(s);
         return -1;
     }
+    if (s->qkind) prefetch_ghost_heads(s, kh); /* their buckets came in meanwhile; the copy hides the rest */
     uint64_t cks = copy_in(s->base + off, v, vlen);
-    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    stamp(s, i, cks, ttl, prio, t);
     chain_in(s, i, kh);
     *slot = i;
     *dirty = 0;
@@ -534,8 +520,8 @@ static int seal_held(Fast *s, int64_t i, PyObject *kbo, uint64_t kh, uint64_t ck
     Found f;
     int rc = find(s, PyBytes_AS_STRING(kbo), PyBytes_GET_SIZE(kbo), kh, &f);
     if (rc < 0) return 2;
-    if (rc == 1) remove_entry(s, f.slot);
-    if (stamp(s, i, cks, ttl, prio, t) < 0) return -1;
+    if (rc == 1) (void)remove_entry(s, f.slot);
+    stamp(s, i, cks, ttl, prio, t);
     chain_in(s, i, kh);
     return 1;
 }

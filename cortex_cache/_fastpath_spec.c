@@ -1,4 +1,4 @@
-/* Fast.__init__(buffer, fd, spec): a Fast over one mapped segment, from the layout spec core.py builds
+/* Fast.__init__(buffer, fd, spec): a Fast over one mapped segment, from the layout spec core_fast.py builds
  * (layout.py's offsets and widths, the policy, the hooks into Python).  Every region the object will
  * touch is checked to lie inside the mapping before any pointer is made from it. */
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +23,67 @@ static PyObject *get_obj(PyObject *spec, const char *name) {
     if (v == NULL || v == Py_None) return NULL;
     Py_INCREF(v);
     return v;
+}
+
+/* The victim lists (_fastpath_evict.c): "lists" of them (two for a queue policy), "list_rows" rows each,
+ * the columns' offsets ("victims_<column>", list q from row q x list_rows), each list's words ("l<q>_<word>",
+ * absolute offsets), the policy's identity column and the eviction counters; all checked inside the
+ * mapping. */
+static int init_victim_lists(Fast *self, PyObject *spec, uint64_t size) {
+    static const char *words[] = {"valid", "count", "pos", "next_expiry", "max_primary", "max_secondary", "epoch"};
+    uint64_t lists, rows, cols[4], ident, counters[3], w[2][7];
+    const char *col_names[4] = {"victims_slot", "victims_ident", "victims_primary", "victims_secondary"};
+    const char *counter_names[3] = {"h_expirations", "h_evictions", "h_bytes_evicted"};
+    if (get_u64(spec, "lists", &lists) < 0 || get_u64(spec, "list_rows", &rows) < 0 ||
+        get_u64(spec, "ident_col", &ident) < 0)
+        return -1;
+    if (lists < 1 || lists > 2 || rows < 1 || rows > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fast path: bad victim lists");
+        return -1;
+    }
+    uint64_t widths[4] = {4, 8, 8, 8};
+    for (int c = 0; c < 4; c++) {
+        if (get_u64(spec, col_names[c], &cols[c]) < 0) return -1;
+        if (cols[c] > size || lists * rows * widths[c] > size - cols[c] || cols[c] % widths[c]) goto outside;
+    }
+    if (ident > size || self->n_slots * 8 > size - ident || ident % 8) goto outside;
+    for (int c = 0; c < 3; c++) {
+        if (get_u64(spec, counter_names[c], &counters[c]) < 0) return -1;
+        if (counters[c] > size - 8 || counters[c] % 8) goto outside;
+    }
+    for (uint64_t q = 0; q < lists; q++) {
+        for (int k = 0; k < 7; k++) {
+            char name[32];
+            snprintf(name, sizeof name, "l%d_%s", (int)q, words[k]);
+            if (get_u64(spec, name, &w[q][k]) < 0) return -1;
+            uint64_t width = k < 3 ? 4 : 8;
+            if (w[q][k] > size - width || w[q][k] % width) goto outside;
+        }
+    }
+    char *b = self->base;
+    for (uint64_t q = 0; q < lists; q++) {
+        VList *l = &self->vl[q];
+        l->valid = (volatile uint32_t *)(b + w[q][0]);
+        l->count = (uint32_t *)(b + w[q][1]);
+        l->pos = (uint32_t *)(b + w[q][2]);
+        l->next_expiry = (double *)(b + w[q][3]);
+        l->max_primary = (double *)(b + w[q][4]);
+        l->max_secondary = (uint64_t *)(b + w[q][5]);
+        l->epoch = (uint64_t *)(b + w[q][6]);
+        l->slot = (int32_t *)(b + cols[0]) + q * rows;
+        l->ident = (uint64_t *)(b + cols[1]) + q * rows;
+        l->prim = (double *)(b + cols[2]) + q * rows;
+        l->sec = (uint64_t *)(b + cols[3]) + q * rows;
+        l->rows = (uint32_t)rows;
+    }
+    self->ident = (uint64_t *)(b + ident);
+    self->expirations = (uint64_t *)(b + counters[0]);
+    self->evictions = (uint64_t *)(b + counters[1]);
+    self->bytes_evicted = (uint64_t *)(b + counters[2]);
+    return 0;
+outside:
+    PyErr_SetString(PyExc_ValueError, "fast path: a victim list lies outside the segment");
+    return -1;
 }
 
 int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
@@ -96,6 +157,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     }
     for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
         if (get_u64(spec, fields[k].name, fields[k].out) < 0) return -1;
+    if (init_victim_lists(self, spec, size) < 0) return -1;
 
     /* Everything this object will touch must lie inside the mapping. */
     uint64_t n = self->n_slots;
@@ -249,18 +311,18 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         self->thread_release = PyObject_GetAttrString(tl, "release");
         if (!self->thread_acquire || !self->thread_release) return -1;
     }
-    self->on_score_change = get_obj(spec, "on_score_change");
     self->on_unpin = get_obj(spec, "on_unpin");
     self->free_entry = get_obj(spec, "free_entry");
     self->late_unpin = get_obj(spec, "late_unpin");
     self->reserve_hook = get_obj(spec, "reserve_hook");
     self->evict_hook = get_obj(spec, "evict_hook");
+    self->refill_hook = get_obj(spec, "refill_hook");
     self->err_base = get_obj(spec, "error");
     self->err_corrupt = get_obj(spec, "corrupt_error");
-    if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->evict_hook || !self->err_base ||
-        !self->err_corrupt) {
-        PyErr_SetString(PyExc_ValueError,
-                        "fast path spec needs on_unpin, free_entry, late_unpin, reserve_hook, evict_hook, error and corrupt_error");
+    if (!self->on_unpin || !self->free_entry || !self->late_unpin || !self->reserve_hook || !self->evict_hook ||
+        !self->refill_hook || !self->err_base || !self->err_corrupt) {
+        PyErr_SetString(PyExc_ValueError, "fast path spec needs on_unpin, free_entry, late_unpin, reserve_hook, "
+                                          "evict_hook, refill_hook, error and corrupt_error");
         return -1;
     }
     return 0;

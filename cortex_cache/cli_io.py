@@ -23,7 +23,18 @@ import typer
 
 from . import interrupts, safefs
 from .cli_render import JSON_SCHEMA, now_iso
-from .errors import EX_IOERR, EX_SOFTWARE, EX_USAGE, CortexCacheError, UsageError
+from .errors import (
+    EX_IOERR,
+    EX_SOFTWARE,
+    EX_USAGE,
+    CannotCreate,
+    CortexCacheError,
+    PermissionDenied,
+    PoolNotFound,
+    StorageIOError,
+    UsageError,
+    ValueTooLarge,
+)
 from .interrupts import Interrupted
 
 # ---------------------------------------------------------------- values in and out
@@ -32,8 +43,6 @@ from .interrupts import Interrupted
 def read_value(source: Optional[str], limit: int) -> bytes:
     """The value from FILE or stdin, read up to `limit` bytes: one byte more is ValueTooLarge, so
     /dev/zero or an endless pipe costs a pool's size of memory at most."""
-    from .errors import ValueTooLarge
-
     def bounded(f) -> bytes:
         data = f.read(limit + 1)
         if len(data) > limit:
@@ -48,14 +57,10 @@ def read_value(source: Optional[str], limit: int) -> bytes:
         with open(source, "rb") as f:
             return bounded(f)
     except FileNotFoundError:
-        from .errors import PoolNotFound  # exit 66: no such input
-
-        raise PoolNotFound(f"no such file {source!r}") from None
+        raise PoolNotFound(f"no such file {source!r}") from None  # exit 66: no such input
     except IsADirectoryError:
         raise UsageError(f"{source!r} is a directory") from None
     except PermissionError:
-        from .errors import PermissionDenied
-
         raise PermissionDenied(f"permission denied reading {source!r}") from None
 
 
@@ -76,8 +81,6 @@ class OutputFile:
         try:
             self.fd, self.tmp = _temp_beside(path)
         except FileNotFoundError:
-            from .errors import CannotCreate
-
             raise CannotCreate(f"cannot create {path!r}: no directory {directory!r}") from None
         except OSError as e:
             raise safefs.os_error(e, f"cannot create {path!r}") from None
@@ -93,8 +96,6 @@ class OutputFile:
                     os.fsync(f.fileno())  # a full disk shows here, not later as a short file
         except OSError as e:
             self.discard()
-            from .errors import StorageIOError
-
             raise StorageIOError(f"cannot write {self.path!r}: {e.strerror or e}; nothing was written") from None
         except BaseException:  # SIGINT or SIGTERM mid-write (interrupts.Interrupted): no temp file left
             self.discard()

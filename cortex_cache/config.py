@@ -144,12 +144,14 @@ def wanted(opts: dict[str, Any], home: Callable[[str], str], admit: int) -> dict
     return out
 
 
-def requested(geo: "Geometry", policy: str, mode: int, multi_threaded: bool, keep: int | None,
+def requested(geo: "Geometry", policy: str | None, mode: int, multi_threaded: bool, keep: int | None,
               tiers: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     """What a create request fixes, in the form `differences` compares (`Pool.create(..., exist_ok=True)`):
-    `geo` the geometry it asks for, `tiers` what `wanted` said of each tier."""
+    `geo` the geometry it asks for, `tiers` what `wanted` said of each tier; `policy` None: any."""
     want: dict[str, Any] = {"size": geo.data_size, "block_size": geo.block_size, "max_entries": geo.n_slots,
-                            "policy": policy, "mode": mode, "multi_threaded": multi_threaded, **tiers}
+                            "mode": mode, "multi_threaded": multi_threaded, **tiers}
+    if policy is not None:
+        want["policy"] = policy
     if keep is not None:
         want["keep"] = keep
     return want

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from .core import C_COPY_HASH, C_COPY_HASH_ISA, C_COPY_HASH_MANY, PURE_PYTHON_ENV
+from .core_fast import C_COPY_HASH, C_COPY_HASH_ISA, C_COPY_HASH_MANY, C_GATHER_HASH, PURE_PYTHON_ENV
 
 HASH_CHUNK = 256 * 1024  # the Python loop's step: a copy and a hash call per step, each without the GIL
 
@@ -61,11 +61,32 @@ def copy_hash_many_py(dsts: Sequence[Any], srcs: Sequence[Any], head: bytes = b"
     return h.intdigest()
 
 
+def gather_hash_py(dst: Any, src: Any, offsets: np.ndarray, lengths: np.ndarray, sums: np.ndarray) -> int:
+    """Copy the pieces `src[offsets[i] : offsets[i] + lengths[i]]` into `dst` back to back and put each one's
+    xxh3_64 into `sums[i]` (u64 arrays); the bytes copied.  Every piece is checked first (ValueError)."""
+    d, s = _bytes(dst), _bytes(src)
+    offs, lens = np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)
+    if not (len(offs) == len(lens) == len(sums)):
+        raise ValueError("gather_hash: offsets, lengths and sums must be u64 buffers of one length")
+    total = int(lens.sum()) if len(lens) else 0
+    if len(offs) and (int((offs + lens).max()) > s.nbytes or (offs > s.nbytes).any()) or total > d.nbytes:
+        raise ValueError("gather_hash: a piece is outside src or dst")
+    at = 0
+    for n, (o, ln) in enumerate(zip(offs.tolist(), lens.tolist())):
+        d[at : at + ln] = s[o : o + ln]
+        sums[n] = xxhash.xxh3_64_intdigest(d[at : at + ln])
+        at += ln
+    return total
+
+
 _PURE = C_COPY_HASH is None or os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
 # copy_hash(dst, src, head=b"") -> int, as copy_hash_py; chosen once, at import.
 copy_hash: Any = copy_hash_py if _PURE else C_COPY_HASH
 # copy_hash_many(dsts, srcs, head=b"") -> int, as copy_hash_many_py.
 copy_hash_many: Any = copy_hash_many_py if _PURE else C_COPY_HASH_MANY
+# gather_hash(dst, src, offsets, lengths, sums) -> int, as gather_hash_py: one call for a batch of values.
+gather_hash: Any = gather_hash_py if _PURE or C_GATHER_HASH is None else C_GATHER_HASH
 ISA: str = "python" if _PURE else str(C_COPY_HASH_ISA)  # what runs it: "avx2", "baseline" or "python"
 
-__all__ = ["HASH_CHUNK", "ISA", "copy_hash", "copy_hash_many", "copy_hash_many_py", "copy_hash_py"]
+__all__ = ["HASH_CHUNK", "ISA", "copy_hash", "copy_hash_many", "copy_hash_many_py", "copy_hash_py", "gather_hash",
+           "gather_hash_py"]

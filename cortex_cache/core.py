@@ -12,6 +12,11 @@ through its interface below and two hooks,
 - `after_unlock`: callables run once the lock is let go, in order (work begun
   under the lock and finished outside it: a disk spill).
 
+Core is one class in four files: this one (the mapping, locking, the entry
+life cycle, lookups, generations), core_alloc.py (room: slots, blocks, key
+cells, eviction, dead processes' leftovers), core_pins.py (pin records) and
+core_fast.py (the binding to the C fast path, and the names it exports).
+
 Locking: `locked(fn, *args)` runs `fn` with the pool lock held and the dirty
 mark set (docs/design.md, "Invariants" 3).  Every method documented "lock
 held" may only be called inside such a section; a batch of operations can run
@@ -21,25 +26,36 @@ in one section.  The raw tables (`columns`, `header`, `block_map`, `key_map`,
 
 from __future__ import annotations
 
-import os
-import platform
 import sys
-import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from . import procs, queues, segment
-from .allocator import find_run, run_around
+from . import core_fast, procs, queues, segment
 from .chains import unchain
+from .core_alloc import Allocation
+from .core_fast import (  # re-exported for the layers above (__all__)
+    C_COPY_HASH,
+    C_COPY_HASH_ISA,
+    C_COPY_HASH_MANY,
+    COPY_IN_LOCK,
+    GET_COPY_IN_LOCK,
+    GUARD,
+    PIN,
+    PURE_PYTHON_ENV,
+    READ_COUNTED,
+    READ_HITS,
+    READ_QUIET,
+    SEQLOCK_COPIES,
+    SLOW,
+)
+from .core_pins import Pinned, Pins
 from .errors import (
     BufferTooSmall,
     CortexCacheError,
-    PoolBusy,
     PoolClosed,
-    PoolFull,
     PoolSuperseded,
     SegmentCorrupt,
     UsageError,
@@ -48,68 +64,18 @@ from .errors import (
 )
 from .eviction import VictimCache, policy_by_id
 from .layout import (
-    HEADER_FIELDS, PIN_FIELDS,
-    CANDIDATES, FLAG_MULTI_THREADED, FLAG_SUPERSEDED, FREE, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
-    P32, P64, P_PID, P_SLOT, P_START, PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY,
-    VICTIM_COLUMNS, WRITING, ZOMBIE,
-    H_ALLOC_HINT, H_BYTES_EVICTED, H_DELETES, H_DIRTY, H_EVICTIONS, H_EXPIRATIONS, H_FREE_SLOT, H_HITS,
-    H_KEY_HINT, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS, H_REPAIRS, H_SEQ,
-    H_USED_BLOCKS, H_USED_KCELLS, H_GONE_SEQ, H_FLAGS,
-    Geometry, blocks_for, ghost_buckets, key_cells,
+    CANDIDATES, FLAG_MULTI_THREADED, FLAG_SUPERSEDED, HEADER_DTYPE, HEADER_SIZE, KEY_CELL, MV_FORMAT,
+    PIN_DTYPE, PIN_SIZE, SEALED, SLOT_COLUMNS, SLOT_FLAG_STR_KEY, VICTIM_COLUMNS, WRITING, ZOMBIE,
+    H_DELETES, H_DIRTY, H_EXPIRATIONS, H_HITS, H_LFU_EPOCH, H_LFU_PERIOD, H_MISSES, H_N_ENTRIES, H_OPS, H_PUTS,
+    H_REPAIRS, H_SEQ, H_GONE_SEQ, H_FLAGS,
+    Geometry, blocks_for,
 )
-from .lock import METADATA_BYTE, PoolLock, default_timeout as default_lock_timeout
-from .stats import memory_stats
+from .lock import PoolLock, default_timeout as default_lock_timeout
 from .units import format_size
 
-# Values up to this size are put (and restored) in one lock hold: two extra lock
-# round trips (reserve, seal) would cost more than copying outside it.
-COPY_IN_LOCK = 256 * 1024
-# Reads copy inside the lock only up to 32 KiB: above that, readers in other
-# processes gain more from overlapping their copies than the two extra lock
-# round trips cost one of them (64 KiB, two reader processes: 0.8x -> 1.8x
-# of one; one reader alone: -17% ops/s; benchmarks/bench_peers.py).
-GET_COPY_IN_LOCK = 32 * 1024
-# The C fast path (_fastpath*.c; docs/internals.md, "The fast path"), unless it was not built or
-# CORTEX_CACHE_PURE_PYTHON=1 asks for the Python path everywhere.
-try:
-    from . import _fastpath
-except ImportError:  # pragma: no cover - built by `pip install` wherever a C compiler is
-    _fastpath = None  # type: ignore[assignment]
-PURE_PYTHON_ENV = "CORTEX_CACHE_PURE_PYTHON"
-SLOW = _fastpath.SLOW if _fastpath is not None else object()  # "take the Python path" (nothing was changed)
 POPULATE_CHUNK = 32 << 20  # Core.populate's step: about 4 ms of page-table work
-PIN = _fastpath.Pin if _fastpath is not None else None  # the fast path's pinned entry (EntryView uses it)
-# A mapping fenced against SIGBUS (_fastpath.c, Guard): the segment's, and every snapshot file and pack
-# mapped (snapshot.py), so that a file cut short while it is read is an error, never a dead process.
-GUARD = _fastpath.Guard if _fastpath is not None else None
-# Its copy-and-checksum (copyhash.py picks it or the Python loop), and the instruction set it runs.
-C_COPY_HASH = _fastpath.copy_hash if _fastpath is not None else None
-C_COPY_HASH_MANY = _fastpath.copy_hash_many if _fastpath is not None else None
-C_COPY_HASH_ISA = _fastpath.COPY_HASH_ISA if _fastpath is not None else None
-# Modes of the fast path's reads: count hits and misses; count hits (a miss is SLOW, for a tier below to
-# look); count nothing, move nothing (peek).
-READ_COUNTED, READ_HITS, READ_QUIET = 0, 1, 2
-# Copying a large value outside the lock without a pin (the seqlock check) relies on stores becoming
-# visible in program order (x86-64's TSO); elsewhere the fast path leaves large values to the pinned path.
-# The policies as the C fast path numbers them (_fastpath.h, POL_*), for its copy of eviction.py's scores.
-_POLICY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2, "priority": 3, "ttl": 4, "size": 5, "s3fifo": 0, "arc": 0, "auto": 0}
-# ... and what a hit does in a queue policy (its Q_* enum): count the read, or promote to queue 1.
-_QUEUE_KINDS = {"s3fifo": 1, "arc": 2, "auto": 1}
-_ADAPT_KINDS = {"": 0, "arc": 1, "auto": 2}  # ... and how a ghost hit moves the target (its ADAPT_* enum)
-SEQLOCK_COPIES = platform.machine().lower() in ("x86_64", "amd64")
 # What damaged metadata raises under the lock (an index out of range, a counter at its limit).
 METADATA_ERRORS = (IndexError, ValueError, OverflowError, ZeroDivisionError)
-_ONES = b"\x01" * 256  # map filler for runs of up to 256 cells
-_ZEROS = memoryview(bytes(256))  # ... and its opposite (a view: slicing it copies nothing)
-
-
-class Pinned(NamedTuple):
-    """A pinned entry whose value is copied outside the lock: unpin with `Core.unpin(pin, slot)`."""
-
-    pin: int
-    slot: int
-    offset: int  # of the value in the segment
-    length: int
 
 
 class _Fields:
@@ -120,18 +86,10 @@ class _Fields:
             setattr(self, name, arr[name])
 
 
-def _unmap(seg: segment.Segment) -> None:
-    try:
-        seg.close()
-    except BufferError:
-        # A buffer exported from the mapping is still alive somewhere
-        # (a numpy array made from a view): the mapping goes when it does.
-        os.close(seg.fd)
-        seg.fd = -1
-
-
-class Core:
-    """One pool segment, mapped, with its invariants (see the module docstring)."""
+class Core(Allocation, Pins):
+    """One pool segment, mapped, with its invariants (see the module docstring).  Its room (slots, blocks,
+    key cells, eviction: core_alloc.py) and its pins (core_pins.py) are mixed in; the C fast path over it
+    is bound in core_fast.py."""
 
     # Half-built handles close cleanly (a failed attach leaves these).
     closed = False
@@ -158,13 +116,13 @@ class Core:
         self.name = seg.name
         self._repairer = repairer
         self.repair_hooks: list[Callable[[bool], list[str]]] = []
-        self.on_evict: Callable[[int], None] | None = None
+        self._on_evict: Callable[[int], None] | None = None
         self.after_unlock: list[Callable[[], None]] = []
         self.forked = False  # set in a forked child: its OFD lock would be its parent's
         mm = seg.mm
         # The mapping fenced against SIGBUS (a segment truncated by another process, a --no-reserve pool
         # on a full /dev/shm): `gone` then, and every later call a SegmentCorrupt (_fastpath_guard.c).
-        self.guard = _fastpath.Guard(mm) if _fastpath is not None else None
+        self.guard = core_fast.guard(mm)
         self.mv = mv = memoryview(mm)
         hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
         self.header = hdr
@@ -235,51 +193,31 @@ class Core:
             self.queues.evicted = self.fast.evicted  # type: ignore[method-assign]  # the same, in C
 
     def _fast_path(self, slot_offsets: dict[str, int]) -> Any:
-        """The C fast path over this mapping (`_fastpath.Fast`), or None: not built, or turned off."""
-        if _fastpath is None or os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
-            return None
-        g = self.geometry
-        hoff = {name: off for name, _, off in HEADER_FIELDS}
-        poff = {name: off for name, _, off in PIN_FIELDS}
-        pid, start = procs.me()
-        pol = self.victims.policy
-        spec: dict[str, Any] = {
-            "lock_byte": METADATA_BYTE, "policy": _POLICY_KINDS[pol.name], "monotone": int(pol.monotone),
-            "seqlock": int(SEQLOCK_COPIES), "verify": int(self.verify_reads), "pid": pid, "start": start,
-            "block_size": g.block_size, "n_blocks": g.n_blocks, "n_slots": g.n_slots, "n_buckets": g.n_buckets,
-            "n_pins": g.n_pins, "data_off": g.data_off, "keys_off": g.keys_off, "n_kcells": g.n_kcells,
-            "copy_in_lock": GET_COPY_IN_LOCK, "buckets_off": g.buckets_off, "pins_off": g.pins_off,
-            "pin_size": PIN_SIZE, "pin_pid": poff["pid"], "pin_slot": poff["slot"], "pin_start": poff["start"],
-            "n_blocks_col": slot_offsets["n_blocks"], "lfu_epoch_col": slot_offsets["lfu_epoch"],
-            "thread_lock": self.lock.thread, "guard": self.guard,
-            "on_score_change": None if pol.monotone else self.victims.on_score_change,
-            "on_unpin": self.victims.on_unpin, "free_entry": self._free_entry, "late_unpin": self._unpin_late,
-            # The write path (_fastpath_put.c).
-            "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
-            "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt,
-            "error": CortexCacheError, "corrupt_error": SegmentCorrupt,
-        }
-        for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",
-                     "cand_max_primary", "cand_max_secondary", "cand_next_expiry", "free_slot", "alloc_hint",
-                     "used_blocks", "key_hint", "used_kcells", "n_entries", "puts", "gone_seq"):
-            spec["h_" + name] = hoff[name]
-        for name in ("state", "pins", "key_len", "next", "key_hash", "value_len", "first_block", "checksum",
-                     "last_access", "expiry", "insert_seq", "access_seq", "access_count", "priority", "key_cell",
-                     "flags", "owner_pid", "owner_start", "created"):
-            spec[name] = slot_offsets[name]
-        if self.queues is not None:
-            qo = g.qslot_columns()
-            spec.update(queues=_QUEUE_KINDS[pol.name], adapt=_ADAPT_KINDS[pol.adapt], queue_col=qo["queue"],  # type: ignore[attr-defined]
-                        freq_col=qo["freq"], qseq_col=qo["qseq"])
-            for name in ("q_count0", "cand1_next_expiry", "q_target", "q_seq", "g0_live", "g1_live", "g0_head",
-                         "g0_tail", "g1_head", "g1_tail", "q_regime", "q_ghost_rate", "q_hit_rate", "q_hits_seen"):
-                spec["h_" + name] = g.queue_field(name)  # in the queue region's header: absolute offsets
-            spec["g0_factor"], spec["g1_factor"] = pol.ghosts  # type: ignore[attr-defined]
-            for ring in (0, 1):
-                offs, n, boff = g.ghost_columns(ring)
-                spec.update({f"g{ring}_n": n, f"g{ring}_hash": offs["hash"], f"g{ring}_next": offs["next"],
-                             f"g{ring}_buckets": boff, f"g{ring}_n_buckets": ghost_buckets(n)})
-        return _fastpath.Fast(self.seg.mm, self.seg.fd, spec)
+        """The C fast path over this mapping, or None: not built, or turned off (core_fast.bind)."""
+        return core_fast.bind(self.seg, self.geometry, self.victims, slot_offsets, queued=self.queues is not None,
+                              verify_reads=self.verify_reads, thread_lock=self.lock.thread, guard=self.guard,
+                              hooks={"free_entry": self._free_entry, "late_unpin": self._unpin_late,
+                                     "reserve_hook": self.reserve_or_corrupt, "evict_hook": self.evict_or_corrupt,
+                                     "refill_hook": self.refill_or_corrupt})
+
+    def refill_or_corrupt(self, q: int) -> bool:
+        """Fill victim list `q` again (VictimCache.fill), for the C victim choice (lock held, taken by C);
+        damaged metadata is a SegmentCorrupt, as in `evict_or_corrupt`."""
+        try:
+            return (self.queues.lists[q] if self.queues is not None else self.victims).fill()
+        except METADATA_ERRORS as e:
+            raise self.damaged(e) from e
+
+    @property
+    def on_evict(self) -> Callable[[int], None] | None:
+        """Called with the lock held for an entry about to leave memory by eviction (the module docstring)."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Callable[[int], None] | None) -> None:
+        self._on_evict = fn
+        if self.fast is not None:  # the C victim choice leaves a spilling pool's evictions to Python
+            self.fast.spill = fn is not None
 
     def close(self) -> None:
         """Unmap.  Safe to call twice, and on a half-built handle."""
@@ -309,12 +247,10 @@ class Core:
             # A segment that lost its name is freed with its last mapping: the unmap that drops it frees
             # all its memory (~0.3 s per GiB), on a thread of its own (the GIL let go), so that a handle
             # moving to the pool now under the name (Pool.reopen, the engine adapters) never waits for it.
-            try:
-                threading.Thread(target=_unmap, args=(self.seg,), name="cortex-unmap", daemon=True).start()
+            # Its descriptors go with it (the segment's, and the one mmap keeps): `wait_unmapped` waits.
+            if segment.unmap_in_background(self.seg):
                 return
-            except RuntimeError:  # no new threads (the interpreter is shutting down)
-                pass
-        _unmap(self.seg)
+        self.seg.unmap()
 
     def data_region(self) -> tuple[int, int]:
         """(address, length) of the data region in this process's mapping (for cudaHostRegister)."""
@@ -658,193 +594,6 @@ class Core:
             hu64[H_LFU_EPOCH] += 1
         return hu64[H_LFU_EPOCH]
 
-    # ------------------------------------------------------------------ allocation
-
-    def _alloc_slot(self) -> int:
-        hi64 = self._hi64
-        i = hi64[H_FREE_SLOT]
-        while i < 0:
-            if self.evict_one() is None:
-                raise PoolFull(
-                    f"pool {self.name!r} has no free entry slot ({self.geometry.n_slots} max entries) "
-                    "and nothing can be evicted"
-                )
-            i = hi64[H_FREE_SLOT]
-        hi64[H_FREE_SLOT] = self._c_next[i]
-        self._c_next[i] = -1
-        return i
-
-    def _free_slot(self, i: int) -> None:
-        self._c_state[i] = FREE
-        self._c_pins[i] = 0
-        # Forget who it was: a damaged state word must not bring a deleted entry back.
-        self._c_khash[i] = 0
-        self._c_cks[i] = 0
-        hi64 = self._hi64
-        self._c_next[i] = hi64[H_FREE_SLOT]
-        hi64[H_FREE_SLOT] = i
-
-    def _alloc_blocks(self, k: int) -> int:
-        hu64 = self._hu64
-        hint = hu64[H_ALLOC_HINT]
-        bmap = self._bmap
-        # Fast path: the run at the cursor is free (empty pool, or the blocks
-        # an eviction or delete just freed).  Else a vectorised scan.
-        if hint + k <= self._n_blocks and bmap[hint : hint + k] == (_ZEROS[:k] if k <= 256 else bytes(k)):
-            first = hint
-        else:
-            # A full pool (the steady state of a cache) cannot have a run:
-            # skip the scan and go straight to eviction.
-            first = find_run(self.block_map, k, hint) if hu64[H_USED_BLOCKS] + k <= self._n_blocks else -1
-            while first < 0:
-                freed = self.evict_one()
-                if freed is None:
-                    raise PoolFull(
-                        f"pool {self.name!r} is full: no run of {k} free blocks, "
-                        "and every entry is pinned, being written, or already evicted"
-                    )
-                vfirst, vn = freed
-                # The victim's own run is enough when it is as long (the common
-                # case of equal-sized KV chunks); else look at its neighbours.
-                if vn >= k:
-                    first = vfirst
-                elif vn > 0:
-                    first = run_around(self.block_map, vfirst, vn, k)
-                else:
-                    first = find_run(self.block_map, k, 0)
-        bmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
-        hu64[H_USED_BLOCKS] += k
-        nxt = first + k
-        hu64[H_ALLOC_HINT] = nxt if nxt < self._n_blocks else 0
-        return first
-
-    def _alloc_kcells(self, klen: int) -> int:
-        """First cell of a run of free cells for a key of `klen` bytes, evicting for room (docs/design.md, "Keys")."""
-        k = (klen + KEY_CELL - 1) // KEY_CELL  # layout.key_cells, inlined on the hot path
-        hu64 = self._hu64
-        hint = hu64[H_KEY_HINT]
-        kmap = self._kmap
-        if hint + k <= self._n_kcells and kmap[hint : hint + k] == (_ZEROS[:k] if k <= 256 else bytes(k)):
-            first = hint
-        else:
-            first = find_run(self.key_map, k, hint)
-            while first < 0:
-                if self.evict_one() is None:
-                    raise PoolFull(
-                        f"pool {self.name!r} is full: no room for a key of {k * KEY_CELL} bytes, "
-                        "and every entry is pinned, being written, or already evicted"
-                    )
-                first = find_run(self.key_map, k, 0)
-        kmap[first : first + k] = _ONES[:k] if k <= len(_ONES) else b"\x01" * k
-        hu64[H_USED_KCELLS] += k
-        nxt = first + k
-        hu64[H_KEY_HINT] = nxt if nxt < self._n_kcells else 0
-        return first
-
-    def _free_kcells(self, first: int, klen: int) -> None:
-        k = key_cells(klen)
-        self._kmap[first : first + k] = _ZEROS[:k]  # keys are at most 4 KiB: 128 cells
-        hu64 = self._hu64
-        hu64[H_USED_KCELLS] -= k
-        hu64[H_KEY_HINT] = first
-
-    def _free_entry(self, i: int) -> None:
-        """Give slot `i`'s blocks, key cells and the slot itself back."""
-        first, n = self._c_first[i], self._c_nblk[i]
-        self._bmap[first : first + n] = _ZEROS[:n] if n <= 256 else bytes(n)
-        hu64 = self._hu64
-        hu64[H_USED_BLOCKS] -= n
-        # Reuse freed blocks first: they are likely still in the CPU cache.
-        hu64[H_ALLOC_HINT] = first
-        kf = self._c_kcell[i]
-        k = (self._c_klen[i] + KEY_CELL - 1) // KEY_CELL  # as _free_kcells, inlined on the hot path
-        self._kmap[kf : kf + k] = _ZEROS[:k]
-        hu64[H_USED_KCELLS] -= k
-        hu64[H_KEY_HINT] = kf
-        self._free_slot(i)
-
-    # ------------------------------------------------------------------ eviction
-
-    def evict_one(self) -> tuple[int, int] | None:
-        """Evict one victim by policy (expired entries first), or reclaim what dead processes left (lock held).
-
-        Returns the run of blocks freed, (first, count) -- count 0 when dead
-        processes' leftovers were reclaimed, wherever they were -- or None when
-        nothing could be freed.  `on_evict` sees a victim that has not expired.
-        """
-        i, expired = self.victims.next_victim()
-        if i < 0:
-            return (0, 0) if self.reap_dead() else None
-        first, n = self._c_first[i], self._c_nblk[i]
-        if not expired and self.on_evict is not None:
-            self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
-        self._count_eviction(i, expired)
-        if not expired and self.queues is not None:
-            self.queues.evicted(i)
-        self.remove(i)
-        return first, n
-
-    def _count_eviction(self, i: int, expired: bool) -> None:
-        hu64 = self._hu64
-        if expired:
-            hu64[H_EXPIRATIONS] += 1
-        else:
-            hu64[H_EVICTIONS] += 1
-            hu64[H_BYTES_EVICTED] += self._c_vlen[i]
-
-    def evict_slots(self, slots: Any, spill: bool, count_expired: bool = True) -> tuple[int, int]:
-        """Evict the sealed entries `slots` (lock held); `spill`: offer unexpired ones to `on_evict`;
-        `count_expired`: count an expired one as an expiration (else as an eviction).
-        Returns (entries, value bytes)."""
-        count = freed = 0
-        for i in slots:
-            if self._c_state[i] != SEALED:
-                continue
-            count += 1
-            freed += self._c_vlen[i]
-            gone = self.expired(i)
-            if spill and not gone and self.on_evict is not None:
-                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
-            self._count_eviction(i, gone and count_expired)
-            self.remove(i)
-        return count, freed
-
-    def evict_keys(self, encoded: list[tuple[bytes, int]], spill: bool) -> tuple[int, int]:
-        """Evict the entries of these (key, hash) pairs that are in memory (lock held)."""
-        return self.evict_slots([i for i in (self.find(kb, kh) for kb, kh in encoded) if i >= 0], spill, False)
-
-    def evict_matching(self, expired_only: bool, prefix: bytes | None, spill: bool) -> tuple[int, int]:
-        """Evict every sealed entry, or the expired ones, or those whose key starts with `prefix` (lock held)."""
-        idx = np.flatnonzero(self.columns["state"] == SEALED)
-        if expired_only:
-            e = self.columns["expiry"][idx]
-            idx = idx[(e > 0) & (e <= self.clock())]
-        slots = map(int, idx)
-        if prefix is not None:
-            slots = (i for i in slots if self.key_bytes(i).startswith(prefix))
-        return self.evict_slots(list(slots), spill)
-
-    def evict_amount(self, percent: float | None, target: int | None, spill: bool) -> tuple[int, int]:
-        """Evict by policy until `target` value bytes (or `percent` of them) are freed (lock held)."""
-        if percent is not None:
-            live = self.columns["state"] == SEALED
-            target = int(np.ceil(int(self.columns["value_len"][live].sum()) * percent / 100))
-        assert target is not None
-        count = freed = 0
-        while freed < target:
-            i, expired = self.victims.next_victim()
-            if i < 0:
-                break
-            count += 1
-            freed += self._c_vlen[i]
-            if spill and not expired and self.on_evict is not None:
-                self.on_evict(i)  # first: a spill that refuses leaves the entry, and the counters, as they were
-            self._count_eviction(i, expired)
-            if not expired and self.queues is not None:
-                self.queues.evicted(i)
-            self.remove(i)
-        return count, freed
-
     # ------------------------------------------------------------------ lookup and removal
 
     def find(self, kb: bytes, kh: int) -> int:
@@ -1066,122 +815,6 @@ class Core:
             "pins": self._c_pins[i],
         }
 
-    def stats(self) -> dict[str, Any]:
-        """The memory tier's usage and counters (lock held; stats.py); `Pool.stats` adds the tiers'."""
-        return memory_stats(self)
-
-    # ------------------------------------------------------------------ pins
-
-    def pin(self, i: int) -> int:
-        """Pin entry `i` for this process (lock held): its blocks stay until `unpin`.  The pin record."""
-        pu32 = self._pu32
-        j = self._pin_hint
-        if pu32[j * P32 + P_PID] != 0:
-            ppid = self.pin_records["pid"]
-            free = np.flatnonzero(ppid == 0)
-            if free.size == 0:
-                self.reap_dead()  # dead readers' records come back (it says True only when it freed an entry)
-                free = np.flatnonzero(ppid == 0)
-            if free.size == 0:
-                raise PoolBusy(
-                    f"pool {self.name!r}: all {self._n_pins} pin records are in use "
-                    "(too many concurrent large reads or open views)"
-                )
-            j = int(free[0])
-        pid, start = procs.me()
-        self._pi32[j * P32 + P_SLOT] = i
-        self._pu64[j * P64 + P_START] = start
-        pu32[j * P32 + P_PID] = pid
-        self._c_pins[i] += 1
-        self._pin_hint = (j + 1) % self._n_pins
-        return j
-
-    def unpin(self, j: int, i: int) -> None:
-        """Release pin record `j` on entry `i` (lock held); a deleted entry's blocks go at its last unpin."""
-        pu32, pi32 = self._pu32, self._pi32
-        if pu32[j * P32 + P_PID] != procs.me()[0] or pi32[j * P32 + P_SLOT] != i:
-            return  # already reclaimed by a repair (should not happen while we live)
-        pu32[j * P32 + P_PID] = 0
-        pi32[j * P32 + P_SLOT] = -1
-        pins = self._c_pins[i]
-        if pins > 0:
-            pins -= 1
-            self._c_pins[i] = pins
-        if pins == 0:
-            if self._c_state[i] == ZOMBIE:
-                self._free_entry(i)
-            elif self._c_state[i] == SEALED:
-                self.victims.on_unpin(i)
-
-    def pin_batch(self, slots: list[int]) -> list[Pinned]:
-        """Pin the sealed entries among `slots` whose metadata is possible (lock held)."""
-        out = []
-        for i in slots:
-            if self._c_state[i] != SEALED:
-                continue
-            try:
-                off, vlen = self.value_at(i)
-            except SegmentCorrupt:
-                continue  # verify's structural pass reports it; nothing to pin
-            try:
-                out.append(Pinned(self.pin(i), i, off, vlen))
-            except BaseException:
-                self.unpin_batch(out)  # PoolBusy part-way: no pins left behind
-                raise
-        return out
-
-    def pin_many(self, encoded: list[tuple[bytes, int]], rooms: list[int] | None, count_miss: bool) -> list[Any]:
-        """Pin the live entries of many keys in this one lock hold (the batched reads' bookkeeping).
-
-        Per key: a Pinned, None (absent), or the error for that key (BufferTooSmall when `rooms[n]` is
-        smaller than the value, PoolBusy when the pin records run out).  On any other error what was
-        pinned is unpinned before it propagates: a batch never leaves pins behind.
-        """
-        out: list[Any] = []
-        try:
-            for n, (kb, kh) in enumerate(encoded):
-                i = self.lookup_live(kb, kh) if count_miss else self.find_live(kb, kh)
-                if i < 0:
-                    out.append(None)
-                    continue
-                off, vlen = self.value_at(i)
-                if rooms is not None and rooms[n] < vlen:
-                    out.append(BufferTooSmall(f"buffer of {rooms[n]} bytes is too small for a value of {vlen} bytes"))
-                    continue
-                self.touch(i)
-                try:
-                    out.append(Pinned(self.pin(i), i, off, vlen))
-                except PoolBusy as e:
-                    out.append(e)
-        except BaseException:
-            self.unpin_batch([p for p in out if p.__class__ is Pinned])
-            raise
-        return out
-
-    def _unpin_late(self, pin: int, slot: int) -> None:
-        """A fast-path Pin's last user is gone (or it was dropped unreleased): unpin it; never raises."""
-        try:
-            if not self.closed:
-                self.release_pins([(pin, slot)])
-        except Exception:
-            pass  # the pin goes with this process (its record is reclaimed when it exits)
-
-    def release_pins(self, pinned: list) -> None:
-        """Unpin `pinned` (records with `pin` and `slot`) in one lock hold: through the fast path when it
-        can take the lock at once, else `locked(unpin_batch)`.  (Not lock held.)"""
-        fast = self.fast
-        if fast is None or not fast.unpin_many(pinned):
-            self.locked(self.unpin_batch, pinned)
-
-    def unpin_batch(self, pinned: list) -> None:
-        """Unpin what `pin_batch` pinned, or any list of records with `pin` and `slot`, or (pin, slot)
-        pairs (lock held)."""
-        for p in pinned:
-            if p.__class__ is tuple:
-                self.unpin(*p)
-            else:
-                self.unpin(p.pin, p.slot)
-
     # ------------------------------------------------------------------ generations
 
     @property
@@ -1233,37 +866,6 @@ class Core:
         return PoolSuperseded(f"pool {self.name!r} was replaced (restore --replace, resize) or deleted since this "
                               f"handle opened it{did}: reopen() it")
 
-    # ------------------------------------------------------------------ dead processes
-
-    def reap_dead(self) -> bool:
-        """Reclaim reservations of dead writers and pins of dead readers (lock held); True if anything was freed
-        or can be evicted again."""
-        freed = False
-        alive = procs.alive_checker()
-        ppid, pslot, pstart = self.pin_records["pid"], self.pin_records["slot"], self.pin_records["start"]
-        pins, state = self.columns["pins"], self.columns["state"]
-        for j in map(int, np.flatnonzero(ppid != 0)):
-            if not alive(int(ppid[j]), int(pstart[j])):
-                i = int(pslot[j])
-                ppid[j] = 0
-                pslot[j] = -1
-                if 0 <= i < self._n_slots and pins[i] > 0:
-                    pins[i] -= 1
-                    if pins[i] == 0 and state[i] == ZOMBIE:
-                        self._free_entry(i)
-                    # A zombie's blocks are free now; a sealed entry can be evicted again (the victim list
-                    # passed it over while pinned): either way the caller looking for room looks again.
-                    freed = freed or pins[i] == 0
-        opid, ostart = self.columns["owner_pid"], self.columns["owner_start"]
-        for i in map(int, np.flatnonzero(state == WRITING)):
-            if not alive(int(opid[i]), int(ostart[i])):
-                self._free_entry(i)
-                freed = True
-        if freed:
-            self.victims.invalidate()
-        return freed
-
 
 __all__ = ["Core", "Pinned", "GET_COPY_IN_LOCK", "COPY_IN_LOCK", "PIN", "GUARD", "SLOW", "READ_COUNTED", "READ_HITS",
-           "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA",
-           "C_COPY_HASH_MANY"]
+           "READ_QUIET", "PURE_PYTHON_ENV", "C_COPY_HASH", "C_COPY_HASH_ISA", "C_COPY_HASH_MANY", "SEQLOCK_COPIES"]

@@ -49,6 +49,7 @@ from xxhash import xxh3_64_intdigest
 from .chains import build_chains, chain_members, unchain
 from .stats import hit_stats
 from .disklog import DiskLog, Location
+from .errors import CortexCacheError, SegmentCorrupt, StorageIOError
 from .lower import BUSY
 from .layout import (
     DFREE, DISK_O_DIRECT, DISK_ON, DISK_WRITE_THROUGH, HEADER_DTYPE, DLIVE, DPENDING, DSLOT_COLUMNS,
@@ -178,8 +179,6 @@ class DiskIndex:
         if log is None:
             log, e = _open_log(path, bool(flags & DISK_O_DIRECT))
             if e is not None:
-                from .errors import CortexCacheError, StorageIOError
-
                 why, err = str(e), type(e) if isinstance(e, CortexCacheError) else StorageIOError
                 if _tier_gone(path):
                     err = None  # nobody can spill to a tier that is gone: the pool works from memory alone
@@ -198,8 +197,6 @@ class DiskIndex:
             d = self._next[d]
             steps += 1
             if steps > self._n:
-                from .errors import SegmentCorrupt
-
                 raise SegmentCorrupt("disk index: hash chain loop; run `cortex cache verify --repair`")
         return -1
 
@@ -567,8 +564,6 @@ class DiskIndex:
 
 
 def _spill_error(path: str, e: OSError) -> Exception:
-    from .errors import StorageIOError
-
     return StorageIOError(f"cannot write the disk tier in {path!r} ({e.strerror or e}): the entry stays in memory")
 
 
@@ -593,8 +588,6 @@ def open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, str | None]:
 
 
 def _open_log(path: str, o_direct: bool) -> tuple[DiskLog | None, Exception | None]:
-    from .errors import CortexCacheError
-
     try:
         return DiskLog.open(path, o_direct=o_direct), None
     except (CortexCacheError, OSError) as e:

@@ -21,6 +21,10 @@ number).  Between scans the list stays exact:
 So eviction is exact for every policy and costs O(1) per victim in the
 steady state, plus one O(n) scan per CANDIDATES victims.  Expired entries are
 always reclaimed before any policy victim.
+
+The C fast path does the same for its puts (_fastpath_evict.c: peek, take,
+may_expire; _fastpath_entries.h: offer), calling `VictimCache.fill` here for
+the scan; tests/test_fast_evict.py holds the two to the same victims.
 """
 
 from __future__ import annotations
@@ -333,7 +337,9 @@ class VictimCache:
         self.on_expiry_set(float(self.s["expiry"][i]))
 
     def _offer(self, i: int) -> None:
-        """Put slot `i` into the list if it scores below the last listed victim."""
+        """Put slot `i` into the list if it scores below the last listed victim, where it sorts; the fewer rows
+        move: those before it up into the row taken last, or those after it down (a full list dropping its
+        last row).  _fastpath_entries.h's offer does the same in C."""
         hu32 = self._lu32
         p, sec = self._score(i)
         mp, ms = self._lf64[self._w_max_primary], self._lu64[self._w_max_secondary]
@@ -345,13 +351,19 @@ class VictimCache:
         if not after.size:
             return  # the list is used up: the next eviction rescans anyway
         k = pos + int(after[0])
-        end = count if count < self.rows else count - 1  # a full list drops its last row
-        for col in (self._vslot, self._vident, self._vprim, self._vsec):
-            col[k + 1 : end + 1] = col[k:end].copy()
+        if pos > 0 and k - pos < count - k:  # fewer rows before it: they move up into the row taken last
+            for col in (self._vslot, self._vident, self._vprim, self._vsec):
+                col[pos - 1 : k - 1] = col[pos:k].copy()
+            k -= 1
+            hu32[self._w_pos] = pos - 1
+        else:
+            end = count if count < self.rows else count - 1  # a full list drops its last row
+            for col in (self._vslot, self._vident, self._vprim, self._vsec):
+                col[k + 1 : end + 1] = col[k:end].copy()
+            count = end + 1
+            hu32[self._w_count] = count
         self._vslot[k], self._vident[k] = i, self._ident[i]
         self._vprim[k], self._vsec[k] = p, sec
-        count = end + 1
-        hu32[self._w_count] = count
         self._lf64[self._w_max_primary] = float(self._vprim[count - 1])
         self._lu64[self._w_max_secondary] = int(self._vsec[count - 1])
 
@@ -366,7 +378,7 @@ class VictimCache:
             if not hu32[self._w_valid] or self.clock() >= self._lf64[self._w_next_expiry] or (
                 self._lu64[self._w_epoch] != hu64[H_LFU_EPOCH]
             ):
-                if not self._fill():
+                if not self.fill():
                     return -1, False
             pos, count = hu32[self._w_pos], hu32[self._w_count]
             vslot, vident = self._vslot, self._vident
@@ -404,7 +416,7 @@ class VictimCache:
             self._lu32[self._w_pos] += 1
         return i, expired
 
-    def _fill(self) -> bool:
+    def fill(self) -> bool:
         """Scan all live entries and list the best `rows` victims; False if none.
 
         In the steady state of a full cache every entry is live and none has

@@ -1,7 +1,7 @@
 """The background fill: a restored pool serves at once, and its values come in afterwards.
 
 restore.py publishes a pool that is gone, restored from an incremental
-snapshot (the snapshot directory's, version 3: what the boot line restores),
+snapshot (the snapshot directory's, version 4 or 3: what the boot line restores),
 as soon as its configuration is in place (an empty pool with the snapshot's
 size, policy, tiers and counters) and a fill mark in its header (the fill_*
 fields, layout.py); this module then loads the snapshot's values into it
@@ -11,7 +11,11 @@ is still verified whole before its pool appears (restore.py).
 - **Order**: most recently used first (the snapshot's access sequence
   numbers, newest first), in bands of BAND_BYTES inside which values are read
   in file order: the entries engines want come back first, and the disk
-  still reads long runs.
+  still reads long runs.  A version 4 manifest is written in that order
+  (persist computed it: manifest.py), and its columns are read a chunk at a
+  time as the fill reaches them, once the fill has checked the sections'
+  checksums (in the background: the pool was published before); a version 3
+  manifest is read whole and sorted here first.
 - **Batches**: one lock hold reserves room for a batch (never by evicting: an
   entry that finds no free room ends the fill, since what is left is older
   than everything the pool holds), the values are read and checked against
@@ -57,12 +61,12 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import xxhash
 
-from . import packs
+from . import manifest, packs, policy_state
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .gone import GoneMarks
 from .layout import (
@@ -80,10 +84,29 @@ from .lock import RecordLock
 
 if TYPE_CHECKING:
     from .core import Core
-    from .snapshot import Snapshot
+
+
+class Source(Protocol):
+    """What a fill reads of a snapshot (snapfile.Snapshot is one).  Named here, not imported: snapfile.py is
+    above this module (a persist asks it whether a fill runs)."""
+
+    path: Any
+    entries: int
+    value_bytes: int
+    file_check: int
+    header: Any
+    v4: Any  # a version 4 manifest's columns (manifest.py), None for older versions
+
+    def close(self) -> None: ...
+    def verify_manifest(self) -> None: ...
+    def references(self, verify: bool = ...) -> Iterator[Any]: ...
+    def check_whole(self) -> None: ...
+    def pack_fd(self, pack: Any) -> int: ...
+    def pack_reader(self, pack: Any) -> Any: ...
+
 
 FILL_BYTE = 3  # held by the process filling the pool, for as long as it fills (lock.py's bytes)
-BAND_BYTES = 64 << 20
+BAND_BYTES = manifest.BAND_BYTES
 READAHEAD = 64 << 20
 BATCH_ENTRIES = 64
 BATCH_BYTES = 8 << 20
@@ -107,7 +130,7 @@ class Item(NamedTuple):
 # ---------------------------------------------------------------- the mark
 
 
-def mark(core: "Core", snap: "Snapshot", private: bool) -> None:
+def mark(core: "Core", snap: "Source", private: bool) -> None:
     """Put a new fill's mark into a pool not published yet (restore.py; no lock needed: nobody else sees it)."""
     path = str(Path(snap.path).resolve()).encode()
     h = core.header[0]
@@ -182,7 +205,7 @@ def stop(core: "Core") -> None:
         h["fill_ended"] = time.time()
 
 
-def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot | None", str | None]:
+def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | None", str | None]:
     """(the snapshot the pool's fill mark names, None), if this process would trust that snapshot as its own;
     else (None, why not).  The one place a process decides to follow a mark.
 
@@ -215,7 +238,7 @@ def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot
         return None, no + (str(e) if isinstance(e, CortexCacheError) else f"{path!r}: {e.strerror or e}")
     g, sh = core.geometry, snap.header
     why = None
-    if sh.version != 3:
+    if sh.version not in (3, 4):
         why = "it is not an incremental snapshot"
     elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.entries > g.n_slots:
         why = "it is a snapshot of a pool of another size or shape"
@@ -227,7 +250,7 @@ def follow(core: "Core", opener: Callable[[str], "Snapshot"]) -> tuple["Snapshot
     return snap, None
 
 
-def busy_reason(core: "Core", opener: Callable[[str], "Snapshot"]) -> str | None:
+def busy_reason(core: "Core", opener: Callable[[str], "Source"]) -> str | None:
     """Why a persist of this pool must wait for its fill (None: no fill in the way).  A fill whose mark this
     process would not follow (`follow`, `opener` its opener) is none of its business: it never holds it up."""
     if not running(core):
@@ -250,11 +273,67 @@ def busy_reason(core: "Core", opener: Callable[[str], "Snapshot"]) -> str | None
 # ---------------------------------------------------------------- the order
 
 
-def manifest_items(snap: "Snapshot") -> list[Item]:
-    """A version 3 snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read
-    in pack and offset order.  Every record is checked against its own checksum here.  A function of the
-    manifest alone: the snapshot tier of every process attached (snaptier.py) computes the same order, and
-    reads the fill's progress (fill_done) against it."""
+class Positions:
+    """A version 4 manifest's entries in fill order (its columns' order), as Items made a chunk at a time as
+    the fill comes to them: a sequence from position `start` on."""
+
+    CHUNK = 4096
+    KEEP = 64  # chunks kept made: enough for READAHEAD bytes of 2 KiB values between the two cursors
+
+    def __init__(self, snap: "Source", start: int = 0) -> None:
+        assert snap.v4 is not None
+        self.snap, self.v4, self.start = snap, snap.v4, start
+        self._chunks: dict[int, list[Item]] = {}  # made chunks, by first position: the read cursor and the
+        # readahead's (64 MiB further on) each keep theirs
+
+    def __len__(self) -> int:
+        return max(0, self.v4.n - self.start)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            if k.step not in (None, 1) or k.stop is not None:
+                raise ValueError("Positions: only [start:] slices")
+            return Positions(self.snap, self.start + (k.start or 0))
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        p = self.start + k
+        at = p - p % self.CHUNK
+        items = self._chunks.get(at)
+        if items is None:
+            if len(self._chunks) >= self.KEEP:
+                del self._chunks[min(self._chunks)]  # both cursors only move forward
+            items = self._chunks[at] = self._make(at, min(self.v4.n, at + self.CHUNK))
+        return items[p - at]
+
+    def __iter__(self) -> Iterator[Item]:
+        for k in range(len(self)):
+            yield self[k]
+
+    def _make(self, a: int, b: int) -> list[Item]:
+        c = {name: col[a:b].tolist() for name, col in self.v4.cols.items()}
+        keys = self.v4.keys(a, b)
+        return [Item(k, f, n, ck, pr, (cr, la, ex, iseq, aseq, cnt), (pk, off))
+                for k, f, n, ck, pr, cr, la, ex, iseq, aseq, cnt, pk, off in zip(
+                    keys, c["flags"], c["length"], c["checksum"], c["priority"], c["created"], c["last_access"],
+                    c["expiry"], c["insert_seq"], c["access_seq"], c["access_count"], c["pack"], c["offset"])]
+
+    def blocks_bytes(self, block: int) -> int:
+        """The pool memory (whole blocks of `block` bytes) the values from `start` on take."""
+        lengths = self.v4.cols["length"][self.start :]
+        return int(((lengths + np.uint64(block - 1)) // np.uint64(block)).sum()) * block if len(lengths) else 0
+
+
+def manifest_items(snap: "Source") -> "list[Item] | Positions":
+    """A snapshot's entries in fill order: most recently used first, by bands of BAND_BYTES read in pack and
+    offset order.  Version 4 is stored in that order: its sections are checked against their checksums
+    (and its keys and packs against the blob and the table) and its columns used in place (Positions).
+    Version 3: every record is checked against its own checksum, and sorted here -- a function of the
+    manifest alone, so that the snapshot tier of every process attached (snaptier.py) computes the same
+    order, and reads the fill's progress (fill_done) against it."""
+    if snap.v4 is not None:
+        snap.verify_manifest()
+        snap.check_whole()  # read through a mapping: zeros from a file cut short are never used
+        return Positions(snap)
     # No more records than the trailer counts: what a process indexes is bounded by what the file says
     # (and `follow` bounds that by what the pool can hold).
     refs = [(ref, off) for ref, _pack, off in itertools.islice(snap.references(verify=True), snap.entries + 1)]
@@ -299,9 +378,10 @@ class _Reader:
 
     DEPTH = 2
 
-    def __init__(self, snap: "Snapshot", items: list[Item]) -> None:
+    def __init__(self, snap: "Source", items: "list[Item] | Positions") -> None:
         self.snap = snap
         self.items = items
+        self.raw = snap.v4 is not None  # version 4: a value's offset is the value's own, no record head
         self.fds: dict[int, int] = {}
         self.ahead = 0  # items[:ahead] have had their readahead asked for
         self.asked = 0  # bytes asked for ahead of the read cursor
@@ -350,8 +430,9 @@ class _Reader:
                 batch: list[Item] = []
                 nbytes = 0
                 while pos < len(items) and len(batch) < BATCH_ENTRIES and nbytes < limit:
-                    batch.append(items[pos])
-                    nbytes += packs.REC_SIZE + len(items[pos].key) + items[pos].length
+                    it = items[pos]
+                    batch.append(it)
+                    nbytes += self._span(it)
                     pos += 1
                 limit = min(BATCH_BYTES, max(limit, 1 << 20) * 2)
                 buf = self._buffer(nbytes)
@@ -363,6 +444,10 @@ class _Reader:
                                      f"{getattr(e, 'strerror', None) or e}"))
             return
         self._put(None)
+
+    def _span(self, it: Item) -> int:
+        """The bytes read for `it`: its value (version 4), or its record (head, key, value)."""
+        return it.length if self.raw else packs.REC_SIZE + len(it.key) + it.length
 
     def _put(self, what: Any) -> None:
         while not self.stopping.is_set():
@@ -380,7 +465,7 @@ class _Reader:
         while self.ahead < len(items) and self.asked < READAHEAD:
             it = items[self.ahead]
             pack, off = it.where
-            n = packs.REC_SIZE + len(it.key) + it.length
+            n = self._span(it)
             try:
                 os.posix_fadvise(self.fd(pack), off, n, os.POSIX_FADV_WILLNEED)
             except OSError:
@@ -395,19 +480,20 @@ class _Reader:
         for it in batch:
             pack, off = it.where
             klen = len(it.key)
-            n = packs.REC_SIZE + klen + it.length
+            n = self._span(it)
             view = mv[at : at + n]
             at += n
-            reader = self.snap.pack_reader(pack)
-            got = os.preadv(self.fd(pack), [view], off)
             try:
+                reader = self.snap.pack_reader(pack)
+                got = os.preadv(self.fd(pack), [view], off) if n else 0
                 if got != n:
                     raise reader.corrupt(self.snap.path, f"the record at byte {off} is cut short")
-                reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
+                if not self.raw:
+                    reader.check_head(view, off, it.key, it.length, it.checksum, self.snap.path)
             except SnapshotCorrupt as e:
                 out.append(e)
                 continue
-            out.append(view[packs.REC_SIZE + klen :])
+            out.append(view if self.raw else view[packs.REC_SIZE + klen :])
         return out
 
     def value_corrupt(self, it: Item) -> SnapshotCorrupt:
@@ -435,7 +521,7 @@ class _Ended(Exception):
     """The fill was stopped by someone else (its generation changed)."""
 
 
-def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Fill `core`'s pool from `snap` as its mark says, from where the mark says the fill got to.
 
     The caller holds FILL_BYTE and checked that the mark names `snap`.
@@ -451,10 +537,16 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
     start = int(h["fill_done"])
     items = manifest_items(snap)
     block = core.geometry.block_size
-    prepare = _Prepare(core, sum(-(-it.length // block) for it in items[start:]) * block)
+    rest = items[start:]
+    extent = rest.blocks_bytes(block) if isinstance(rest, Positions) else sum(-(-it.length // block) for it in rest) * block
+    prepare = _Prepare(core, extent)
     report = {"entries": 0, "bytes": 0, "expired_skipped": 0, "present_skipped": 0, "corrupt": 0,
               "corrupt_why": None, "ended": "done", "expiring": []}
-    reader = _Reader(snap, items[start:])
+    # The policy's state (policy_state.py), laid over the entries in the lock hold that ends the fill; read
+    # now (its section's checksum checked), copied out of the manifest's mapping.  Older formats: none.
+    blob = snap.section("policy") if snap.v4 is not None else None
+    policy = bytes(blob) if blob else None
+    reader = _Reader(snap, rest)
     marks = GoneMarks(core)
     pos = start  # the fill position of each batch's first entry: the batches come in the fill's order
     try:
@@ -468,7 +560,8 @@ def run(core: "Core", snap: "Snapshot", progress: Callable[[int, int], None] | N
                 report["ended"] = "stopped"
                 break
         prepare.finish()
-        core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED)
+        report["policy_state"] = core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED,
+                                             policy)
     except _Ended:
         report["ended"] = "stopped"
         prepare.finish()
@@ -629,12 +722,16 @@ def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[
     report["bytes"] += nbytes
 
 
-def _finish(core: "Core", gen: int, end: int) -> None:
+def _finish(core: "Core", gen: int, end: int, policy: bytes | None = None) -> dict[str, Any] | None:
+    """Lock held: end the fill; lay the snapshot's policy state (if it has one) over what the fill loaded,
+    in the same hold, so that no put sees the entries without it.  Returns policy_state.apply's report."""
     h = core.header[0]
     if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
         raise _Ended
+    applied = policy_state.apply(core, policy) if policy else None
     h["fill_state"] = end
     h["fill_ended"] = time.time()
+    return applied
 
 
 class _Prepare:
@@ -684,5 +781,5 @@ def _unreserved(core: "Core") -> None:
     h["flags"] = int(h["flags"]) & ~FLAG_RESERVED
 
 
-__all__ = ["FILL_BYTE", "Item", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "follow", "busy_reason",
+__all__ = ["FILL_BYTE", "Item", "Positions", "mark", "fits_mark", "state", "filler_alive", "running", "stop", "follow", "busy_reason",
            "manifest_items", "run"]

@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 
-from .errors import LockTimeout
+from .errors import LockTimeout, UsageError
 
 # struct flock on Linux/x86_64 and aarch64: short l_type, short l_whence,
 # off_t l_start, off_t l_len, pid_t l_pid (must be 0 for OFD locks), padded to 32.
@@ -54,8 +54,6 @@ def default_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        from .errors import UsageError
-
         raise UsageError(f"invalid {TIMEOUT_ENV} {raw!r}: give seconds (> 0), or inf")
     return value
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
@@ -54,8 +54,13 @@ from .layout import H_GONE_SEQ, H_HITS, H_MISSES, MAX_KEY_BYTES
 from .tiers import Tiers
 from .values import key_bytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .pool import Pool
+
+class Attached(Protocol):
+    """What a lookup uses of a pool handle (a Pool is one): its core and its tiers.  Named here, not
+    imported from pool.py, which is above this module."""
+
+    core: Core
+    tiers: Tiers
 
 DEFAULT_CAPACITY = 4096
 
@@ -128,7 +133,7 @@ def leading(core: Core, tiers: Tiers, keys: Sequence[Any]) -> int:
     return core.locked(probe_locked, core, tiers, enc, 0, len(enc))[1]
 
 
-def count_lookups(pool: "Pool", hits: int, misses: int) -> None:
+def count_lookups(pool: Attached, hits: int, misses: int) -> None:
     """Add `hits` and `misses` to the pool's own counters (one lock hold), for a lookup that went through
     `leading` or a `LookupMemo`: those only probe the index and count nothing, so an engine's lookups
     would otherwise be missing from the pool's hit ratio (`cortex cache status`, `--watch`, the exporter).
@@ -166,7 +171,7 @@ class LookupMemo:
     """
 
     def __init__(self, prefix: str, capacity: int = DEFAULT_CAPACITY,
-                 check: Callable[["Pool", list[str]], list[bool]] | None = None) -> None:
+                 check: Callable[[Attached, list[str]], list[bool]] | None = None) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise UsageError(f"capacity must be a positive integer, not {capacity!r}")
         self.prefix = prefix
@@ -220,7 +225,7 @@ class LookupMemo:
                     r.enc.append((kb, h(kb)) if len(kb) <= MAX_KEY_BYTES else (None, 0))
             return r
 
-    def leading(self, pool: "Pool", request_id: Any, digests: Sequence[bytes], start: int = 0,
+    def leading(self, pool: Attached, request_id: Any, digests: Sequence[bytes], start: int = 0,
                 stop: int | None = None) -> int:
         """How many of `digests[start:stop]`, from the first, have their chunk in `pool` (live in memory or
         on disk, and passing `check`); what `Pool.leading` over their keys says, looking up only what

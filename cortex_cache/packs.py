@@ -10,10 +10,10 @@ pack that is mostly bytes no kept snapshot refers to any more: the records
 still needed are copied into the new pack, the kept manifests rewritten to
 point at the copies, and the old pack deleted (snapshot.py, `_Incremental`).
 
-Pack format, version 1.  All integers little-endian::
+Pack format, versions 1 and 2.  All integers little-endian::
 
     pack header  PACK_HEAD (64 bytes)
-      0   8s  magic b"CRTXPACK"   8  u32 version (1)   12 u32 header size (64)
+      0   8s  magic b"CRTXPACK"   8  u32 version (2; 1)   12 u32 header size (64)
       16  f64 created             24 u64 pack id (the persist's time, microseconds)
       32  24 bytes reserved (zero)
       56  u64 xxh3_64 of bytes 0..55
@@ -22,12 +22,16 @@ Pack format, version 1.  All integers little-endian::
       0   4s  magic b"CPRC"       4  u32 key length     8  u64 value length
       16  u64 xxh3_64 of the value
       24  u64 xxh3_64 of bytes 0..23 of this head plus the key
+    version 2 (what persist writes since manifest version 4): the values alone,
+      back to back after the header; a version 4 manifest gives each value's
+      offset, length and checksum (manifest.py), and a version 4 manifest may
+      name values in version 1 packs too (by the offset of the value itself)
 
 A pack has no trailer: it is complete when a manifest that names it (with its
 size) is in place, and a manifest is renamed into place only after its packs
 were written, flushed to disk and renamed into place themselves.  Reading a
-record checks its head against what the manifest says (key, length, checksum)
-and the value against its checksum.
+version 1 record checks its head against what the manifest says (key, length,
+checksum); every value is checked against its checksum.
 
 Files, in the snapshot directory, for the pool whose namespaced name is STEM::
 
@@ -54,7 +58,8 @@ from .errors import CortexCacheError, SnapshotCorrupt
 from .layout import MAX_KEY_BYTES
 
 PACK_MAGIC = b"CRTXPACK"
-PACK_VERSION = 1
+PACK_VERSION = 2  # what is written: values back to back
+PACK_READS = (1, 2)
 PACK_SUFFIX = ".ccpack"
 PACK_HEAD = struct.Struct("<8sII d Q 24x")
 PACK_HEAD_CHECK = struct.Struct("<Q")
@@ -110,14 +115,14 @@ class PackWriter:
         self.size = HEAD_SIZE
         self.records = 0
 
-    def add(self, key: bytes, value: Any, checksum: int) -> int:
-        """Append one value (its checksum already known); the offset of its record."""
+    def add(self, values: Any, count: int) -> int:
+        """Append `count` values, back to back in `values` (a buffer: the caller knows each one's length and
+        checksum); the offset of the first."""
         off = self.size
-        head = PACK_REC.pack(REC_MAGIC, len(key), len(value), checksum)
-        self._out.write(head + PACK_REC_CHECK.pack(xxhash.xxh3_64_intdigest(head + key)) + key)
-        self._out.write(value)
-        self.size += REC_SIZE + len(key) + len(value)
-        self.records += 1
+        n = memoryview(values).nbytes
+        self._out.write(values)
+        self.size += n
+        self.records += count
         return off
 
     def finish(self) -> None:
@@ -182,8 +187,9 @@ class PackReader:
         self.mv = memoryview(self._mm)
         head = bytes(self.mv[: PACK_HEAD.size])
         magic, version, hsize, _created, pack_id = PACK_HEAD.unpack(head)
+        self.version = version
         (check,) = PACK_HEAD_CHECK.unpack_from(self.mv, PACK_HEAD.size)
-        if magic != PACK_MAGIC or version != PACK_VERSION or hsize != HEAD_SIZE or pack_id != ref.pack_id or \
+        if magic != PACK_MAGIC or version not in PACK_READS or hsize != HEAD_SIZE or pack_id != ref.pack_id or \
                 check != xxhash.xxh3_64_intdigest(head):
             self.close()
             raise self.corrupt(manifest, "its header is damaged or belongs to another pack")
@@ -205,6 +211,16 @@ class PackReader:
             raise self.corrupt(manifest, f"the value of the record at byte {off} fails its checksum")
         return value
 
+    def raw_value(self, off: int, vlen: int, checksum: int, manifest: Path, check_value: bool) -> memoryview:
+        """The `vlen` value bytes at `off` (a version 4 manifest's word: the value itself, in a pack of either
+        version), bounds-checked; with `check_value` checked against `checksum`."""
+        if off < HEAD_SIZE or off > self.ref.size or vlen > self.ref.size - off:
+            raise self.corrupt(manifest, f"no value of {vlen} bytes at byte {off}")
+        value = self.mv[off : off + vlen]
+        if check_value and xxhash.xxh3_64_intdigest(value) != checksum:
+            raise self.corrupt(manifest, f"the value at byte {off} fails its checksum")
+        return value
+
     def check_head(self, head: Any, off: int, key: bytes, vlen: int, checksum: int, manifest: Path) -> None:
         """Check the record head and key in `head` (the bytes at `off`) against what the manifest says."""
         magic, klen, rvlen, rcks = PACK_REC.unpack_from(head, 0)
@@ -220,7 +236,12 @@ class PackReader:
         """Did a read of this pack's mapping meet its end (the file truncated since it was opened)?  What was
         read from it since may be zeros: the caller throws it away."""
         g = self._guard
-        return g is not None and g.gone
+        if g is not None and g.gone:
+            return True
+        try:  # a read the kernel made for us (a pwrite from the mapping) fails with EFAULT instead: look
+            return self.fd >= 0 and os.fstat(self.fd).st_size < self.ref.size
+        except OSError:
+            return True
 
     def advise_sequential(self) -> None:
         try:

@@ -9,7 +9,7 @@ use `cortex_cache.persist` as the snapshot module.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 from .errors import PermissionDenied, StorageIOError  # noqa: F401 (re-exported: callers catch them from here)
 from .pool import Pool
@@ -43,15 +43,9 @@ from .snapshot import (  # noqa: F401 (re-exported: the format's tables too)
 )
 
 
-def persist(
-    pool: Pool,
-    path: str | os.PathLike | None = None,
-    keep: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    full: bool = False,
-    replace: bool = True,
-) -> PersistResult:
-    """Write a snapshot of `pool`'s live entries and its whole configuration (snapshot.write has the details).
+def persist(pool: Pool, path: str | os.PathLike | None = None, *args: Any, **options: Any) -> PersistResult:
+    """Write a snapshot of `pool`'s live entries and its whole configuration; the rest of the parameters are
+    snapshot.write's, which says what they do (keep, progress, full, replace): one place for them.
 
     Into the snapshot directory it is incremental: only the values no kept
     snapshot holds are written (`full`: every value, sharing nothing); with
@@ -64,22 +58,13 @@ def persist(
     anyone else, before anything is written."""
     if pool.superseded:  # a snapshot of an old copy under the name would retire the pool's own
         raise pool.core.superseded_error()
-    return write(pool.core, pool.configuration, path, keep, progress, full, replace)
+    return write(pool.core, pool.configuration, path, *args, **options)
 
 
-def restore(
-    path: str | os.PathLike | None,
-    name: str | None = None,
-    replace: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    clock: Callable[[], float] | None = None,
-    mode: int | None = None,
-    if_missing: bool = False,
-    trust_tiers: bool = False,
-    allow_other_owner: bool = False,
-    detach: bool = False,
-) -> tuple[Pool | None, dict[str, Any]]:
-    """Rebuild a pool from a snapshot; return (pool, report) (restore.restore has the details).
+def restore(path: str | os.PathLike | None, *args: Any, **options: Any) -> tuple[Pool | None, dict[str, Any]]:
+    """Rebuild a pool from a snapshot; return (pool, report).  The parameters are restore.restore's but its
+    first (the pool class: Pool here), which says what they do: one place for them (name, replace,
+    progress, clock, mode, if_missing, trust_tiers, allow_other_owner, detach).
 
     A pool that is gone comes back from the snapshot directory at once and is filled in the background
     (fill.py): this returns when the fill ended, or with `detach` once the pool is published, a forked
@@ -88,9 +73,7 @@ def restore(
     `if_missing`: a pool that exists is left alone: (None, a report with "skipped": True).
     `trust_tiers`: attach the snapshot's tiers even from a file this user may not have written.
     `allow_other_owner`: use (skip, or replace) an existing pool that is neither this user's nor root's."""
-    return _restore_with(Pool, path, name=name, replace=replace, progress=progress, clock=clock, mode=mode,
-                         if_missing=if_missing, trust_tiers=trust_tiers, allow_other_owner=allow_other_owner,
-                         detach=detach)
+    return _restore_with(Pool, path, *args, **options)
 
 
 __all__ = ["persist", "restore", "Snapshot", "PersistResult", "snapshot_dir", "latest_path", "snapshots_of",

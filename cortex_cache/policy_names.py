@@ -16,7 +16,8 @@ POLICY_HELP: dict[str, str] = {
     "size": "largest value first",
     "s3fifo": "S3-FIFO: new entries in a small FIFO, those read again kept in a main one; for small caches",
     "arc": "ARC: recency and frequency, balanced by what each recently lost; steady at every size",
-    "auto": "S3-FIFO with ARC's adaptation and a longer memory: hits best on KV-cache traces",
+    "auto": "adaptive: S3-FIFO's queues, learning online from the keys that come back whether the workload "
+            "favours frequency, recency or a loop, and evicting as suits it",
 }
 POLICY_IDS: list[str] = list(POLICY_HELP)
 DEFAULT_POLICY = "auto"

@@ -5,8 +5,8 @@ turns keys into bytes and hashes, and calls the layers below -- the core
 (core.py: the mapped segment, its lock and its invariants), the tiers below
 memory (tiers.py, the one entry point to them: no tier is named here), the
 batched calls (batch.py), the configuration (config.py), snapshots
-(snapshot.py) and repair (repair.py).  It holds no state of its own beyond
-its handles.
+(snapshot.py), repair (repair.py) and creation (pool_create.py: `create` and
+its checks).  It holds no state of its own beyond its handles.
 """
 
 from __future__ import annotations
@@ -20,27 +20,18 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from . import repair as _repair
-from . import batch, config, header, lookups, segment, snapshot
+from . import batch, config, header, lookups, pool_create, segment, snapshot
 from .core import COPY_IN_LOCK, PIN, READ_COUNTED, READ_HITS, READ_QUIET, SLOW, Core, Pinned
-from .errors import (
-    CortexCacheError,
-    KeyNotFound,
-    NoSpace,
-    PoolClosed,
-    PoolExists,
-    PoolFull,
-    PoolNotFound,
-    UsageError,
-)
-from .eviction import DEFAULT_POLICY, POLICIES, POLICY_IDS, check_selector
-from .layout import ADMIT_ALL, ADMIT_REUSED, FLAG_SUPERSEDED, H_FLAGS, HEADER_DTYPE, Geometry
-from .lock import RecordLock
-from .lower import Creating, Plan, Selector
+from .errors import CortexCacheError, KeyNotFound, PoolClosed, PoolFull, UsageError
+from .eviction import check_selector
+from .layout import FLAG_SUPERSEDED, H_FLAGS
+from .lower import Plan, Selector
+from .pool_create import default_disk_path, tier_home  # noqa: F401 (re-exported: defined with create)
 from .restore import resize as resize_pool
 from .restore import restore as restore_snapshot
 from .handles import EntryView, EntryWriter
+from .stats import memory_stats
 from .tiers import Tiers
-from .tiers import plan as tiers_plan
 from .units import format_size, parse_size
 from .values import as_byte_view, key_bytes, put_args, show_key, valid_nbytes, writable_bytes
 
@@ -85,6 +76,18 @@ def unlink_marked(name: str) -> None:
         pool.core.locked(pool.core.retire, lambda: segment.unlink(name))
     finally:
         pool.close()
+
+
+def _copy_out(core: Core, pinned: Pinned) -> bytes:
+    """The value of a pinned entry, copied out as bytes outside the lock, checked (with verify_reads) and
+    unpinned."""
+    _, _, off, n = pinned  # unpacked: cheaper than attribute lookups on the hot path
+    try:
+        value = core.mv[off : off + n].tobytes()
+        core.check_copy(pinned, value)
+        return value
+    finally:
+        core.release_pins([pinned])
 
 
 # A closed handle's header words: never marked superseded (its operations raise PoolClosed).
@@ -144,170 +147,13 @@ class Pool:
         self._closed = False
         _live_pools.add(self)
 
-    @classmethod
-    def create(
-        cls,
-        name: str,
-        size: int | str,
-        *,
-        block_size: int | str = 64 * 1024,
-        policy: str = DEFAULT_POLICY,
-        max_entries: int | None = None,
-        mode: int = 0o600,
-        reserve: bool = True,
-        multi_threaded: bool = False,
-        lfu_period: int | None = None,
-        clock: Callable[[], float] | None = None,
-        lock_timeout: float | None = None,
-        prefault: bool = True,
-        keep: int | None = None,
-        tier_admit: int = 1,
-        exist_ok: bool = False,
-        allow_other_owner: bool = False,
-        _reserve_later: bool = False,
-        **tier_options: Any,
-    ) -> "Pool":
-        """Create pool `name` whose data region holds `size` bytes and attach to it.
-
-        Raises InvalidName, InvalidSize, UsageError (policy, mode), PoolExists,
-        NoSpace (not enough free shared memory, exit 73), PermissionDenied.
-        With `reserve` (default) the memory is allocated and pre-faulted now,
-        so later writes can never hit SIGBUS on a full /dev/shm; `prefault=False`
-        keeps the reservation but skips mapping every page now (restore does,
-        since it writes the pages through the file anyway).
-
-        The tiers below memory take their own keywords (`tier_options`; each
-        tier's OPTIONS, tier_table.py):
-
-        Disk tier (disktier.py): `tier="disk"` (default "cpu") or a
-        `disk_path` adds one.  `disk_path` defaults to
-        `<snapshot dir>/../disk/<name>`, `disk_size` to 4x `size` (its space is
-        reserved now: NoSpace, exit 73, if the disk lacks it); `disk_write` is
-        "back" (entries evicted from memory go to disk, the default) or
-        "through" (every put also goes to disk); `disk_o_direct`,
-        `disk_max_entries` (the index rows).  A directory that already holds a
-        tier is taken over and its entries found again.
-
-        Remote tier (remote.py): `remote` is a Valkey/Redis URL (redis://,
-        rediss://, unix://, with password and database in it;
-        `remote_cluster=True` for a cluster).  redis-py must be installed (the
-        `remote` extra): ServiceUnavailable (69) if it is not.
-
-        `tier_admit`: 1 (default) sends every entry memory evicts to the disk tier (write-back) and every
-        put to the remote; 2 only entries read since their put (seen at least twice), to both, when memory
-        evicts them -- fewer bytes written below, for the entries likely to be read again.
-
-        `keep`: how many snapshots `persist` keeps of this pool (stored with
-        it; default 3).  `exist_ok`: a pool of this name that exists is opened
-        and returned if it is configured as asked (what the call gives
-        explicitly, defaults for the rest of size, block size, policy and
-        index); PoolExists naming each difference if not.  Such a pool must be
-        this user's or root's (its segment's owner, by fstat): another user may
-        have taken the name first under the shared prefix, and what its header
-        says (mode included) is theirs to forge.  PermissionDenied (77) for
-        another owner's, unless `allow_other_owner`.
-        """
-        segment.validate_name(name)
-        nbytes = parse_size(size)
-        bsize = parse_size(block_size)
-        opts = config.tier_options(tier_options)
-        if keep is not None and not 1 <= keep < 2**32:
-            raise UsageError(f"keep must be at least 1, not {keep}")
-        if tier_admit not in (ADMIT_ALL, ADMIT_REUSED):
-            raise UsageError(f"tier admission must be 1 (every entry) or 2 (entries seen twice), not {tier_admit!r}")
-        wants = config.wanted(opts, lambda tier: tier_home(name, tier), tier_admit)
-        if exist_ok and segment.exists(name):
-            return cls._open_as_asked(name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep, wants,
-                                      clock, lock_timeout, allow_other_owner)
-        if policy not in POLICIES:
-            raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(POLICY_IDS)}")
-        if not isinstance(mode, int) or mode & ~0o777 or not mode & 0o600 == 0o600:
-            raise UsageError(f"invalid mode {mode!r}: give permission bits like 0o600 or 0o660, owner rw included")
-        ghosts = POLICIES[policy].ghosts if POLICIES[policy].queues else None  # type: ignore[attr-defined]
-        geo = Geometry.compute(nbytes, bsize, max_entries, ghosts=ghosts)
-        if lfu_period is not None and lfu_period < 1:
-            raise UsageError("lfu_period must be at least 1")
-        plans = tiers_plan(wants, opts, Creating(name, segment.shm_path(name), mode, geo.data_size, bsize))
-        if plans:
-            regions = {k: v for p in plans.values() for k, v in p.geometry().items()}
-            geo = Geometry.compute(nbytes, bsize, max_entries, ghosts=ghosts, **regions)
-        try:
-            if reserve and _reserve_later:
-                # restore's background fill reserves the memory as it goes (fill.py): the room is
-                # checked now, so a pool that cannot have it is refused before anyone sees it.
-                free = segment.shm_free_bytes()
-                if geo.segment_size > free:
-                    raise NoSpace(f"not enough shared memory for pool {name!r}: needs "
-                                  f"{format_size(geo.segment_size)}, {segment.SHM_DIR} has {format_size(free)} free")
-            seg = segment.Segment.create(name, geo.segment_size, mode=mode, reserve=reserve and not _reserve_later,
-                                         reserve_head=geo.data_off)
-        except BaseException as e:
-            for plan in plans.values():
-                plan.undo()
-            if exist_ok and isinstance(e, PoolExists):  # another process created it meanwhile
-                return cls._open_as_asked(name, nbytes, bsize, policy, max_entries, mode, multi_threaded, keep,
-                                          wants, clock, lock_timeout, allow_other_owner)
-            raise
-        init_lock = RecordLock(seg.fd)
-        pool = None
-        # A tier with work once attached (the disk tier taken over: its records found again) does it
-        # before the magic goes in, so that no process ever sees the tier half-found.
-        later = any(plan.finishes for plan in plans.values())
-        try:
-            # Openers that find no magic yet wait on this lock until we are done.
-            init_lock.acquire()
-            if reserve and prefault and not _reserve_later:
-                seg.prefault()
-            header.initialise(seg, geo, name, policy, mode, reserve, multi_threaded, lfu_period, complete=not later)
-            h = np.frombuffer(seg.mm, HEADER_DTYPE, 1, 0)
-            if keep is not None:
-                h["snapshot_keep"] = keep
-            if tier_admit != ADMIT_ALL:
-                h["tier_admit"] = tier_admit
-            del h
-            for plan in plans.values():
-                plan.initialise(seg.mm, geo)
-            if not later:
-                init_lock.release()
-            pool = cls(seg, multi_threaded=multi_threaded, clock=clock, lock_timeout=lock_timeout, _plans=plans)
-            if later:
-                for tier_name, plan in plans.items():
-                    plan.finish(pool.tiers.named(tier_name))
-                header.publish(seg)
-                init_lock.release()
-            return pool
-        except BaseException:
-            if pool is not None:
-                pool.close()
-            else:
-                seg.close()
-            try:
-                segment.unlink(name)
-            except PoolNotFound:
-                pass
-            for plan in plans.values():
-                plan.undo()
-            raise
+    # Pool.create (pool_create.py: the checks, the segment, the tiers' regions).
+    create = classmethod(pool_create.create)
 
     @property
     def disk_path(self) -> str | None:
         """Directory of this pool's disk tier, or None without one."""
         return self.tiers.directory()
-
-    @classmethod
-    def _open_as_asked(cls, name: str, nbytes: int, bsize: int, policy: str, max_entries: int | None, mode: int,
-                       multi_threaded: bool, keep: int | None, wants: dict[str, Any], clock: Any,
-                       lock_timeout: float | None, allow_other_owner: bool) -> "Pool":
-        """create(exist_ok=True) of a pool that exists: open it, and check it is what was asked."""
-        geo = Geometry.compute(nbytes, bsize, max_entries)
-        want = config.requested(geo, policy, mode, multi_threaded, keep, wants)
-        pool = cls.open(name, clock=clock, lock_timeout=lock_timeout, require_owner=not allow_other_owner)
-        try:
-            config.require_same(name, pool.configuration(), want)
-        except BaseException:
-            pool.close()
-            raise
-        return pool
 
     def populate(self, *, background: bool = False) -> bool:
         """Map the whole pool into this process now, so that no first access to a block pays a page fault.
@@ -455,6 +301,22 @@ class Pool:
         if self.core.lost_name():
             raise self.core.superseded_error(did)
 
+    def _read_key(self, key: str | bytes) -> tuple[bytes, int]:
+        """The opening of every read of one key: PoolSuperseded if this handle's pool lost its name (the
+        one-load check first), then the key's bytes and hash (UsageError for a bad key)."""
+        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
+            self._moved()
+        kb, _ = key_bytes(key)
+        return kb, xxh3_64_intdigest(kb)
+
+    def _read_slow(self, kb: bytes, kh: int, out: memoryview | None) -> Any:
+        """A read the fast path left (not built, or SLOW): Core.read under the lock, or through the tiers when
+        one takes part (Tiers.read, settled while a tier below is busy with the key)."""
+        tiers = self.tiers
+        if tiers.fast_ok:
+            return self.core.locked(self.core.read, kb, kh, out)
+        return tiers.settled(tiers.read, kb, kh, out)
+
     def reopen(self) -> "Pool":
         """A new handle on the pool now named as this one, opened with the same options (PoolNotFound if
         there is none).  This handle stays open: close it once its views are released."""
@@ -560,10 +422,7 @@ class Pool:
 
     def get(self, key: str | bytes, default: Any = None) -> bytes | Any:
         """The value stored under `key` as bytes, or `default` if absent or expired."""
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         tiers = self.tiers
         core = self.core
         fast = core.fast
@@ -574,20 +433,11 @@ class Pool:
                     return r
                 value = tiers.from_below(kb, kh, None)  # a miss counted: a tier below may have it
                 return default if value is None else value
-        if tiers.fast_ok:
-            r = core.locked(core.read, kb, kh, None)
-        else:
-            r = tiers.settled(tiers.read, kb, kh, None)
+        r = self._read_slow(kb, kh, None)
         if r.__class__ is bytes:
             return r
         if r.__class__ is Pinned:
-            _, _, off, n = r  # unpacked: cheaper than attribute lookups on the hot path
-            try:
-                value = core.mv[off : off + n].tobytes()
-                core.check_copy(r, value)
-                return value
-            finally:
-                core.release_pins([r])
+            return _copy_out(core, r)
         value = tiers.from_below(kb, kh, r)
         return default if value is None else value
 
@@ -598,10 +448,7 @@ class Pool:
         eviction order (access time and count) as it was, expires nothing and
         does not look in, or promote from, the tiers below memory.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         core = self.core
         fast = core.fast
         if fast is not None:
@@ -609,26 +456,15 @@ class Pool:
             if r is not SLOW:
                 return default if r is None else r
         r = core.locked(core.pin_quietly, kb, kh)
-        if r is None:
-            return default
-        _, _, off, n = r
-        try:
-            value = core.mv[off : off + n].tobytes()
-            core.check_copy(r, value)
-            return value
-        finally:
-            core.release_pins([r])
+        return default if r is None else _copy_out(core, r)
 
     def get_into(self, key: str | bytes, out: Any) -> int | None:
         """Copy the value of `key` into the writable buffer `out`; return its length, or None if absent.
 
         Raises BufferTooSmall if `out` is smaller than the value.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
+        kb, kh = self._read_key(key)
         omv = writable_bytes(out)
-        kh = xxh3_64_intdigest(kb)
         tiers = self.tiers
         core = self.core
         fast = core.fast
@@ -636,10 +472,7 @@ class Pool:
             r = fast.read(kb, kh, omv, READ_COUNTED if tiers.fast_ok else READ_HITS)
             if r is not SLOW:
                 return r if r is not None else batch.finish_read_into(core, tiers, kb, kh, None, omv)
-        if tiers.fast_ok:
-            r = core.locked(core.read, kb, kh, omv)
-        else:
-            r = tiers.settled(tiers.read, kb, kh, omv)
+        r = self._read_slow(kb, kh, omv)
         return batch.finish_read_into(core, tiers, kb, kh, r, omv)
 
     def view(self, key: str | bytes) -> EntryView:
@@ -647,10 +480,7 @@ class Pool:
 
         Use as `with pool.view(key) as mv: ...`.  Raises KeyNotFound.
         """
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        kh = xxh3_64_intdigest(kb)
+        kb, kh = self._read_key(key)
         tiers = self.tiers
         core = self.core
         if core.fast is not None and not tiers.look_below:
@@ -842,10 +672,8 @@ class Pool:
 
     def info(self, key: str | bytes) -> dict[str, Any]:
         """Metadata of `key`'s entry (does not count as an access).  Raises KeyNotFound."""
-        if self._words[H_FLAGS] & FLAG_SUPERSEDED:
-            self._moved()
-        kb, _ = key_bytes(key)
-        r = self.core.locked(self.tiers.info, kb, xxh3_64_intdigest(kb))
+        kb, kh = self._read_key(key)
+        r = self.core.locked(self.tiers.info, kb, kh)
         if r is None:
             raise KeyNotFound(f"no key {show_key(key)} in pool {self.name!r}")
         if r["tier"] != "memory":
@@ -898,7 +726,7 @@ class Pool:
     def stats(self) -> dict[str, Any]:
         """Counters and usage, with the field names of `cortex cache status --json`."""
         core = self.core
-        return core.locked(lambda: {**core.stats(), **self.tiers.stats()})
+        return core.locked(lambda: {**memory_stats(core), **self.tiers.stats()})
 
     def persist(
         self,
@@ -970,16 +798,6 @@ class Pool:
         """
         return self.tiers.verify(repair, checksums)
 
-
-def tier_home(name: str, tier: str) -> str:
-    """Where a tier that keeps files keeps pool `name`'s when no directory is given: `<tier>/<name>` next to
-    the snapshot directory, namespaced by CORTEX_CACHE_SHM_PREFIX like the segment (snapshot.namespaced)."""
-    return str(snapshot.snapshot_dir().parent / tier / snapshot.namespaced(name))
-
-
-def default_disk_path(name: str) -> str:
-    """Where `--tier disk` puts a pool's tier when no path is given (tier_home)."""
-    return tier_home(name, "disk")
 
 
 __all__ = ["Pool", "EntryView", "EntryWriter", "check_selector", "default_disk_path", "tier_home", "unlink_marked"]

@@ -27,9 +27,13 @@ rings' windows, queue 1's victim list), the queue columns (queue, freq,
 qseq) and the two rings, changed
 under the pool lock with the dirty mark set like every other field, so a
 process killed half-way is repaired by the next lock holder (`repair`).
-The C fast path does `hit`, `admit`, `evicted` and the queue counts of a
-removal itself (_fastpath.c, touch; _fastpath_put.h, queue_admit, ghost_add,
-remove_entry); the choice of victims stays here, as for every policy.
+The C fast path does all of it itself for its puts (_fastpath_entries.h,
+touch; _fastpath_put.c, queue_admit, ghost_add, remove_entry;
+_fastpath_evict.c, next_victim), in the same order of operations, so both
+paths choose the same victims and leave the same bits
+(tests/test_fast_evict.py); what it leaves here is the scan that fills a
+list again (VictimCache.fill) and the evictions of a pool whose tier sees
+each victim first.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Ghosts:
     """One ring of key hashes: the keys its queue evicted lately, found by hash (lock held throughout).
 
     A ghost is remembered while fewer than `factor` x the pool's entries (at the time) were added after
-    it; taking it back (its key is put again) or adding its key again forgets the old one.  The ring has
+    it; taking it back (its key is put again) forgets it.  The ring has
     `factor` x max entries places, so the window always fits; places are chained by hash like the index.
     """
 
@@ -104,14 +108,14 @@ class Ghosts:
         return self.n > 0 and self._find(kh or 1) >= 0
 
     def add(self, kh: int, entries: int) -> None:
-        """Remember `kh`, forgetting what falls out of the window of `factor` x `entries` ghosts."""
+        """Remember `kh`, forgetting what falls out of the window of `factor` x `entries` ghosts.  The key of
+        an entry being evicted is not looked for first: its put took it back from both rings (`admit`), so
+        it is never a ghost here (but for keys sharing all 64 bits of a hash: both are remembered, the later
+        found first, the other forgotten at the tail)."""
         if not self.n:
             return
         kh = kh or 1  # 0 marks an empty place
         qu64 = self._qu64
-        p = self._find(kh)
-        if p >= 0:
-            self._forget(p)
         head, tail = qu64[self._w_head], qu64[self._w_tail]
         window = min(self.n, self.factor * max(1, entries))
         while head + 1 - tail > window:

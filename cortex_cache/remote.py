@@ -609,8 +609,6 @@ class RemoteTier(Configured):
 
     def _answer(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(client)` for an operator's request: the server's trouble is ServiceUnavailable (69), counted."""
-        from .errors import ServiceUnavailable
-
         if self.unavailable:
             raise ServiceUnavailable(f"remote tier {redact(self.url)}: {self.unavailable}")
         try:

@@ -10,20 +10,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import sys
-import secrets
-import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import xxhash
 
 from . import fill, interrupts, procs, safefs, segment
-from .core import COPY_IN_LOCK, Core
+from .core import Core
 from .errors import (
     CortexCacheError,
     NoSpace,
@@ -31,19 +27,17 @@ from .errors import (
     PoolExists,
     PoolFull,
     PersistBusy,
-    PoolNotFound,
-    SegmentCorrupt,
     SnapshotCorrupt,
     UsageError,
     ValueTooLarge,
 )
-from .layout import FLAG_MULTI_THREADED, SLOT_FLAG_STR_KEY, Geometry
+from .layout import FLAG_MULTI_THREADED
 from .lock import PERSIST_BYTE, RecordLock
 from .lower import Selector
 from .policy_names import POLICY_IDS
+from .resize import resize  # noqa: F401 (re-exported: Pool.resize calls it from here)
 from .snapshot import (
     RESTORE_BYTE,
-    Record,
     Snapshot,
     busy,
     checked_snapshot_dir,
@@ -52,15 +46,29 @@ from .snapshot import (
     pool_config,
     snapshots_of,
 )
+from .staging import (  # noqa: F401 (STAGING_PREFIX, TMP_PREFIX, stale_tmp_dirs re-exported)
+    STAGING_PREFIX,
+    STAGING_STALE_AFTER,
+    TMP_PREFIX,
+    create_staging,
+    discard,
+    restore_end,
+    restore_entry,
+    stale_tmp_dirs,
+    staging_name,
+    sweep_stale_staging,
+    sweep_stale_tmp,
+    tier_header,
+)
 from .tier_table import TIERS
 from .units import entries
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .staging import PoolClass, PoolHandle
 
 
 def restore(
-    pools: "type[Pool]",
+    pools: "PoolClass",
     path: str | os.PathLike | None,
     name: str | None = None,
     replace: bool = False,
@@ -71,7 +79,7 @@ def restore(
     trust_tiers: bool = False,
     allow_other_owner: bool = False,
     detach: bool = False,
-) -> tuple["Pool | None", dict[str, Any]]:
+) -> tuple["PoolHandle | None", dict[str, Any]]:
     """Rebuild a pool from a snapshot with the pool class `pools`; return (pool, report).
 
     A pool that is gone, restored from the snapshot directory's incremental
@@ -179,8 +187,8 @@ def _skipped(name: str, path, filling: bool = False) -> dict[str, Any]:
             "filling": filling}
 
 
-def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_owner: bool, detach: bool,
-            if_missing: bool) -> tuple["Pool | None", dict[str, Any]] | None:
+def _resume(Pool: "PoolClass", name: str, path, progress, clock, allow_other_owner: bool, detach: bool,
+            if_missing: bool) -> tuple["PoolHandle | None", dict[str, Any]] | None:
     """Finish the fill of existing pool `name` if it was interrupted (fill.py); None if it has none to
     finish.  `path` None: the pool's own snapshot in the snapshot directory (the mark must name one of
     them); else the file given, which must be the one the mark names."""
@@ -257,7 +265,7 @@ def _resume(Pool: "type[Pool]", name: str, path, progress, clock, allow_other_ow
         raise
 
 
-def _detached_fill(opener: Callable[[], "Pool"], snap: Snapshot, quiet: contextlib.ExitStack | None = None) -> int:
+def _detached_fill(opener: Callable[[], "PoolHandle"], snap: Snapshot, quiet: contextlib.ExitStack | None = None) -> int:
     """Fork a process that fills the pool (a handle of its own from `opener`: one is not inherited across
     fork) and exits; its pid.
 
@@ -299,11 +307,14 @@ def _same_file(a, b) -> bool:
 
 
 def _check_before_publish(snap: Snapshot) -> None:
-    """What is checked before a pool anyone can see is filled from `snap`: a version 3 manifest's own
-    checksum and every pack it names (there, the right size, its header whole).  Each record and value is
-    checked as the fill reaches it."""
+    """What is checked before a pool anyone can see is filled from `snap`: every pack it names (there, the
+    right size, its header whole) and, for a version 3 manifest, its own checksum.  A version 4 manifest's
+    header, trailer and section table were checked when it was opened (O(1)); its sections are checked by
+    the fill before it reads them, after the publish.  Each record and value is checked as the fill reaches
+    it."""
     if snap.header.version == 3:
         snap.check_manifest_file()
+    if snap.header.version in (3, 4):
         snap.open_packs()
 
 
@@ -326,7 +337,8 @@ def _run_fill(core: Core, snap: Snapshot, progress) -> dict[str, Any]:
         )
     return {"entries": out["entries"], "bytes": out["bytes"], "expired_skipped": out["expired_skipped"],
             "present_skipped": out["present_skipped"], "corrupt": out["corrupt"], "corrupt_why": out["corrupt_why"],
-            "ended": out["ended"], "reserve_failed": out["reserve_failed"], "filling": False}
+            "ended": out["ended"], "reserve_failed": out["reserve_failed"], "filling": False,
+            "policy_state": out.get("policy_state")}
 
 
 def _fill_failed(core: Core) -> None:
@@ -360,19 +372,19 @@ def _untrusted_settings(snap: Snapshot, cfg: dict[str, Any]) -> dict[str, Any] |
     return out
 
 
-def _tiers_kept(pool: "Pool") -> dict[str, str]:
+def _tiers_kept(pool: "PoolHandle") -> dict[str, str]:
     """What restore --replace did to an existing pool's tiers (it keeps the pool's configuration)."""
     return {t.name: t.replaced() for t in pool.tiers.configured}
 
 
-def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | None, progress,
+def _restore_new(Pool: "PoolClass", snap: Snapshot, target: str, mode: int | None, progress,
                  clock, trust_tiers: bool = False, private: bool = False, detach: bool = False,
-                 t0: float = 0.0) -> tuple["Pool", dict[str, Any]]:
+                 t0: float = 0.0) -> tuple["PoolHandle", dict[str, Any]]:
     """Create pool `target` from the snapshot's whole configuration, under a staging name first; publish
     it before its values are in and fill it (fill.py), or, for a snapshot whose path the fill mark cannot
     hold, fill it whole first."""
     h = snap.header
-    later = snap.header.version == 3 and fill.fits_mark(snap.path)
+    later = snap.header.version in (3, 4) and fill.fits_mark(snap.path)
     if later:
         _check_before_publish(snap)
     cfg = h.config or {"reserve": True, "keep": None, **{kind.name: None for kind in TIERS}}
@@ -396,9 +408,9 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         coming.append((kind, part, how))
         tier_kw.update(how.create)
     new_mode = _restored_mode(snap, 0o600 if mode is None else mode)
-    _sweep_stale_staging()
-    staging = _staging_name()
-    pool = _create_staging(
+    sweep_stale_staging()
+    staging = staging_name()
+    pool = create_staging(
         Pool, target, staging, h.size, block_size=h.block_size, policy=h.policy, max_entries=h.max_entries,
         mode=new_mode, multi_threaded=bool(h.flags & FLAG_MULTI_THREADED), lfu_period=h.lfu_period, clock=clock,
         prefault=False, reserve=cfg["reserve"], keep=cfg["keep"], tier_admit=cfg.get("tier_admit", 1),
@@ -420,7 +432,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
                 tiers[kind.name] = kind.restored(part, how.create, pool.tiers.named(kind.name))
         if later:
             core = pool.core
-            core.locked(_restore_end, core, h.counters)
+            core.locked(restore_end, core, h.counters)
             if h.counters is not None:
                 core.header["seq"] = h.counters["seq"]  # new puts are more recent than every entry to come
             fill.mark(core, snap, private)
@@ -449,7 +461,7 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
         quiet.close()
         if lock_fd >= 0:
             os.close(lock_fd)
-        _discard(Pool, pool, staging)
+        discard(Pool, pool, staging)
         if not segment.exists(target):
             for kind, _, how in coming:
                 kind.restore_failed(how.create)  # what this restore made anew goes with it
@@ -485,14 +497,6 @@ def _restore_new(Pool: "type[Pool]", snap: Snapshot, target: str, mode: int | No
     return out, report
 
 
-def _create_staging(Pool: "type[Pool]", target: str, staging: str, size: int, **kw: Any) -> "Pool":
-    """Pool.create of the staging segment; its NoSpace names the pool being restored, not the staging name."""
-    try:
-        return Pool.create(staging, size, **kw)
-    except NoSpace as e:
-        raise NoSpace(str(e).replace(staging, target)) from None
-
-
 def check_snapshot_dir(directory: Path, mode: int = 0o600) -> None:
     """Refuse a snapshot directory another user owns or may write (PermissionDenied, 77)."""
     safefs.check_dir(directory, mode, "snapshot directory")
@@ -513,16 +517,8 @@ def _restored_mode(snap: "Snapshot", mode: int) -> int:
     return mode
 
 
-def _discard(Pool: "type[Pool]", pool: "Pool", staging: str) -> None:
-    pool.close()
-    try:
-        segment.unlink(staging)  # never published: nobody follows its name
-    except PoolNotFound:
-        pass
-
-
-def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None, progress,
-             clock, allow_other_owner: bool = False) -> tuple["Pool", dict[str, Any]]:
+def _replace(Pool: "PoolClass", target: str, snap: "Snapshot", mode: int | None, progress,
+             clock, allow_other_owner: bool = False) -> tuple["PoolHandle", dict[str, Any]]:
     """Build the snapshot's pool beside `target` with target's configuration, then rename it over target.
 
     Held meanwhile: target's persist lock, so no persist or second restore of
@@ -543,7 +539,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
         try:
             old.core.locked(fill.stop, old.core)  # a fill of the pool replaced stops: its pool is going
             cfg = old.core.locked(pool_config, old.core)
-            keep = _tier_header(old.core)
+            keep = tier_header(old.core)
             st = old.core.seg.stat()
             new_mode = _restored_mode(snap, cfg["mode"] if mode is None else mode)
             tier_kw: dict[str, Any] = {}
@@ -552,15 +548,15 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                 # A tier whose index is in the segment: the new pool gets a throw-away one of its size.
                 stand_ins = [t for t in old.tiers.configured if t.in_segment]
                 if stand_ins:
-                    _sweep_stale_tmp()
+                    sweep_stale_tmp()
                     pid, start = procs.me()  # in the name, so the next restore knows a killed one's leftovers
                     with interrupts.atomic():  # made and noted as one step (the finally below removes it)
                         tmp_tier = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{pid}-{start}-")
                     for t in stand_ins:
                         tier_kw.update(t.stand_in(tmp_tier))
-                _sweep_stale_staging()
-                staging = _staging_name()
-                pool = _create_staging(
+                sweep_stale_staging()
+                staging = staging_name()
+                pool = create_staging(
                     Pool, target, staging, cfg["size"], block_size=cfg["block_size"], policy=POLICY_IDS[cfg["policy"]],
                     max_entries=cfg["max_entries"], mode=new_mode,
                     multi_threaded=bool(cfg["flags"] & FLAG_MULTI_THREADED),
@@ -586,7 +582,7 @@ def _replace(Pool: "type[Pool]", target: str, snap: "Snapshot", mode: int | None
                         # whatever the kill point, no process is left on a copy nobody can find untold.
                         old.core.locked(old.core.retire, lambda: segment.replace(staging, target))
                 except BaseException:
-                    _discard(Pool, pool, staging)
+                    discard(Pool, pool, staging)
                     raise
             finally:
                 if tmp_tier is not None:
@@ -616,88 +612,7 @@ def _came_from(core: Core, snap: Snapshot, created: float | None) -> None:
     h["last_snapshot"] = snap.header.created
 
 
-def _tier_header(core: Core) -> dict[str, Any]:
-    """The header fields that configure a pool's tiers, and its retention (copied onto its replacement)."""
-    h = core.header[0]
-    fields = [f for kind in TIERS for f in kind.HEADER_FIELDS]
-    return {f: h[f].copy() if hasattr(h[f], "copy") else h[f] for f in (*fields, "snapshot_keep", "tier_admit")}
-
-
-STAGING_PREFIX = "restoring-"
-STAGING_STALE_AFTER = 60.0  # seconds without a change, and no process mapping it
-# Staging segments and restore --replace's temp tier directories name their restore: pid, start time.
-_WRITER = re.compile(r"(\d+)-(\d+)-\w+$")  # mkdtemp's random part: letters, digits, _
-TMP_PREFIX = "cortex-restore-"
-
-
-def _staging_name() -> str:
-    pid, start = procs.me()
-    return f"{STAGING_PREFIX}{pid}-{start}-{secrets.token_hex(4)}"
-
-
-def _writer_dead(rest: str) -> bool:
-    """Is the restore named in `rest` ("PID-START-HEX") gone?  False for a name without one."""
-    m = _WRITER.match(rest)
-    return m is not None and not procs.alive(int(m.group(1)), int(m.group(2)))
-
-
-def _sweep_stale_staging() -> None:
-    """Remove the staging segments of restores that were killed (nobody maps them, and their restore is
-    gone or they sit still for a minute).
-
-    Only our own: anyone can plant such names in /dev/shm, and root must not
-    remove another user's files.  One directory pass and one pass over /proc,
-    whatever is planted."""
-    now = time.time()
-    stale = [e.name for e in segment.scan() if e.name.startswith(STAGING_PREFIX) and e.ours
-             and (now - max(e.mtime, e.ctime) >= STAGING_STALE_AFTER
-                  or _writer_dead(e.name[len(STAGING_PREFIX):]))]
-    if not stale:
-        return
-    attached = segment.attached_map()
-    for n in stale:
-        if attached.get(n):
-            continue
-        try:
-            segment.unlink(n)
-        except CortexCacheError:
-            pass
-
-
-def stale_tmp_dirs() -> list[str]:
-    """restore --replace's temp tier directories (TMPDIR/cortex-restore-PID-START-XXXX) of ours whose
-    restore is gone: what a SIGKILL left behind (`doctor` reports them, the next restore --replace sweeps)."""
-    top = tempfile.gettempdir()
-    out = []
-    try:
-        with os.scandir(top) as it:
-            for e in it:
-                if not e.name.startswith(TMP_PREFIX) or not _writer_dead(e.name[len(TMP_PREFIX):]):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-                    out.append(e.path)
-    except OSError:
-        pass
-    return out
-
-
-def _sweep_stale_tmp() -> None:
-    """Remove what killed restores left in TMPDIR: the throw-away tier's files (by their names, never a
-    tree walk) and the directory."""
-    for d in stale_tmp_dirs():
-        try:
-            for kind in TIERS:
-                kind.remove_stand_in(d)
-            os.rmdir(d)
-        except OSError:
-            pass
-
-
-def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict[str, Any]:
+def _fill_pool(pool: "PoolHandle", snap: Snapshot, counters, progress, hasher) -> dict[str, Any]:
     """Put every live record of `snap` into a new, empty pool; NoSpace if they do not all stay."""
     core = pool.core
     lock = RecordLock(core.seg.fd, PERSIST_BYTE)
@@ -718,7 +633,7 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
                     expired += 1
                     continue
                 try:
-                    _restore_entry(core, rec, base)
+                    restore_entry(core, rec, base)
                 except (ValueTooLarge, PoolFull) as e:
                     raise NoSpace(f"snapshot {str(snap.path)!r} does not fit: {e}; nothing was changed") from None
                 restored += 1
@@ -746,275 +661,13 @@ def _fill_pool(pool: "Pool", snap: Snapshot, counters, progress, hasher) -> dict
                 f"of which a pool of {st['size_bytes']} bytes and {st['max_entries']} entries keeps "
                 f"{st['entries']}; nothing was changed"
             )
-        core.locked(_restore_end, core, counters)
+        core.locked(restore_end, core, counters)
         end = core.clock()
         ran_out = [n for expiry, n in expiring if expiry <= end]
         return {"entries": restored - len(ran_out), "bytes": nbytes - sum(ran_out),
                 "expired_skipped": expired + len(ran_out)}
     finally:
         lock.release()
-
-
-def _restore_entry(core: Core, rec: "Record", base: int) -> None:
-    """Insert one snapshot record with its metadata (like a put; large values copied outside the lock)."""
-    kb, vb = rec.key, rec.value
-    vlen = len(vb)
-    nblk = core.blocks_or_raise(vlen, "snapshot entry")
-    kh = xxhash.xxh3_64_intdigest(kb)
-    flags = rec.flags & SLOT_FLAG_STR_KEY
-    meta = (rec.created, rec.last_access, rec.expiry, base + rec.insert_seq, base + rec.access_seq, rec.access_count)
-    if vlen <= COPY_IN_LOCK:
-        core.locked(_put_restored, core, kb, kh, flags, vb, nblk, rec.checksum, rec.priority, meta)
-        return
-    i, off = core.locked(core.reserve, kb, kh, flags, vlen, nblk)
-
-    def copy() -> int:
-        # Through the segment's fd, not the mapping: the kernel fills the
-        # pages without a page fault each (~1.5x faster into fresh memory).
-        done = 0
-        while done < vlen:
-            done += os.pwrite(core.seg.fd, vb[done:], off + done)
-        return rec.checksum
-
-    core.fill(i, copy, _seal_restored, core, kb, kh, rec.priority, meta)
-
-
-def _put_restored(core: Core, kb: bytes, kh: int, flags: int, vb: Any, nblk: int, checksum: int, priority: int,
-                  meta: tuple) -> None:
-    i = core.put_small(kb, kh, flags, vb, nblk, checksum, None, priority)
-    core.restore_meta(i, *meta)
-
-
-def _seal_restored(i: int, checksum: int, core: Core, kb: bytes, kh: int, priority: int, meta: tuple) -> None:
-    if not core.is_writing(i):
-        return  # a repair took the reservation back
-    core.seal(i, kb, kh, checksum, None, priority)
-    core.restore_meta(i, *meta)
-
-
-# ---------------------------------------------------------------- resize
-
-# Copied out of the old pool per lock hold, whichever comes first (a hold of 80,000 small entries kept
-# readers waiting 0.5 s; 128 take about a millisecond).
-RESIZE_BATCH_BYTES = 8 << 20
-RESIZE_BATCH_ENTRIES = 128
-# Before its last lock hold, a resize copies what was put meanwhile in up to this many rounds, until no
-# more than RESIZE_LAST_ENTRIES are left for that hold to copy (writers wait for it).
-RESIZE_CATCH_UP_ROUNDS = 4
-RESIZE_LAST_ENTRIES = 256
-
-
-def resize(Pool: "type[Pool]", target: str, size: int, *, clock: Callable[[], float] | None = None,
-           allow_other_owner: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Grow or shrink live pool `target` to `size` bytes of data: a new pool of that size and target's
-    configuration is built beside it, filled most recently used first (what does not fit is the least
-    recently used, left out), and renamed over target, which is marked superseded so the processes on it
-    move to the new one (Pool.superseded; the engine adapters do by themselves).
-
-    The copy runs while target serves, then catches up with what was put meanwhile (outside the lock, a few
-    rounds); the last lock hold copies what was put since and drops what was deleted -- a few vectorised
-    passes over the slot columns, however many entries were copied -- then marks the old pool and renames
-    the new one over it (Core.retire), so nothing written before the swap is lost and no writer is left
-    on the old copy untold.  Writers and readers wait once, for that hold alone.  Held meanwhile: target's
-    persist lock (no persist or restore of it runs).  A pool with a disk tier is refused (UsageError): its
-    index lives in the segment and is not carried over yet.  A size that gives the pool its geometry again
-    changes nothing ("unchanged": True).  Returns a report: entries kept, left out, bytes, the old and new
-    sizes, seconds, and the last lock hold's "swap_seconds"."""
-    t0 = time.perf_counter()
-    old = Pool.open(target, clock=clock, require_owner=not allow_other_owner)
-    try:
-        for t in old.tiers.configured:
-            if t.resize_refusal:
-                raise UsageError(f"pool {target!r} {t.resize_refusal}")
-        waiting = fill.busy_reason(old.core, followed)
-        if waiting is not None:
-            raise PersistBusy(waiting)
-        lock = RecordLock(old.core.seg.fd, PERSIST_BYTE)
-        if not lock.take_soon():
-            raise busy(old.core.seg.fd, target, "resize")
-        running = RecordLock(old.core.seg.fd, RESTORE_BYTE)
-        running.try_acquire()
-        try:
-            return _resize_locked(Pool, old, target, size, clock, progress, t0)
-        finally:
-            running.release()
-            lock.release()
-    finally:
-        old.close()
-
-
-def _resize_locked(Pool: "type[Pool]", old: "Pool", target: str, size: int, clock, progress, t0: float) -> dict[str, Any]:
-    core = old.core
-    cfg = core.locked(pool_config, core)
-    keep = _tier_header(core)
-    keep.update(created=core.header[0]["created"], last_snapshot=core.header[0]["last_snapshot"])  # the same pool
-    st = core.seg.stat()
-    bs = cfg["block_size"]
-    # The entry limit follows the size unless it was set by hand (then it keeps its share of the blocks).
-    default_slots = Geometry.compute(cfg["size"], bs).n_slots
-    max_entries = None if cfg["max_entries"] == default_slots else max(16, cfg["max_entries"] * size // max(1, cfg["size"]))
-    same = Geometry.compute(size, bs, max_entries)
-    if (same.data_size, same.n_slots) == (cfg["size"], cfg["max_entries"]):  # the pool as it is: nothing to do
-        now = old.stats()
-        return {"pool": target, "old_size": cfg["size"], "size": cfg["size"], "entries": now["entries"],
-                "bytes": now["value_bytes"], "left_out": 0, "full": False, "unchanged": True,
-                "swap_seconds": 0.0, "seconds": round(time.perf_counter() - t0, 6)}
-    _sweep_stale_staging()
-    staging = _staging_name()
-    new = _create_staging(
-        Pool, target, staging, size, block_size=bs, policy=POLICY_IDS[cfg["policy"]], max_entries=max_entries,
-        mode=cfg["mode"], multi_threaded=bool(cfg["flags"] & FLAG_MULTI_THREADED), lfu_period=cfg["lfu_period"],
-        clock=clock, prefault=False,
-    )
-    report: dict[str, Any] = {"pool": target, "old_size": cfg["size"], "size": new.geometry.data_size}
-    try:
-        if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            try:
-                os.fchown(new.core.seg.fd, st.st_uid, st.st_gid)  # the pool's owners keep it
-            except PermissionError:
-                raise PermissionDenied(f"cannot give the resized pool the owner of {target!r} (uid {st.st_uid} "
-                                       f"gid {st.st_gid}); resize it as that user or as root") from None
-        seq, order = _put_since(core, -1)  # every live entry, the most recently used first
-        copied: dict[bytes, int] = {}  # key -> its insert_seq in the old pool
-        full = _resize_copy(core, new.core, order, copied, progress)
-        for _ in range(RESIZE_CATCH_UP_ROUNDS):  # what was put meanwhile, outside the last lock hold
-            now_seq, changed = _put_since(core, seq)
-            if len(changed) <= RESIZE_LAST_ENTRIES:
-                break  # few enough for the last lock hold, which brings everything put since `seq`
-            full = _resize_copy(core, new.core, changed, copied, None) or full
-            seq = now_seq
-        with interrupts.commit():  # the last lock hold swaps: a signal now waits, and resize reports success
-            t1, c1 = time.perf_counter(), time.thread_time()
-            core.locked(_resize_finish, core, new, copied, seq, full, cfg["counters"], keep, target,
-                        staging, report)
-            report["swap_seconds"] = round(time.perf_counter() - t1, 6)
-            report["swap_cpu_seconds"] = round(time.thread_time() - c1, 6)  # its work, without the machine's noise
-    except BaseException:
-        if segment.exists(staging):
-            _discard(Pool, new, staging)
-        else:
-            new.close()
-        raise
-    new.close()  # after the last hold: unmapping what this process wrote into it costs milliseconds
-    report["seconds"] = round(time.perf_counter() - t0, 6)
-    return report
-
-
-def _no_victim() -> None:
-    return None
-
-
-def _resize_copy(old: Core, new: Core, order: list[int], copied: dict[bytes, int],
-                 progress: Callable[[int, int], None] | None) -> bool:
-    """Copy the old pool's entries at `order` (most recent first) into `new`, never evicting there; True if
-    one found no room (the rest are older: left out)."""
-    total = sum(int(old.columns["value_len"][i]) for i in order) if order else 0
-    done = 0
-    pos = 0
-    while pos < len(order):
-        batch, nbytes = [], 0
-        while pos < len(order) and nbytes < RESIZE_BATCH_BYTES and len(batch) < RESIZE_BATCH_ENTRIES:
-            batch.append(order[pos])
-            nbytes += int(old.columns["value_len"][order[pos]])
-            pos += 1
-        for e in old.locked(_read_live, old, batch):
-            if copied.get(e.key, -1) >= e.insert_seq:
-                continue  # copied already, as it is now
-            if not _put_live(new, e):
-                return True
-            copied[e.key] = e.insert_seq
-            done += len(e.value)
-        if progress is not None:
-            progress(done, total)
-    return False
-
-
-def _put_since(core: Core, seq: int) -> tuple[int, list[int]]:
-    """(the sequence number now, the live slots put after `seq`, most recently used first).  The columns are
-    read in one lock hold, and sorted after it: a 100,000-entry sort is not something writers wait for."""
-    def read() -> tuple[int, Any, Any]:
-        c = core.columns
-        live = np.flatnonzero(core.live_mask())
-        changed = live[c["insert_seq"][live] > seq]
-        return int(core.fields.seq[0]), changed, c["access_seq"][changed].copy()
-
-    now, changed, recency = core.locked(read)
-    return now, changed[np.argsort(recency, kind="stable")[::-1]].tolist()
-
-
-def _read_live(core: Core, slots: list[int]) -> list[Record]:
-    """The still-live entries among `slots`, as snapshot records with their values copied (lock held)."""
-    out = []
-    c = core.columns
-    for i in slots:
-        if not core.is_sealed(i) or core.expired(i):
-            continue
-        try:
-            off, vlen = core.value_at(i)
-        except SegmentCorrupt:
-            continue
-        out.append(Record(core.key_bytes(i), int(c["flags"][i]), memoryview(bytes(core.mv[off : off + vlen])),
-                          float(c["created"][i]), float(c["last_access"][i]), float(c["expiry"][i]),
-                          int(c["insert_seq"][i]), int(c["access_seq"][i]), int(c["access_count"][i]),
-                          int(c["priority"][i]), core.checksum(i)))
-    return out
-
-
-def _put_live(new: Core, e: Record) -> bool:
-    """Put one entry into the new pool without evicting there; False if it has no room for it."""
-    new.evict_one = _no_victim  # type: ignore[method-assign]  # PoolFull instead of an eviction
-    try:
-        _restore_entry(new, e, 0)
-        return True
-    except (PoolFull, ValueTooLarge):
-        return False
-    finally:
-        del new.evict_one
-
-
-def _resize_finish(core: Core, new: "Pool", copied: dict[bytes, int], seq: int, full: bool,
-                   counters: dict[str, int], keep: dict[str, Any], target: str, staging: str,
-                   report: dict[str, Any]) -> None:
-    """The old pool's lock held: bring what was put since `seq` and drop what was deleted or replaced since it
-    was copied, then swap (Core.retire: mark the old one superseded and rename the new one over it, in this
-    hold).  Vectorised over the slot columns: a few milliseconds at 100,000 entries, not a lookup per key."""
-    c = core.columns
-    live = np.flatnonzero(core.live_mask())
-    seqs = c["insert_seq"][live]
-    changed = live[seqs > seq].tolist()  # few: the catch-up rounds brought the rest
-    for e in _read_live(core, changed):  # put (or put again) meanwhile: the newer value
-        if copied.get(e.key, -1) >= e.insert_seq:
-            continue
-        if not _put_live(new.core, e):
-            full = True  # no room: left out, as the oldest would be
-            continue
-        copied[e.key] = e.insert_seq
-    # A copied entry whose insert_seq no longer lives in the old pool was deleted or replaced (and not put
-    # again since): gone here too.
-    gone = np.flatnonzero(~np.isin(np.fromiter(copied.values(), np.uint64, len(copied)), seqs))
-    if len(gone):
-        keys = list(copied)
-        for n in gone.tolist():
-            kb = keys[n]
-            new.core.locked(new.core.delete, kb, xxhash.xxh3_64_intdigest(kb), False)
-            del copied[kb]
-    nc = new.core
-    nc.locked(_restore_end, nc, counters)
-    nc.header["name"] = target.encode()
-    for field, value in keep.items():
-        nc.header[field] = value
-    entries, nbytes = nc.locked(lambda: (int(nc.fields.n_entries[0]), int(nc.columns["value_len"][nc.live_mask()].sum())))
-    report.update(entries=entries, bytes=nbytes, left_out=max(0, len(live) - entries), full=full)
-    core.retire(lambda: segment.replace(staging, target))
-
-
-def _restore_end(core: Core, counters: dict[str, int] | None) -> None:
-    if counters:
-        for c, v in counters.items():
-            if c != "seq":
-                core.header[c] = v
-    core.victims.invalidate()
 
 
 __all__ = ["restore", "resize", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]

@@ -12,6 +12,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass
 
 import posix_ipc
@@ -216,6 +217,16 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def unmap(self) -> None:
+        """`close`, where a buffer exported from the mapping may still be alive somewhere (a numpy array made
+        from a view): then the descriptor goes now and the mapping when that buffer does."""
+        try:
+            self.close()
+        except BufferError:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 def _open_error(e: OSError, name: str, what: str) -> Exception:
@@ -503,5 +514,44 @@ def check_owner_of(name: str, allow_other_owner: bool = False) -> None:
         raise _refuse_owner(name, st.st_uid)
 
 
+# Unmaps left to threads (unmap_in_background) that may still run: wait_unmapped joins them.
+_UNMAPPING: set[threading.Thread] = set()
+_UNMAPPING_LOCK = threading.Lock()
+
+
+def _unmap_and_forget(seg: Segment) -> None:
+    try:
+        seg.unmap()
+    finally:
+        with _UNMAPPING_LOCK:
+            _UNMAPPING.discard(threading.current_thread())
+
+
+def unmap_in_background(seg: Segment) -> bool:
+    """Unmap `seg` on a thread of its own (Core.close of a segment that lost its name: the unmap that frees
+    its memory takes ~0.3 s per GiB); False if no thread can start (the interpreter is shutting down)."""
+    unmapping = threading.Thread(target=_unmap_and_forget, args=(seg,), name="cortex-unmap", daemon=True)
+    with _UNMAPPING_LOCK:
+        _UNMAPPING.add(unmapping)
+    try:
+        unmapping.start()
+    except RuntimeError:
+        with _UNMAPPING_LOCK:
+            _UNMAPPING.discard(unmapping)
+        return False
+    return True
+
+
+def wait_unmapped(timeout: float | None = None) -> bool:
+    """Wait until the unmaps `unmap_in_background` started are done (a process that checks it no longer maps
+    an old copy: the tests, a tool reading /proc); False if `timeout` ran out."""
+    with _UNMAPPING_LOCK:
+        running = list(_UNMAPPING)
+    for t in running:
+        t.join(timeout)
+    return not any(t.is_alive() for t in running)
+
+
 __all__ = ["Segment", "validate_name", "prefix", "shm_name", "shm_path", "unlink", "replace", "still_named", "exists", "squatter_kind", "remove_squatter", "list_names", "attached_pids",
-           "attached_map", "mapped_generations", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of"]
+           "attached_map", "mapped_generations", "Listed", "scan", "trusted_owner", "check_owner", "check_owner_of",
+           "unmap_in_background", "wait_unmapped"]

@@ -9,25 +9,30 @@ tier's misses are: the entry an engine asks for is there at once instead of
 when the fill reaches it, and the fill then skips it as gone.  A gone entry
 is never brought back from the snapshot, by this tier or by the fill.
 
-Each process that opens the pool while its fill runs builds its index of
-the snapshot (key -> place in the fill's order, which every process
-computes alike: fill.manifest_items) from the manifest alone, checked whole
-first, and drops it once the fill has ended -- only if it would trust that
-snapshot itself (fill.follow: the mark is in the segment, which another
-member of a group pool may write).  With it, `in` and the lookups' leading
-runs (engines' prefix matches) count the entries the fill will still bring
-as there, and each put or delete of a key marks its position gone
-(`position`, in the lock hold that changes memory, before it does).  A
-process without the index (a handle opened with snapshot_tier=False, or one
-that does not follow the mark) still has this tier, blind: it serves
+Each process that opens the pool while its fill runs maps the snapshot's
+manifest read-only -- only if it would trust that snapshot itself
+(fill.follow: the mark is in the segment, which another member of a group
+pool may write); otherwise its tier is blind (below) -- and drops it once the
+fill has ended.  A version 4 manifest is used in place: opening it reads its
+header and section table, a lookup probes its table (manifest.py) and reads
+the one entry's columns, every number bounds-checked, so attaching costs the
+same at ten thousand entries as at ten million, and the page cache's copy of
+the manifest is shared by every process.  A version 3 manifest (persisted by
+an older cortex_cache) is still indexed per process, as it was: its key ->
+place in the fill's order, which every process computes alike
+(fill.manifest_items), from the manifest checked whole first.  With it, `in` and the
+lookups' leading runs (engines' prefix matches) count the entries the fill
+will still bring as there, and each put or delete of a key marks its
+position gone (`position`, in the lock hold that changes memory, before it
+does).  A process without it (a handle opened with snapshot_tier=False, or
+one that does not follow the mark) still has this tier, blind: it serves
 nothing, and its puts and deletes mark the key's hash gone instead (a few
 more misses for the other keys of that bucket, never a wrong answer).
 While the tier is attached memory's writes go through Python (Tiers.fast_ok
 is False), so the C write path never skips a mark -- but a put of a key the
-indexed snapshot has no entry of (`never_holds`) has nothing to mark, and
-takes it (Tiers.fast_put).  A snapshot that cannot
-be read, has changed since the fill began, or a record that fails its
-checksum is a miss.
+snapshot has no entry of (`never_holds`) has nothing to mark, and takes it
+(Tiers.fast_put).  A snapshot that cannot be read, has changed since the
+fill began, or a record that fails its checksum is a miss.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class SnapshotBelow(Lower):
         self._indexed = indexed  # False: a handle that only reads stats builds no index (blind)
         self._gen: int | None = None  # the fill generation the index is for
         self._snap: Snapshot | None = None
-        self._index: dict[bytes, tuple[int, fill.Item]] = {}
+        self._index: dict[bytes, tuple[int, fill.Item]] = {}  # a version 3 manifest's, built per process
         self._lock = threading.Lock()
         with self._lock:  # built now, outside every lock hold: `contains` answers from it
             self._load(int(core.header[0]["fill_gen"]))
@@ -79,43 +84,44 @@ class SnapshotBelow(Lower):
             gen = int(h["fill_gen"])
             if gen != self._gen:
                 self._load(gen)
-            place = self._entry(kb)
             snap = self._snap
-            if place is None or snap is None:
+            pos = self._position(kb, kh)
+            if pos is None or snap is None:
                 return None
-            pos, it = place
             if pos < int(h["fill_done"]) or self.marks.gone(pos, kh):
                 return None  # loaded or skipped by the fill, promoted, put or deleted since the publish
-            if 0 < it.meta[2] <= self.core.clock():
-                return None  # expired
+            it = self._item(pos, kb)
+            if it is None or 0 < it.meta[2] <= self.core.clock():
+                return None  # damaged, or expired
             too_small(room, it.length)
             pack, off = it.where
             try:
                 # Copied out of the pack's mapping, then checked against the manifest's checksum: what is
                 # checked is what is served, even if the pack is cut short meanwhile (its reads are zeros).
                 reader = snap.pack_reader(pack)
-                value = bytes(reader.value(off, it.key, it.length, it.checksum, snap.path, False))
+                if snap.v4 is not None:
+                    value = bytes(reader.raw_value(off, it.length, it.checksum, snap.path, False))
+                else:
+                    value = bytes(reader.value(off, it.key, it.length, it.checksum, snap.path, False))
                 if reader.cut_short() or xxh3_64_intdigest(value) != it.checksum:
                     return None
             except (CortexCacheError, OSError, ValueError):
                 return None  # a damaged record, or a pack gone: a miss, never wrong bytes
         return Fetched(value, it.flags & SLOT_FLAG_STR_KEY, it.checksum, it.meta[2], it.priority, (gen, pos, kh))
 
-    def _entry(self, kb: bytes) -> tuple[int, fill.Item] | None:
-        """(position in the fill's order, entry) of `kb` in the snapshot this process indexed, or None.  The
-        one place the index is asked by key (lock may be held: no I/O, no index built here)."""
-        return self._index.get(kb)
-
-    def position(self, kb: bytes, kh: int) -> int | None:
-        """`kb`'s position in the fill's order of the snapshot this process indexed, None if it holds no such
-        key (or this process has no index).  Lock may be held: no I/O, no index built here."""
-        place = self._entry(kb)
-        return None if place is None else place[0]
+    def _entry(self, kb: bytes, kh: int) -> tuple[int, fill.Item] | None:
+        """(position in the fill's order, entry) of `kb` in the snapshot this process follows, or None.  The
+        one place the snapshot is asked by key (lock may be held: a probe of the mapping, no I/O)."""
+        pos = self._position(kb, kh)
+        if pos is None:
+            return None
+        it = self._item(pos, kb)
+        return None if it is None else (pos, it)
 
     def never_holds(self, kb: bytes) -> bool:
-        """Outside the lock: the snapshot this process indexed has no entry of `kb` (its index never changes
-        while the fill runs; a blind tier cannot tell)."""
-        return self._snap is not None and self._entry(kb) is None
+        """Outside the lock: the snapshot this process follows has no entry of `kb` (it never changes while
+        the fill runs; a blind tier cannot tell)."""
+        return self._snap is not None and self._position(kb, xxh3_64_intdigest(kb)) is None
 
     def _held(self, kb: bytes, kh: int) -> int | None:
         """Lock held: `kb`'s position if the snapshot is still its answer (the fill runs, has not come to it,
@@ -124,13 +130,46 @@ class SnapshotBelow(Lower):
         words = core.header_words  # typed words, not numpy's scalars: this runs in every put's lock hold
         if words[H_FILL_STATE] != FILL_RUNNING or words[H_FILL_GEN] != self._gen:
             return None
-        place = self._entry(kb)
+        place = self._entry(kb, kh)
         if place is None:
             return None
         pos, it = place
         if pos < core.counters[H_FILL_DONE] or self.marks.gone(pos, kh):
             return None
         return None if 0 < it.meta[2] <= core.clock() else pos
+
+    def position(self, kb: bytes, kh: int) -> int | None:
+        """The fill position of key `kb` (`kh`: its xxh3_64) in the snapshot this pool is filled from, whether
+        or not the fill has come to it; None if the snapshot does not hold it (or none is followed).  The
+        pool's lock may be held: a probe of the mapped manifest (or of a version 3 manifest's index), no I/O
+        beyond the mapping."""
+        if int(self.core.header[0]["fill_gen"]) != self._gen:
+            return None
+        return self._position(kb, kh)
+
+    def _position(self, kb: bytes, kh: int) -> int | None:
+        snap = self._snap
+        if snap is None:
+            return None
+        if snap.v4 is not None:
+            pos = snap.position(kb, kh)
+            # A manifest cut short while mapped reads zeros: nothing read from it is used.
+            return None if pos is None or snap.check_cut() else pos
+        place = self._index.get(kb)
+        return None if place is None else place[0]
+
+    def _item(self, pos: int, kb: bytes) -> fill.Item | None:
+        """The snapshot's entry at fill position `pos` (key `kb`), as the fill would load it."""
+        snap = self._snap
+        assert snap is not None
+        if snap.v4 is None:
+            return self._index[kb][1]
+        r = snap.v4.row(pos)
+        if r["pack"] >= len(snap.pack_refs):
+            return None
+        return fill.Item(kb, r["flags"], r["length"], r["checksum"], r["priority"],
+                         (r["created"], r["last_access"], r["expiry"], r["insert_seq"], r["access_seq"],
+                          r["access_count"]), (r["pack"], r["offset"]))
 
     def contains(self, kb: bytes, kh: int) -> bool:
         """Lock held: does the snapshot still hold `kb` for this pool?  Answered from the index built when the
@@ -165,7 +204,11 @@ class SnapshotBelow(Lower):
         elif sel.prefix is not None:
             pb = sel.prefix
             with self._lock:  # outside the pool lock: the index is not rebuilt meanwhile
-                keys = [kb for kb in self._index if kb.startswith(pb)]
+                snap = self._snap
+                if snap is not None and snap.v4 is not None:  # every key of the manifest, read in place
+                    keys = [kb for kb in snap.v4.keys(0, snap.v4.n) if kb is not None and kb.startswith(pb)]
+                else:
+                    keys = [kb for kb in self._index if kb.startswith(pb)]
         else:
             return 0, 0
 
@@ -174,7 +217,7 @@ class SnapshotBelow(Lower):
             for kb in keys:
                 if self._gone(kb, xxh3_64_intdigest(kb)):
                     count += 1
-                    freed += self._entry(kb)[1].length  # type: ignore[index]  # held: it has an entry
+                    freed += self._entry(kb, xxh3_64_intdigest(kb))[1].length  # type: ignore[index]  # held: has one
             return count, freed
 
         return core.locked(mark_all)
@@ -201,6 +244,9 @@ class SnapshotBelow(Lower):
             return
         snap, _why = fill.follow(self.core, followed)  # only a snapshot this process would trust itself
         if snap is None:
+            return
+        if snap.v4 is not None:  # used in place: nothing is read or built here
+            self._snap = snap
             return
         try:
             self._index = {it.key: (n, it) for n, it in enumerate(fill.manifest_items(snap))}

@@ -840,6 +840,12 @@ def man(m: Model) -> str:
          "(default 30; \\fBinf\\fR waits for ever).  A lock holder that was stopped costs this wait, never a hang.  "
          "The commands here wait 5 to 10 seconds."),
         ("CORTEX_CACHE_DEBUG", "When set and not \\fB0\\fR, errors show their traceback, as with \\fB\\-\\-debug\\fR."),
+        ("CORTEX_CACHE_WEIGHTS", "A name for the model's weights (1 to 64 of A\\-Z a\\-z 0\\-9 . _ : @ + \\-), put into "
+         "the keys of every engine adapter (vLLM, SGLang, LMCache) and of \\fBKVCache\\fR, so that KV computed by "
+         "other weights under the same model name is never served.  The adapters' \\fBweights\\fR parameter and "
+         "\\fBKVCache(weights=)\\fR come first; without either, the adapters compute an identity of the checkpoint "
+         "at the model's path, and print at start the \\fBevict\\fR \\fB\\-\\-prefix\\fR command that retires "
+         "the KV of those weights."),
         ("NO_COLOR", "When set, output is never coloured."),
         ("XDG_STATE_HOME", "See \\fBCORTEX_CACHE_SNAPSHOT_DIR\\fR."),
     ):

@@ -59,6 +59,15 @@ def test_create_help_lists_the_policies_one_a_line_and_says_which_if_unsure():
     assert " ".join(IF_UNSURE.split()[:3]) in " ".join(out.split()) and "If unsure:" in out
 
 
+def test_create_help_says_auto_adapts_and_an_existing_pool_keeps_its_policy():
+    """auto's line says what it is now (adaptive, three regimes learnt online), and --policy says that
+    `--if-missing` without it accepts an existing pool's policy (issue 42)."""
+    out = " ".join(ok(cli("cache", "create", "--help")).stdout.decode().split())
+    auto = out[out.index(" auto adaptive:") : out.index("(the default)")]
+    assert all(word in auto for word in ("learning online", "frequency", "recency", "loop")), auto
+    assert "with --if-missing, a pool that exists may have any policy unless this is given" in out
+
+
 @pytest.mark.parametrize("given, stored", [("LRU", "lru"), ("Arc", "arc"), ("S3FIFO", "s3fifo"), ("auto", "auto")])
 def test_policies_are_accepted_in_any_case(pool_name, cleanup, given, stored):
     cleanup.append(pool_name)

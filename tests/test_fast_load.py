@@ -330,8 +330,11 @@ def test_pins_left_by_a_lock_busy_after_the_copies_are_released(make_pool, monke
     pids = p.core.pin_records["pid"]
     try:
         vals = _store(conn, keys, size)
-        left_seen = 0
-        for _ in range(10):
+        left_seen = tries = 0
+        # The race is the point: on a loaded machine the grabbing thread may not get the GIL while the
+        # copies run, so try until it has won a few times (each try is checked whole either way).
+        while left_seen < 3 and tries < 200:
+            tries += 1
             loading, holding, release = threading.Event(), threading.Event(), threading.Event()
 
             def grab():
@@ -359,7 +362,7 @@ def test_pins_left_by_a_lock_busy_after_the_copies_are_released(make_pool, monke
                 conn.pool.core.release_pins(left)
             assert codes == [0] * len(keys) and bufs == vals
             assert int(np.count_nonzero(pids)) == 0 and p.stats()["pinned_entries"] == 0
-        print(f"{left_seen} of 10 loads found the lock taken after their copies")
+        print(f"{left_seen} of {tries} loads found the lock taken after their copies")
         assert left_seen, "the lock was never taken during the copies: the test missed its point"
     finally:
         other.close()

@@ -336,6 +336,18 @@ def _state(p: Pool) -> dict:
     return state
 
 
+def same_state(fast: Pool, slow: Pool) -> dict:
+    """Assert that two pools hold the same slot table, allocation words, maps, chains, queues and values;
+    the first one's state."""
+    a, b = _state(fast), _state(slow)
+    for name in a:
+        if isinstance(a[name], np.ndarray):
+            assert np.array_equal(a[name], b[name]), name
+        else:
+            assert a[name] == b[name], name
+    return a
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "size", "s3fifo", "arc", "auto"])
 def test_both_write_paths_leave_the_same_pool(make_pool, monkeypatch, policy):
     fast = make_pool("1M", block_size="4K", policy=policy, max_entries=64)
@@ -343,12 +355,7 @@ def test_both_write_paths_leave_the_same_pool(make_pool, monkeypatch, policy):
     slow = make_pool("1M", block_size="4K", policy=policy, max_entries=64)
     assert fast.core.fast is not None and slow.core.fast is None
     assert _writes(fast, 5) == _writes(slow, 5)
-    a, b = _state(fast), _state(slow)
-    for name in a:
-        if isinstance(a[name], np.ndarray):
-            assert np.array_equal(a[name], b[name]), name
-        else:
-            assert a[name] == b[name], name
+    a = same_state(fast, slow)
     assert a["evictions"] > 50, "the writes did not evict: the test missed its point"
     assert fast.verify()["problems"] == [] and slow.verify()["problems"] == []
 

@@ -155,7 +155,7 @@ def test_resize_keeps_the_most_recently_used_and_the_processes_on_it_move(make_p
 
 
 def test_resize_brings_what_was_put_and_deleted_while_it_copied(make_pool, monkeypatch):
-    from cortex_cache import restore
+    from cortex_cache import resize as restore  # the resize moved out of restore.py
 
     p = make_pool("4M", block_size="4K")
     name = p.name

@@ -342,7 +342,7 @@ def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, t
 
 
 def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, pool_name, monkeypatch):
-    from cortex_cache import persist, restore
+    from cortex_cache import persist, restore, staging
 
     p = make_pool("8M")
     for k in range(48):
@@ -357,7 +357,7 @@ def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, 
             Pool.unlink(target)
         _check_pool(p)
     # Killed restores leave their staging segments; the next restore sweeps those nobody maps.
-    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(staging, "STAGING_STALE_AFTER", 0.0)
     q = Pool.restore(snap, name=target)
     q.close()
     Pool.unlink(target)
@@ -368,7 +368,7 @@ def test_sigkill_mid_fill_leaves_no_pool_or_one_the_next_restore_finishes(make_p
                                                                           monkeypatch):
     """A restore from the snapshot directory publishes the pool before its values are in (fill.py): killed
     at random, it leaves no pool, or one whose entries are each exact, which the next restore completes."""
-    from cortex_cache import restore
+    from cortex_cache import restore, staging
 
     p = make_pool("8M")
     for k in range(48):
@@ -402,7 +402,7 @@ def test_sigkill_mid_fill_leaves_no_pool_or_one_the_next_restore_finishes(make_p
             if Pool.exists(name):
                 Pool.unlink(name)
         _check_pool(p)
-    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(staging, "STAGING_STALE_AFTER", 0.0)
     Pool.restore(manifest, name=name).close()  # sweeps the staging segments killed restores left
     Pool.unlink(name)
     assert not [n for n in segment.list_names() if n.startswith(restore.STAGING_PREFIX)]
@@ -414,7 +414,7 @@ REPLACE_ROUNDS = max(ROUNDS, 20)
 def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_pool, tmp_path, pool_name, monkeypatch):
     """Two snapshots of 200 entries each (different keys) restored over one pool in turn, killed at random:
     the pool always holds exactly one of them, whole, and never a mix."""
-    from cortex_cache import persist, restore
+    from cortex_cache import persist, restore, staging
 
     snaps = []
     for v, keys in ((1, "a"), (2, "b")):
@@ -438,7 +438,7 @@ def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_poo
                 assert check_value(q.get(f"{which}{k}")) == (k, 1 if which == "a" else 2)
             assert q.verify()["ok"]
         seen[which] += 1
-    monkeypatch.setattr(restore, "STAGING_STALE_AFTER", 0.0)
+    monkeypatch.setattr(staging, "STAGING_STALE_AFTER", 0.0)
     Pool.restore(snaps[0], name=pool_name, replace=True).close()  # sweeps the killed ones' staging segments
     assert not [n for n in segment.list_names() if n.startswith(persist.STAGING_PREFIX)]
     assert seen["a"] and seen["b"], seen  # kills landed on both sides of the swap

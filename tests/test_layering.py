@@ -1,8 +1,12 @@
 """The package's layers, checked by parsing it (docs/design.md, "Layers").
 
 - No import cycle between the package's modules, counting imports inside
-  functions (those hide cycles; `if TYPE_CHECKING:` imports are left out,
-  since they never run).
+  functions (those hide cycles), nor counting `if TYPE_CHECKING:` imports:
+  a type imported from above is a call back up in disguise (a callback, or
+  an object of the upper layer handed down).  Name what is needed below
+  (a Protocol) or pass it in.  TYPE_ONLY_CIRCLES lists the edges still to go.
+- No Python module of the package over 900 lines, no C file over 1,000
+  (OVERSIZE lists those still to be split).
 - No module touches another module's private (`_name`) members: an access
   `obj._name` is allowed on `self`/`cls`, or when `_name` is defined in the
   accessing module itself (its own classes' attributes); `from .m import _x`
@@ -43,14 +47,14 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _walk_runtime(tree: ast.AST):
-    """Every node of `tree` except those under `if TYPE_CHECKING:`."""
+def _walk_runtime(tree: ast.AST, type_only: bool = False):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (with `type_only`, those too)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
@@ -66,10 +70,11 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
-    """(imported module of the package, names imported from it) for every runtime import in `tree`."""
+def _imports(module: str, tree: ast.Module, type_only: bool = False) -> list[tuple[str, list[str]]]:
+    """(imported module of the package, names imported from it) for every runtime import in `tree` (with
+    `type_only`, the `if TYPE_CHECKING:` ones too)."""
     out = []
-    for node in _walk_runtime(tree):
+    for node in _walk_runtime(tree, type_only):
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
@@ -85,10 +90,10 @@ def _imports(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
     g: dict[str, set[str]] = {m: set() for m in MODULES}
     for m, tree in MODULES.items():
-        for target, _ in _imports(m, tree):
+        for target, _ in _imports(m, tree, type_only):
             if target in MODULES and target != m and target != PACKAGE:
                 g[m].add(target)
     return g
@@ -135,6 +140,58 @@ def test_no_import_cycles_even_through_imports_inside_functions():
     assert _cycles(_graph()) == []
 
 
+# Type-only imports that still close a circle, each with why it is left: the coordinator empties this list at
+# merge.  Each entry must still be an edge of such a circle (the test below says when one is gone).
+TYPE_ONLY_CIRCLES: dict[tuple[str, str], str] = {}
+
+
+def _type_only_circles() -> list[list[str]]:
+    g = _graph(type_only=True)
+    for a, b in TYPE_ONLY_CIRCLES:
+        g[a].discard(b)
+    return _cycles(g)
+
+
+def test_no_import_cycles_even_through_type_only_imports():
+    assert _type_only_circles() == []
+
+
+def test_every_allowed_type_only_circle_is_still_one():
+    """An edge of TYPE_ONLY_CIRCLES that no longer closes a circle (its import gone, or made a runtime one that
+    the test above would catch) comes off the list."""
+    runtime, full = _graph(), _graph(type_only=True)
+    for a, b in TYPE_ONLY_CIRCLES:
+        assert b in full[a] and b not in runtime[a], f"{a} -> {b} is no type-only import: take it off the list"
+        assert a in _reachable(full, {b}), f"{a} -> {b} closes no circle now: take it off the list"
+
+
+# ---------------------------------------------------------------- sizes
+
+MAX_PY_LINES, MAX_C_LINES = 900, 1000
+# Files of the package over those sizes, each with why: the coordinator empties this list at merge, and an
+# entry whose file is no longer over fails the test (so that it comes off).
+OVERSIZE: dict[str, str] = {}
+
+
+def _oversize() -> dict[str, int]:
+    """Files of the package over their size: {path from the repository: lines}."""
+    out = {}
+    for path in sorted(ROOT.rglob("*")):
+        limit = MAX_PY_LINES if path.suffix == ".py" else MAX_C_LINES if path.suffix in (".c", ".h") else None
+        if limit is None:
+            continue
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out[str(path.relative_to(REPO))] = n
+    return out
+
+
+def test_no_module_over_900_lines_nor_c_file_over_1000():
+    over = _oversize()
+    assert {f: n for f, n in over.items() if f not in OVERSIZE} == {}
+    assert [f for f in OVERSIZE if f not in over] == [], "no longer over: take it off OVERSIZE"
+
+
 def _defined_private_names(tree: ast.Module) -> set[str]:
     """`_names` a module defines: functions, classes, assignments, attributes it sets, parameters."""
     names: set[str] = set()
@@ -155,7 +212,7 @@ def _private(name: str) -> bool:
 
 
 # Compiled extensions that are the C half of one module, which alone imports them.
-C_HALVES = {f"{PACKAGE}._fastpath": f"{PACKAGE}.core"}
+C_HALVES = {f"{PACKAGE}._fastpath": f"{PACKAGE}.core_fast"}
 
 
 # Standard-library names that are public despite their underscore: os._exit is the documented way out of a
@@ -199,6 +256,9 @@ def test_no_module_touches_another_modules_private_members():
 def test_the_check_sees_a_cycle_and_a_private_use():
     """The checks themselves: a made-up cycle and a made-up private access are caught."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .pool import Pool\n")
+    assert _imports(f"{PACKAGE}.a", hidden) == []
+    assert _imports(f"{PACKAGE}.a", hidden, type_only=True) == [(f"{PACKAGE}.pool", ["Pool"])]
     made_up = {f"{PACKAGE}.a": ast.parse("class A:\n    def __init__(self):\n        self._mine = 1\n"
                                          "def f(a, pool):\n    return a._mine, pool._secret\n")}
     assert _private_uses(made_up) == [f"{PACKAGE}.a:5 uses ._secret, which it does not define"]

@@ -172,6 +172,43 @@ def test_create_if_missing(pool_name, cleanup):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_create_if_missing_accepts_a_restored_pools_policy_unless_another_is_asked(pool_name, cleanup):
+    """A boot script's `restore --if-missing || create --if-missing` without --policy: the pool restored from a
+    snapshot keeps the policy it was made with (lru here, not the default), and create accepts it; only a
+    --policy given, and different, is a mismatch."""
+    cleanup.append(pool_name)
+    with Pool.create(pool_name, "1M", block_size="4K", policy="lru") as p:
+        p.put("k", b"v")
+        p.persist()
+    _reboot(pool_name)
+    assert cli("cache", "restore", pool_name, "--if-missing").returncode == 0
+    args = ["cache", "create", pool_name, "--size", "1M", "--block-size", "4K", "--if-missing"]
+    assert _json(cli(*args, "--json"))["existed"] is True
+    assert _json(cli(*args, "--policy", "LRU", "--json"))["existed"] is True
+    other = cli(*args, "--policy", "auto")
+    assert other.returncode == 73 and "policy lru (asked auto)" in other.stderr.decode()
+    with Pool.open(pool_name) as p:
+        assert p.policy == "lru" and p.get("k") == b"v"
+    with Pool.create(pool_name, "1M", block_size="4K", exist_ok=True) as p:  # the library's rule is the same
+        assert p.policy == "lru"
+
+
+def test_a_new_pool_without_a_policy_gets_the_default(pool_name, cleanup):
+    """`create` without --policy, Pool.create without one, and an engine adapter's `create` without "policy"
+    all make a pool of DEFAULT_POLICY."""
+    from cortex_cache.integrations.pools import open_or_create
+    from cortex_cache.policy_names import DEFAULT_POLICY
+
+    cleanup.append(pool_name)
+    with Pool.create(pool_name, "1M", block_size="4K") as p:
+        assert p.policy == DEFAULT_POLICY
+    Pool.unlink(pool_name)
+    assert _json(cli("cache", "create", pool_name, "--size", "1M", "--json"))["policy"] == DEFAULT_POLICY
+    Pool.unlink(pool_name)
+    with open_or_create(pool_name, {"create": True, "size": "1M"}) as p:
+        assert p.policy == DEFAULT_POLICY != "lru"
+
+
 def test_create_exist_ok_in_the_library(pool_name, cleanup):
     cleanup.append(pool_name)
     with Pool.create(pool_name, "1M", block_size="4K") as a, Pool.create(pool_name, "1M", block_size="4K", exist_ok=True) as b:

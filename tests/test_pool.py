@@ -30,7 +30,7 @@ from cortex_cache import (
 from cortex_cache.core import PURE_PYTHON_ENV
 from cortex_cache.eviction import POLICY_IDS
 from cortex_cache.layout import MAX_KEY_BYTES
-from cortex_cache.segment import shm_path
+from cortex_cache.segment import shm_path, wait_unmapped
 
 
 # Every policy, single- and multi-threaded, without a disk tier and with one (write-back; and
@@ -374,6 +374,9 @@ def test_close_unmaps_and_releases_the_fd(make_pool):
         with open("/proc/self/maps") as f:
             return sum(1 for line in f if line.rstrip().endswith(shm_path(name)))
 
+    # Another test's teardown may have deleted a pool a moment ago: its handle's unmap, on a thread, closes
+    # two descriptors whenever it runs (Core.close).  Counted once it is done.
+    assert wait_unmapped(60)
     fds_before = len(os.listdir("/proc/self/fd"))
     for _ in range(200):  # every operation kind, then close: nothing may stay behind
         q = Pool.open(name)
@@ -386,6 +389,28 @@ def test_close_unmaps_and_releases_the_fd(make_pool):
         q.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert mapped() == 1  # only `p` itself
+
+
+def test_a_retired_handle_lets_its_mapping_and_descriptors_go_on_a_thread_waited_for(make_pool):
+    """A segment that lost its name is unmapped on a thread of its own when its handle closes (Core.close),
+    its two descriptors (the segment's, and the one mmap keeps) with it: `wait_unmapped` waits for that, so
+    a count of this process's descriptors or mappings (the test above) is not thrown by one going late."""
+    p = make_pool("1M", block_size="4K")
+    name = p.name
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if shm_path(name) in line)
+
+    assert wait_unmapped(60)  # none left running by earlier tests
+    fds_before = len(os.listdir("/proc/self/fd"))
+    q = Pool.open(name)
+    Pool.unlink(name)  # marked and unlinked through a handle of its own, closed at once
+    assert q.superseded and p.superseded
+    q.close()
+    assert wait_unmapped(60) and len(os.listdir("/proc/self/fd")) == fds_before and mapped() == 1  # `p`'s
+    p.close()
+    assert wait_unmapped(60) and len(os.listdir("/proc/self/fd")) == fds_before - 2 and mapped() == 0
 
 
 # ---------------------------------------------------------------- batched calls (every policy, both modes, tiers)

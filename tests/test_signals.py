@@ -87,11 +87,11 @@ def test_a_signal_during_restore_replace_removes_what_it_made(tier_pool, tmpdir_
     tmp, env = tmpdir_env
     child = Child("""
         import cortex_cache.restore as r
-        orig = r._restore_entry
+        orig = r.restore_entry
         def entry(*a):
             stop()
             return orig(*a)
-        r._restore_entry = entry
+        r.restore_entry = entry
         """, ["cache", "restore", tier_pool.name, "--replace"], env)
     child.wait_stopped()
     assert staging_segments() and os.listdir(tmp)  # it had made both
@@ -130,13 +130,13 @@ def test_a_signal_during_persist_leaves_no_temp_file(make_pool, tmp_path):
         p.put(f"k{i}", bytes([i]) * VALUE)
     snaps = tmp_path / "snaps"
     child = Child("""
-        import cortex_cache.snapshot as s
-        orig = s._live_values
-        def values(core, skipped, held=None):  # every persist's entries, one by one
-            for item in orig(core, skipped, held):
+        import cortex_cache.capture as c
+        orig = c.gather
+        def gather(core, live, which=None):  # every persist's values, a batch at a time
+            for batch in orig(core, live, which):
                 stop()
-                yield item
-        s._live_values = values
+                yield batch
+        c.gather = gather
         """, ["cache", "persist", p.name], {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)})
     child.wait_stopped()
     assert any(".tmp-" in n for n in os.listdir(snaps))
@@ -192,11 +192,11 @@ def test_what_a_killed_restore_left_is_reported_by_doctor_and_swept_by_the_next(
     tmp, env = tmpdir_env
     child = Child("""
         import cortex_cache.restore as r
-        orig = r._restore_entry
+        orig = r.restore_entry
         def entry(*a):
             stop()
             return orig(*a)
-        r._restore_entry = entry
+        r.restore_entry = entry
         """, ["cache", "restore", tier_pool.name, "--replace"], env)
     child.wait_stopped()
     child.proc.kill()
@@ -222,12 +222,12 @@ def test_doctor_reports_a_killed_persists_temp_file(make_pool, tmp_path):
     snaps = tmp_path / "snaps"
     env = {"CORTEX_CACHE_SNAPSHOT_DIR": str(snaps)}
     child = Child("""
-        import cortex_cache.snapshot as s
-        orig = s._live_values
-        def values(core, skipped, held=None):  # before the first entry is written
+        import cortex_cache.capture as c
+        orig = c.capture
+        def capture(core):  # before the first entry is read
             stop()
-            yield from orig(core, skipped, held)
-        s._live_values = values
+            return orig(core)
+        c.capture = capture
         """, ["cache", "persist", p.name], env)
     child.wait_stopped()
     child.proc.kill()

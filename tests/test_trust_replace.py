@@ -149,7 +149,7 @@ def test_a_resize_copies_in_short_lock_holds_and_its_last_hold_scans_no_key_one_
     """Readers wait for the resize's lock holds: each copies at most RESIZE_BATCH_ENTRIES entries (a hold of
     every small entry at once kept readers waiting 0.5 s at 100,000), and the last one finds what was deleted
     with a pass over the columns, not a lookup per copied key (benchmarks/bench_resize.py has the times)."""
-    from cortex_cache import restore
+    from cortex_cache import resize as restore  # the resize moved out of restore.py
     from cortex_cache.core import Core
 
     p = make_pool("16M", block_size="4K")

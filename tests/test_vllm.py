@@ -33,6 +33,72 @@ def needs_vllm(test):
 
 BLOCK = 32
 ENGINE = str(REPO / "tests" / "vllm_engine.py")
+SHM = "/dev/shm"
+
+
+def _vllm_segments() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith("vllm_dist_")}
+
+
+def _held_paths() -> set[str]:
+    """Every file some live process maps or holds open (what another engine running now uses)."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_leftovers():
+    """Remove what vLLM's CPU build leaves behind when its engines end without their teardown: the
+    shared-memory segments of its ranks' all-reduce (/dev/shm/vllm_dist_<id>-...-cpushm_<rank>, made with
+    tensor parallelism) that appeared during this file's tests and no live process uses (another engine
+    running now may be using its own), and, through a temp dir of this file's own (TMPDIR for the engine
+    processes), the file store of its process group (vllm_dist_<id>) and its other temp files."""
+    before = _vllm_segments()
+    tmp = tempfile.mkdtemp(prefix="cctest-vllm-tmp-")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", tmp)
+        yield
+    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_vllm_segments(_vllm_segments() - before)
+
+
+def _remove_vllm_segments(names: set[str]) -> None:
+    """Unlink those of `names` (in /dev/shm) that no live process maps or holds open."""
+    if not names:
+        return
+    held = {p.removeprefix(SHM + "/") for p in _held_paths() if p.startswith(SHM + "/")}
+    for name in names - held:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except FileNotFoundError:
+            pass
+
+
+def test_vllm_segments_left_behind_are_removed_and_those_in_use_kept():
+    import mmap
+
+    left, used = (f"vllm_dist_cctest{os.getpid()}{kind}-tp:0-[0-1]-cpushm_0" for kind in ("left", "used"))
+    for name in (left, used):
+        with open(os.path.join(SHM, name), "wb") as f:
+            f.write(bytes(4096))
+    with open(os.path.join(SHM, used), "r+b") as f:
+        m = mmap.mmap(f.fileno(), 4096)  # as a running engine's rank maps its segment
+    try:
+        _remove_vllm_segments({left, used})
+        assert not os.path.exists(os.path.join(SHM, left)) and os.path.exists(os.path.join(SHM, used))
+    finally:
+        m.close()
+        for name in (left, used):
+            if os.path.exists(os.path.join(SHM, name)):
+                os.unlink(os.path.join(SHM, name))
 
 
 def _prompts() -> tuple[list[int], list[int]]:
@@ -483,26 +549,64 @@ def test_tensor_parallel_ranks_store_and_load_their_own_blocks(models, make_pool
     assert len(pool.keys(prefix="vllm/")) == 20 and order[6] in pool
 
 
-HYBRID = """
+HYBRID_REFUSED = """
+import torch
 from types import SimpleNamespace as NS
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from cortex_cache.errors import UsageError
 from cortex_cache.integrations.vllm.connector import _Layout
-group = NS(kv_cache_spec=NS(), layer_names=["l0"])
+full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mamba"], mamba)]
 cfg = NS(cache_config=NS(block_size=16), parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
          model_config=NS(served_model_name="m", model="m"))
 try:
-    _Layout(cfg, NS(kv_cache_groups=[group, group], num_blocks=8), {"pool": "p"})
+    _Layout(cfg, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups), {"pool": "p"})
 except UsageError as e:
     print("REFUSED", e)
 """
 
 
 @needs_vllm
-def test_a_hybrid_model_is_refused_at_start_naming_vllms_flag():
-    r = subprocess.run([VLLM_PY, "-c", HYBRID], capture_output=True, text=True, timeout=300, cwd=REPO,
+def test_a_hybrid_model_with_mamba_state_is_refused_at_start_in_one_line():
+    """Attention and mamba state (Jamba, Bamba): the state is no block of a position, so there is nothing the
+    pool could serve; vLLM's own KV cache specs, refused in one line."""
+    r = subprocess.run([VLLM_PY, "-c", HYBRID_REFUSED], capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REFUSED ")), "")
-    assert "2 (a hybrid model)" in line and "--disable-hybrid-kv-cache-manager" in line, r.stdout + r.stderr
+    assert "cannot serve this hybrid model: its KV cache group 1 is MambaSpec" in line, r.stdout + r.stderr
+    assert "without the connector" in line
+
+
+@needs_vllm
+@pytest.mark.timeout(900)  # three engine starts
+def test_a_hybrid_models_second_engine_hits_the_firsts_prefix_with_the_tokens_of_no_connector(make_pool, tmp_path):
+    """A tiny random Llama whose layers alternate a sliding window of 64 tokens and full attention: vLLM's
+    hybrid KV cache manager makes two KV cache groups of it (with the connector too: it declares
+    SupportsHMA), and a position's value holds both groups' blocks (groups.py)."""
+    model = str(tmp_path / "hybrid")
+    subprocess.run([VLLM_PY, ENGINE, "make-model", model + ":4:0:64"], check=True, capture_output=True,
+                   timeout=300, cwd=REPO)
+    # The referee: an engine with no connector (and no prefix cache).
+    ref = engine(model, [A, B], None, prefix_caching=False)
+    assert ref["groups"] == 2 and ref["cached"] == [0, 0]
+    pool = make_pool("64M", block_size="64K")
+    conn = {"pool": pool.name}
+    first = engine(model, [A], conn)
+    assert first["groups"] == 2  # vLLM kept its hybrid manager on for the connector
+    assert first["outputs"] == ref["outputs"][:1] and first["stats"]["stored"] == 9
+    # Each value: the header and 4 layers' blocks of 32 tokens (2 KV heads of 32 floats, K and V): 16 KiB each.
+    assert first["stats"]["stored_bytes"] == 9 * 4 * 16384
+    second = engine(model, [B], conn)
+    assert second["groups"] == 2
+    assert second["cached"] == [256] and second["outputs"] == ref["outputs"][1:]
+    assert second["stats"]["loaded"] == 8 and second["stats"]["stored"] == 1
+    assert sum(second["stats"][k] for k in ("missing", "foreign", "corrupt", "error", "store_failed")) == 0
+    # vLLM gave the window group blocks only for the last positions the window reaches (256 - 64 + 1 on: 6 and
+    # 7), null before them; the full group all 8.  The loads wrote just those.
+    assert [(load["blocks"], sorted(load["null"])) for load in second["record"]["loads"]] == [(8, [0, 6])]
+    assert second["record"]["load_errors"] == []
+    assert len(pool.keys(prefix="vllm/")) == 10
 
 
 # ---------------------------------------------------------------------- the tier, through vLLM's own managers

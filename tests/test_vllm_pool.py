@@ -218,16 +218,15 @@ def test_a_pool_created_under_the_name_is_found_at_the_next_call_not_the_next_re
     att.close()
 
 
-@pytest.mark.xfail(reason="since the merge of issue 40's PoolSuperseded and issue 43's pool probing, the old "
-                   "handle stays mapped after its last lease ends (left for the next session; see the stop's note)",
-                   strict=False)
 def test_a_superseded_pool_is_closed_once_the_last_call_using_it_ends(make_pool, pool_name, tmp_path):
     """A save or load still copying through the old mapping holds a lease on it (PoolRef.acquire): the old
-    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies")."""
+    handle is closed when that ends, so the process stops mapping the old copy (status: "on old copies").
+    A retired segment is unmapped on a thread of its own (Core.close): segment.wait_unmapped waits for that."""
     from cortex_cache.integrations.vllm.blocks import _Leased
-    from cortex_cache.segment import mapped_generations
+    from cortex_cache.segment import mapped_generations, wait_unmapped
 
     def on_old_copy() -> bool:
+        assert wait_unmapped(60)
         return os.getpid() in mapped_generations()[1].get(pool_name, [])
 
     pool, store, faults, d, rows, snap = _one_block_saved_and_persisted(make_pool, pool_name, tmp_path)
@@ -373,3 +372,64 @@ def test_a_writer_killed_mid_save_leaves_nothing_visible(make_pool):
     assert store.present(d) == 0 and len(pool) == 0
     rows = store.staging(8, "cpu")
     assert store.save(d, rows) == 8  # the dead writer's space came back
+
+
+def test_a_hybrid_models_groups_are_one_value_a_position_and_null_blocks_are_never_written(make_pool):
+    """A hybrid model (groups.py): position i is one value holding every group's block i, group after group;
+    a load writes a windowed group's blocks only where vLLM gave one (block 0, the null block, elsewhere)."""
+    from cortex_cache.integrations.vllm.blocks import HostRows, PagedLayers, Saver, load_host, prefix_digests
+    from cortex_cache.integrations.vllm.groups import PagedGroups, block_numbers, positions
+
+    def groups():
+        full = [torch.randn(8, 2, 32, 8) for _ in range(2)]  # full attention: 2 layers
+        window = [torch.randn(8, 2, 32, 4)]  # sliding window: 1 layer of another shape
+        return full, window, PagedGroups([PagedLayers(full, 8), PagedLayers(window, 8)])
+
+    pool = make_pool("8M")
+    full, window, paged = groups()
+    assert paged.payload_bytes == 2 * 2048 + 1024 and paged.shape.count("|") == 1
+    store, faults = _store(pool.name, payload=paged.payload_bytes)
+    d = prefix_digests(list(range(32 * 4)), 32, b"tag")
+    # The engine's tables: group 0 [7, 6, 5, 4], group 1 [3, 2, 1, 5] -- one tuple a position.
+    saved = positions(([7, 6, 5, 4], [3, 2, 1, 5]), 2)
+    assert saved == [(7, 3), (6, 2), (5, 1), (4, 5)] and positions(([1, 2], [3]), 2) is None
+    saver = Saver(store, paged, faults)  # the host path: numpy copies of each group's layers
+    assert saver.submit("a", d, saved) and saver.wait(timeout=60) and store.present(d) == 4
+    saver.close()
+    # A later request hits all 4 positions; its window group holds only the last two (null before them).
+    f_full, f_window, fpaged = groups()
+    for t in f_full + f_window:
+        t.zero_()
+    wanted = positions(([1, 2, 3, 4], [0, 0, 6, 7]), 2)
+    assert block_numbers(wanted) == {1, 2, 3, 4, 6, 7}  # what a failed load reports: never the null block
+    assert load_host(store, fpaged, HostRows(paged.payload_bytes), d, wanted) == 4
+    for c, f in zip(full, f_full):
+        assert all(torch.equal(f[i + 1], c[7 - i]) for i in range(4))
+    assert torch.equal(f_window[0][6], window[0][1]) and torch.equal(f_window[0][7], window[0][5])
+    assert not f_window[0][0].any()  # the null block: nothing written into it
+    assert not f_window[0][1:6].any()
+    # The torch path (a CUDA cache's, here on the CPU): the same rows.
+    rows = store.staging(2, "cpu")
+    paged.gather(saved[:2], rows)
+    out = store.staging(2, "cpu")[:, 64:]
+    assert store.load(d[:2], out) == 2 and torch.equal(out, rows[:, 64:])
+    store.pool.close()
+
+
+def test_a_hybrid_layout_the_connector_cannot_serve_is_refused_in_one_line():
+    from types import SimpleNamespace as NS
+
+    from cortex_cache.errors import UsageError
+    from cortex_cache.integrations.vllm.groups import check_groups
+
+    FullAttentionSpec = type("FullAttentionSpec", (), {"block_size": 16})
+    SlidingWindowSpec = type("SlidingWindowSpec", (), {"block_size": 16, "sliding_window": 64})
+    MambaSpec = type("MambaSpec", (), {"block_size": 16})
+    check_groups([NS(kv_cache_spec=FullAttentionSpec()), NS(kv_cache_spec=SlidingWindowSpec())], 16)
+    check_groups([NS(kv_cache_spec=MambaSpec())], 16)  # one group: the layout of old, not checked here
+    with pytest.raises(UsageError) as e:
+        check_groups([NS(kv_cache_spec=FullAttentionSpec()), NS(kv_cache_spec=MambaSpec())], 16)
+    assert "group 1 is MambaSpec" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UsageError) as e:
+        check_groups([NS(kv_cache_spec=FullAttentionSpec()), NS(kv_cache_spec=SlidingWindowSpec())], 32)
+    assert "blocks of 16 tokens and the engine's are 32" in str(e.value) and "\n" not in str(e.value)

@@ -1,9 +1,12 @@
 """One vLLM engine process for the vLLM tests and benchmark: run in the vLLM venv (scripts/vllm_venv.sh).
 
-    python tests/vllm_engine.py make-model DIR[:LAYERS[:SEED]] ...
+    python tests/vllm_engine.py make-model DIR[:LAYERS[:SEED[:WINDOW]]] ...
     python tests/vllm_engine.py run MODEL_DIR REQUEST_JSON
 
-`make-model` saves tiny random Llamas (2 layers and seed 0 unless given; no download).  `run` starts one
+`make-model` saves tiny random Llamas (2 layers and seed 0 unless given; no download); with a WINDOW
+of tokens, a hybrid one: its layers alternate sliding-window attention of that window and full
+attention (Llama's `layer_types`, which vLLM reads), so vLLM's hybrid KV cache manager makes two KV
+cache groups of it.  `run` starts one
 engine (in this process: no engine or worker subprocesses unless "tp" asks for ranks, so it
 starts in seconds), generates greedily for the prompts given as token ids, and prints
 one JSON line: output tokens, `num_cached_tokens` per request, seconds per
@@ -51,9 +54,11 @@ preemption then meets saves in flight, of the preempted request among
 them, and a connector that did not wait would save blocks vLLM had given
 to other requests since.  Each result has
 "record": the load errors the workers reported to vLLM
-(`get_block_ids_with_load_errors`, each non-empty answer) and the
+(`get_block_ids_with_load_errors`, each non-empty answer), the
 preemptions the workers saw (the requests, and how many of them had saves
-in flight).
+in flight) and the loads they were asked for ("blocks", and "null": per KV
+cache group, the positions vLLM gave no block of); and "groups": how many
+KV cache groups vLLM made (None when the engine core is another process).
 """
 
 from __future__ import annotations
@@ -65,14 +70,16 @@ import time
 from typing import Iterable
 
 
-def make_model(path: str, layers: int = 2, seed: int = 0) -> None:
+def make_model(path: str, layers: int = 2, seed: int = 0, window: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    hybrid = {"layer_types": ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] *
+              (layers % 2), "sliding_window": window} if window else {}
     cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      torch_dtype="float32")
+                      torch_dtype="float32", **hybrid)
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
@@ -100,8 +107,17 @@ def instrument(req: dict) -> dict:
     from cortex_cache.integrations.vllm import CortexConnector
     from cortex_cache.integrations.vllm.blocks import Saver
 
-    record: dict = {"load_errors": [], "preemptions": []}
+    record: dict = {"load_errors": [], "preemptions": [], "loads": []}
     real_errors = CortexConnector.get_block_ids_with_load_errors
+    real_load = CortexConnector.start_load_kv
+
+    def load(self, forward_context, **kwargs) -> None:
+        # Each load's positions, and per KV cache group those vLLM left null (block 0: outside a window).
+        for t in getattr(self._connector_metadata, "loads", ()):
+            ids = [b if isinstance(b, tuple) else (b,) for b in t.block_ids]
+            record["loads"].append({"blocks": len(ids), "null": [sum(b[g] == 0 for b in ids)
+                                                                 for g in range(len(ids[0]) if ids else 0)]})
+        return real_load(self, forward_context, **kwargs)
 
     def errors(self) -> set[int]:
         out = real_errors(self)
@@ -110,6 +126,7 @@ def instrument(req: dict) -> dict:
         return out
 
     CortexConnector.get_block_ids_with_load_errors = errors
+    CortexConnector.start_load_kv = load
     if req.get("hold_saves_until_preempted"):
         # Saves are held until the connector waits for some by name -- which it does for a preempted
         # request's, before vLLM may write that request's blocks -- or for two minutes.  A connector that
@@ -241,7 +258,11 @@ def run(model: str, req: dict, phases: "Iterable[list[list[int]] | dict] | None"
                     if m.name.startswith("vllm:cortex_"):
                         name = m.name + (":" + m.labels["kind"] if "kind" in m.labels else "")
                         metrics[name] = metrics.get(name, 0) + int(m.value)
-        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+        try:  # how many KV cache groups vLLM made (an in-process engine's scheduler; else None)
+            groups = len(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
+        except AttributeError:
+            groups = None
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "groups": groups,
                   "cached": [o.num_cached_tokens for o in outs], "seconds": seconds, "stats": stats,
                   "ranks": ranks, "metrics": metrics, "pid": os.getpid(), "record": record}
         if events:
@@ -257,8 +278,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         for spec in sys.argv[2:]:
             path, _, rest = spec.partition(":")
-            layers, _, seed = rest.partition(":")
-            make_model(path, int(layers or 2), int(seed or 0))
+            layers, _, rest = rest.partition(":")
+            seed, _, window = rest.partition(":")
+            make_model(path, int(layers or 2), int(seed or 0), int(window or 0))
     elif sys.argv[1] == "run":
         with open(sys.argv[3]) as f:
             request = json.load(f)

@@ -18,7 +18,7 @@ adapter_params:
   pool        pool name (required)
   create      create the pool if it does not exist (default false); then:
   size        its size (required with create), block_size (default 64K),
-  policy      eviction policy (default lru),
+  policy      eviction policy (default auto, as `cortex cache create`),
   disk_path, disk_size, disk_write   a disk tier under it (see the README)
   namespace   prefix of the pool keys (default "lmcache/")
   weights     a name for the model's weights, or

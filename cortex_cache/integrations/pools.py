@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from .. import segment
 from ..config import ADAPTER_PARAMS, adapter_options
 from ..errors import PoolExists, UsageError
+from ..policy_names import DEFAULT_POLICY
 from ..pool import Pool
 
 REATTACH_EVERY = 1.0  # seconds between tries to attach a pool that is missing (unless its name changes)
@@ -25,7 +26,7 @@ def open_or_create(name: str, params: dict[str, Any]) -> Pool:
     if missing.
 
     `size` is required with `create`; `block_size` (default 64K), `policy`
-    (default lru), and a disk tier with `disk_path`/`disk_size`/`disk_write`.
+    (default DEFAULT_POLICY, as `cortex cache create`'s), and a disk tier with `disk_path`/`disk_size`/`disk_write`.
     The pool must be this user's or root's (PermissionDenied, 77, naming its
     owner): an engine puts its users' prompts into the pool its configuration
     names, and under the shared prefix another user may have taken that name
@@ -38,7 +39,7 @@ def open_or_create(name: str, params: dict[str, Any]) -> Pool:
         return attach(name, other)
     if params.get("size") is None:
         raise UsageError('"create" needs "size" (e.g. "16G")')
-    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", "lru"),
+    kw: dict[str, Any] = {"block_size": params.get("block_size", "64K"), "policy": params.get("policy", DEFAULT_POLICY),
                           **adapter_options(params)}
     try:
         return Pool.create(name, params["size"], multi_threaded=True, **kw)

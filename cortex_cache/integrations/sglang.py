@@ -23,7 +23,7 @@ Extra-config keys (besides SGLang's own, listed in `_SGLANG_KEYS`):
   pool        pool name (required)
   create      create the pool if it does not exist (default false); then:
   size        its size (required with create), block_size (default 64K),
-  policy      eviction policy (default lru),
+  policy      eviction policy (default auto, as `cortex cache create`),
   disk_path, disk_size, disk_write   a disk tier under it
   (the pool parameters every adapter takes: integrations/pools.py)
   namespace   prefix of the pool keys (default "sglang/")

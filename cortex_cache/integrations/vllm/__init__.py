@@ -10,6 +10,8 @@ usable and tested) without vLLM:
   ``{"type": "CortexTier", "module_path": "cortex_cache.integrations.vllm"}``.
 - blocks.py: what both store in the pool (keys, the 64-byte header, faults
   as counted misses), with no vLLM in it.
+- groups.py: a hybrid model's KV cache groups as one value a block position
+  (the connector's), with no vLLM in it.
 
 docs/vllm.md has the configurations, parameters and tested versions.
 """

@@ -28,6 +28,11 @@ A block that cannot be loaded is reported to vLLM as a load error and
 recomputed: the connector sets `kv_load_failure_policy` to "recompute",
 since a cache miss must never fail a request.
 
+A hybrid model (KV cache groups of full and windowed attention; the
+connector declares SupportsHMA) is served as one chain too: a position's
+value holds every group's block of it (groups.py), and its block ids are
+tuples, one per group.
+
 Both sides hand their counters to vLLM's own metrics (stats.py):
 `get_kv_connector_stats`, `build_kv_connector_stats`, `build_prom_metrics`.
 
@@ -35,7 +40,7 @@ kv_connector_extra_config:
   pool        pool name (required)
   create      create the pool if missing (default false); then size (required),
               block_size (default: the one the engine's KV blocks fill best,
-              blocks.fit_block_size), policy (default lru),
+              blocks.fit_block_size), policy (default auto),
               disk_path / disk_size / disk_write (a disk tier)
   namespace   key prefix (default "vllm/")
   model       the model's name in keys (default: the served model name);
@@ -58,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ...errors import UsageError
@@ -66,6 +72,7 @@ from ..pools import POOL_PARAMS
 from .blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, PoolRef, Saver, block_fill, fingerprint,
                      fit_block_size, load_host, prefix_digests)
 from .events import PoolEvents
+from .groups import PagedGroups, block_numbers, check_groups, describe, has_null, positions
 from .stats import CortexConnectorStats, CortexPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -151,21 +158,23 @@ class _Layout:
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", params: dict[str, Any]) -> None:
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) > 1:
-            # Blocks of several groups (full and sliding-window attention, mamba state) are not one chain.
-            raise UsageError(f"CortexConnector supports one KV cache group, and this model has {len(groups)} "
-                             "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager")
-        self.usable = len(groups) == 1
-        spec = groups[0].kv_cache_spec if groups else None
+        self.block_tokens = int(vllm_config.cache_config.block_size)
+        # A hybrid model (groups of full and windowed attention): one value a position, every group's
+        # layers in it (groups.py); what cannot be served so is refused here, in one line.
+        check_groups(groups, self.block_tokens)
+        self.usable = len(groups) >= 1
+        self.groups = len(groups)
+        specs = [g.kv_cache_spec for g in groups]
+        spec = specs[0] if specs else None
         # Only full attention keeps every block of a running request: with another spec (a sliding
         # window frees blocks that leave it) a save is finished within the step that queued it.
-        self.keeps_blocks = type(spec).__name__ == "FullAttentionSpec"
-        self.block_tokens = int(vllm_config.cache_config.block_size)
+        self.keeps_blocks = bool(specs) and all(type(s).__name__ == "FullAttentionSpec" for s in specs)
         self.num_blocks = int(kv_cache_config.num_blocks)
-        self.layer_names = list(groups[0].layer_names) if groups else []
-        page = getattr(spec, "page_size_bytes", 0) if spec is not None else 0
+        self.group_layers = [list(g.layer_names) for g in groups]
+        self.layer_names = [name for names in self.group_layers for name in names]
+        pages = [int(getattr(s, "page_size_bytes", 0)) * len(names) for s, names in zip(specs, self.group_layers)]
         # What one block takes in the pool: our header and every layer's page of it.
-        self.value_bytes = HEADER_SIZE + int(page) * len(self.layer_names) if page else 0
+        self.value_bytes = HEADER_SIZE + sum(pages) if pages and all(pages) else 0
         par = vllm_config.parallel_config
         self.tp, self.pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
         served = vllm_config.model_config.served_model_name
@@ -178,6 +187,10 @@ class _Layout:
                 f"heads={getattr(spec, 'num_kv_heads', '?')}", f"head_size={getattr(spec, 'head_size', '?')}",
                 f"head_size_v={getattr(spec, 'head_size_v', '?')}", f"block={self.block_tokens}",
                 f"layout={getattr(kv_cache_config, 'kv_cache_layout', '?')}", f"tp={self.tp}", f"pp={self.pp}"]
+        if len(specs) > 1:  # each group's kind, window, layers and heads (one group: the tag of old)
+            desc.append("groups=" + "+".join(
+                f"{describe(s)}:{len(names)}:{getattr(s, 'num_kv_heads', '?')}:{getattr(s, 'head_size', '?')}"
+                for s, names in zip(specs, self.group_layers)))
         self.layout = ",".join(str(d).removeprefix("torch.") for d in desc)
         self.tag = b"cortex-vllm/1\0" + self.model.encode() + b"\0" + self.layout.encode() + \
             b"\0weights:" + self.weights.id.encode()
@@ -202,7 +215,7 @@ class _Layout:
         return tag
 
 
-class CortexConnector(KVConnectorBase_V1):
+class CortexConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over a cortex pool (see the module doc)."""
 
     instances: "weakref.WeakSet[CortexConnector]" = weakref.WeakSet()  # this process's, for tests and tools
@@ -230,7 +243,7 @@ class CortexConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the workers' saves end
         self._store: BlockStore | None = None
-        self._paged: PagedLayers | None = None
+        self._paged: PagedLayers | PagedGroups | None = None
         self._saver: Saver | None = None
         self._saving: set[str] = set()  # requests the workers were asked to save
         self._finishing: set[str] = set()  # of those, finished ones not yet reported
@@ -328,7 +341,7 @@ class CortexConnector(KVConnectorBase_V1):
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._set_blocks(st, new.block_ids)
             st.done = max(st.done, new.num_computed_tokens // bs)
             self._plan(meta, new.req_id, st, new.num_computed_tokens + n_sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -338,13 +351,25 @@ class CortexConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                self._set_blocks(st, new_ids)
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                self._set_blocks(st, new_ids, extend=True)
             self._plan(meta, req_id, st, cached.num_computed_tokens[i] + n_sched.get(req_id, 0))
         self._matched.clear()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
+
+    def _set_blocks(self, st: _Request, block_ids: "tuple[list[int], ...] | None", extend: bool = False) -> None:
+        """Take the engine's block ids of a request (a list per group): plain ids for one group, one tuple per
+        position for a hybrid model; a request whose groups' tables do not line up is dropped (no loads or
+        saves from now on)."""
+        ids = positions(block_ids, self._layout.groups)
+        if ids is None:
+            st.digests, st.load = [], None
+            self.faults.once("groups", "the KV cache groups' block tables of a request differ in length: "
+                             "that request is neither loaded nor saved")
+            return
+        st.block_ids = st.block_ids + ids if extend else ids
 
     def _plan(self, meta: CortexConnectorMetadata, req_id: str, st: _Request, computed_after: int) -> None:
         if st.load is not None:
@@ -354,6 +379,9 @@ class CortexConnector(KVConnectorBase_V1):
                 meta.loads.append(Transfer(req_id, st.digests[a:b], st.block_ids[a:b]))
                 st.done = max(st.done, b)
         end = min(len(st.digests), computed_after // self._layout.block_tokens, len(st.block_ids))
+        # A position a windowed group holds no block of (vLLM's null block) has no value to save: the
+        # chain's saves stop there (not met in practice: a step computes every group's blocks of its positions).
+        end = next((i for i in range(st.done, end) if has_null(st.block_ids[i])), end)
         if end > st.done:
             meta.saves.append(Transfer(req_id, st.digests[st.done : end], st.block_ids[st.done : end]))
             if self._events is not None and st.request is not None:
@@ -366,6 +394,12 @@ class CortexConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True when the workers were asked to save some of its blocks: vLLM keeps them until every worker
         reports the saves done (`get_finished`), since the workers copy them out after the step."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA's `request_finished`, vLLM's call for every model once the connector declares it: the
+        same answer for every group's blocks (a position's value holds them all)."""
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         for s in getattr(self, "_rank_stores", ()):
@@ -387,7 +421,7 @@ class CortexConnector(KVConnectorBase_V1):
         recomputation completes them (a corrupt block was dropped from the pool; a block evicted between
         lookup and load was lost): the pool gets them back."""
         for st in self._reqs.values():
-            first = next((i for i, b in enumerate(st.block_ids[: st.done]) if b in invalid), None)
+            first = next((i for i, b in enumerate(st.block_ids[: st.done]) if block_numbers([b]) & invalid), None)
             if first is not None:
                 st.done = first
 
@@ -438,7 +472,9 @@ class CortexConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             rank = f"pp{get_pp_group().rank_in_group}tp{get_tensor_model_parallel_rank()}"
-            paged = PagedLayers([kv_caches[n] for n in self._layout.layer_names], self._layout.num_blocks)
+            num_blocks = self._layout.num_blocks
+            layers = [PagedLayers([kv_caches[n] for n in names], num_blocks) for names in self._layout.group_layers]
+            paged = layers[0] if len(layers) == 1 else PagedGroups(layers)
         except Exception as e:  # a layout we do not understand: the engine runs without us
             self.faults.fault("unavailable", f"KV cache not usable by the connector: {e}")
             return
@@ -474,7 +510,7 @@ class CortexConnector(KVConnectorBase_V1):
         store, paged = self._store, self._paged
         if not isinstance(meta, CortexConnectorMetadata) or store is None or paged is None:
             for t in getattr(meta, "loads", ()):
-                self._load_errors.update(t.block_ids)
+                self._load_errors.update(block_numbers(t.block_ids))
             return
         stream = None
         if meta.loads and paged.device.type == "cuda":
@@ -494,7 +530,7 @@ class CortexConnector(KVConnectorBase_V1):
             except Exception as e:
                 self.faults.fault("error", e)
                 n = 0
-            self._load_errors.update(t.block_ids[n:])
+            self._load_errors.update(block_numbers(t.block_ids[n:]))
         if stream is not None:
             import torch
 

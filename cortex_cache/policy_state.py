@@ -1,0 +1,343 @@
+"""The eviction policy's state across a persist and a restore: what a snapshot's records do not carry.
+
+A snapshot's records bring back each entry's own metadata (core.restore_meta: access and insert sequence
+numbers, access count, expiry, priority, length), which is all LRU, FIFO, priority, TTL and size order by.
+What they do not carry is written beside them as one blob, `capture`, and laid back over the restored
+entries by `apply`, so that a restored pool evicts as the pool that never stopped would:
+
+- every policy: the pool's clocks (seq, ops, the LFU epoch, the hits counter);
+- lfu: each entry's age in LFU epochs (its count is halved once per epoch it was not read);
+- s3fifo, arc, auto: each entry's queue, read count (freq) and place in its queue (qseq), the two ghost
+  rings (the keys each queue lost lately, oldest first, holes kept: a ghost's depth is its distance from
+  the newest), the queues' clock, queue 0's target (ARC's p, or the share), and auto's regime and rates.
+
+Entries are keyed by their key's stored hash (xxh3_64, the slot's key_hash), never by slot or by the
+snapshot's order: the restored pool lays its entries out as it likes.
+
+`apply` runs once the restore's entries are in (lock held): at the end of a foreground restore, or in the
+lock hold where a background fill ends.  Entries put while the fill ran (their insert_seq is past the
+snapshot's seq) keep their state and stay newer than every restored one in their queue; a restored entry
+read meanwhile keeps those reads (its freq, its promotion).  A blob that is damaged, of another version or
+of another policy is ignored, and the report says why: the restore stands, as without the blob.
+
+Bytes (little-endian; docs/design.md, "Policy state")::
+
+    0    4   magic b"CCPS"
+    4    2   version (VERSION)
+    6    2   policy: its index in policy_names.POLICY_IDS
+    8    4   fields: how many entries the directory holds
+    12   4   reserved, zero
+    16   8   total: the blob's length in bytes, trailer included
+    24   24 x fields  the directory: per field its name (8 bytes ASCII, NUL-padded), its numpy type
+                      (8 bytes ASCII: "<u1", "<u4", "<u8" or "<f8", NUL-padded) and its count (u64)
+    ...  the fields' values in directory order, each padded with zeros to a multiple of 8 bytes
+    -8   8   xxh3_64 of every byte before it
+
+FIELDS names every field a writer may put in; a reader ignores names it does not know, so a later
+version may add fields without a new version number.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from .layout import SEALED
+from .policy_names import POLICY_IDS
+from .queues import AUTO_ADAPTIVE, AUTO_LOOP, MAX_FREQ
+
+if TYPE_CHECKING:
+    from .core import Core
+
+MAGIC = b"CCPS"
+VERSION = 1
+HEAD = struct.Struct("<4sHHII Q")  # magic, version, policy, fields, reserved, total
+ENTRY = struct.Struct("<8s8sQ")  # name, numpy type, count
+TRAILER = struct.Struct("<Q")
+TYPES = ("<u1", "<u4", "<u8", "<f8")
+MAX_LFU_AGE = 63  # an age past it halves a count to zero, as the scores do (eviction.LFU)
+
+# Every field a version 1 writer may put in: (name, numpy type, what it is).  Scalars have a count of 1.
+FIELDS: dict[str, tuple[str, str]] = {
+    "seq": ("<u8", "the pool's seq at capture: restored entries have insert_seq <= it"),
+    "ops": ("<u8", "puts and hits counted (the LFU epoch advances every lfu_period of them)"),
+    "lfuepoch": ("<u8", "the LFU epoch"),
+    "hits": ("<u8", "the hits counter"),
+    "hash": ("<u8", "per entry: its key's xxh3_64 (the key to every per-entry field)"),
+    "lfuage": ("<u1", "per entry (lfu): LFU epochs since its last read, at most 63"),
+    "queue": ("<u1", "per entry (queue policies): 0 or 1"),
+    "freq": ("<u1", "per entry (queue policies): reads since it joined its queue, at most 3"),
+    "qseq": ("<u8", "per entry (queue policies): its place in its queue (the queues' clock when it joined)"),
+    "qclock": ("<u8", "the queues' clock (q_seq)"),
+    "qtarget": ("<f8", "queue 0's target: ARC's p in entries, or the share of entries"),
+    "qregime": ("<u4", "auto's regime (AUTO_ADAPTIVE, AUTO_LOOP)"),
+    "qghost": ("<f8", "auto's ghost rate"),
+    "qhitrate": ("<f8", "auto's hit rate"),
+    "qhitseen": ("<u8", "the hits counter at auto's last put"),
+    "ghosts0": ("<u8", "ring 0's window, oldest first: key hashes, 0 for a place forgotten"),
+    "ghosts1": ("<u8", "ring 1's window, the same"),
+}
+PER_ENTRY = ("lfuage", "queue", "freq", "qseq")
+
+
+class Ignored(Exception):
+    """Why a blob is not applied (apply's report, never raised out of it)."""
+
+
+# ---------------------------------------------------------------- capture
+
+
+def capture(core: "Core") -> bytes:
+    """The policy state of `core`'s pool as a blob (lock held: the hold in which persist lists the entries)."""
+    h = core.header[0]
+    policy = core.policy
+    fields: list[tuple[str, np.ndarray]] = [
+        (name, np.array([h[col]], FIELDS[name][0]))
+        for name, col in (("seq", "seq"), ("ops", "ops"), ("lfuepoch", "lfu_epoch"), ("hits", "hits"))
+    ]
+    cols = core.columns
+    sealed = np.flatnonzero(cols["state"] == SEALED)
+    if policy == "lfu":
+        age = np.minimum(int(h["lfu_epoch"]) - cols["lfu_epoch"][sealed].astype(np.int64), MAX_LFU_AGE)
+        fields += [("hash", cols["key_hash"][sealed]), ("lfuage", np.maximum(age, 0))]
+    q = core.queues
+    if q is not None:
+        qh = q.header[0]
+        fields += [("hash", cols["key_hash"][sealed]), ("queue", q.cols["queue"][sealed]),
+                   ("freq", q.cols["freq"][sealed]), ("qseq", q.cols["qseq"][sealed])]
+        fields += [(name, np.array([qh[col]], FIELDS[name][0])) for name, col in (
+            ("qclock", "q_seq"), ("qtarget", "q_target"), ("qregime", "q_regime"), ("qghost", "q_ghost_rate"),
+            ("qhitrate", "q_hit_rate"), ("qhitseen", "q_hits_seen"))]
+        for r, ring in enumerate(q.ghosts):
+            fields.append((f"ghosts{r}", _window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"]))))
+    return _pack(POLICY_IDS.index(policy), fields)
+
+
+def _window(hashes: np.ndarray, head: int, tail: int) -> np.ndarray:
+    """A ring's ghosts from its oldest to its newest (place p holds sequence number s with s % n == p)."""
+    n = hashes.size
+    if not n or head <= tail:
+        return np.zeros(0, np.uint64)
+    seqs = np.arange(max(tail, head - n), head, dtype=np.uint64)
+    out = hashes[(seqs % np.uint64(n)).astype(np.int64)]
+    held = np.flatnonzero(out)
+    return out[held[0]:] if held.size else out[:0]  # leading holes say nothing about any depth
+
+
+def _pack(policy: int, fields: list[tuple[str, np.ndarray]]) -> bytes:
+    directory, data = [], []
+    for name, values in fields:
+        kind = FIELDS[name][0]
+        raw = np.ascontiguousarray(values, dtype=kind).tobytes()
+        directory.append(ENTRY.pack(name.encode(), kind.encode(), len(values)))
+        data.append(raw + bytes(-len(raw) % 8))
+    body = b"".join(directory) + b"".join(data)
+    total = HEAD.size + len(body) + TRAILER.size
+    out = HEAD.pack(MAGIC, VERSION, policy, len(fields), 0, total) + body
+    return out + TRAILER.pack(xxhash.xxh3_64_intdigest(out))
+
+
+# ---------------------------------------------------------------- reading
+
+
+def parse(blob: bytes) -> tuple[str, dict[str, np.ndarray]]:
+    """(policy name, fields by name) of a blob; Ignored, saying why, if it is damaged or not one we read."""
+    mv = memoryview(blob)
+    if len(mv) < HEAD.size + TRAILER.size:
+        raise Ignored(f"policy state of {len(mv)} bytes is too short")
+    magic, version, policy, n_fields, _reserved, total = HEAD.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise Ignored("policy state has no CCPS magic")
+    if total != len(mv) or xxhash.xxh3_64_intdigest(mv[:-TRAILER.size]) != TRAILER.unpack_from(mv, total - 8)[0]:
+        raise Ignored("policy state fails its checksum")
+    if version != VERSION:
+        raise Ignored(f"policy state is version {version}; this cortex-cache reads version {VERSION}")
+    if policy >= len(POLICY_IDS):
+        raise Ignored(f"policy state names policy {policy}, which this cortex-cache does not know")
+    pos = HEAD.size + n_fields * ENTRY.size
+    if pos > total - TRAILER.size:
+        raise Ignored("policy state's directory runs past its end")
+    fields: dict[str, np.ndarray] = {}
+    for k in range(n_fields):
+        name_b, kind_b, count = ENTRY.unpack_from(mv, HEAD.size + k * ENTRY.size)
+        kind = kind_b.rstrip(b"\0").decode("ascii", "replace")
+        if kind not in TYPES:
+            raise Ignored(f"policy state has a field of unknown type {kind!r}")
+        size = count * np.dtype(kind).itemsize
+        if pos + size > total - TRAILER.size:
+            raise Ignored("policy state's fields run past its end")
+        name = name_b.rstrip(b"\0").decode("ascii", "replace")
+        if name in FIELDS and FIELDS[name][0] == kind:  # a field of another type is one we do not know
+            fields[name] = np.frombuffer(mv, kind, count, pos)
+        pos += size + (-size % 8)
+    n = fields["hash"].size if "hash" in fields else 0
+    for name in PER_ENTRY:
+        if name in fields and fields[name].size != n:
+            raise Ignored(f"policy state's {name} has {fields[name].size} values for {n} entries")
+    return POLICY_IDS[policy], fields
+
+
+def _scalar(fields: dict[str, np.ndarray], name: str, default: Any = None) -> Any:
+    v = fields.get(name)
+    if v is None or v.size != 1:
+        if default is None:
+            raise Ignored(f"policy state lacks its {name}")
+        return default
+    return v[0].item()
+
+
+# ---------------------------------------------------------------- apply
+
+
+def apply(core: "Core", blob: bytes) -> dict[str, Any]:
+    """Lay the policy state `blob` (capture's) over `core`'s restored entries (lock held).
+
+    Returns a report: "applied" (bool), "entries" (restored entries given their state), "ghosts" (ghosts
+    remembered again) and "note": None, or why the blob was ignored (damaged, another version or
+    policy, values out of range): then nothing was changed, and the pool stays as the restore left it."""
+    try:
+        policy, fields = parse(blob)
+        if policy != core.policy:
+            raise Ignored(f"policy state is {policy}'s, and the pool's policy is {core.policy}")
+        plan = _plan(core, fields)
+    except Ignored as e:
+        return {"applied": False, "entries": 0, "ghosts": 0, "note": str(e)}
+    return {"applied": True, **_write(core, fields, plan), "note": None}
+
+
+def _plan(core: "Core", fields: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Everything apply checks before it changes anything: matched slots and their rows, scalars in range."""
+    cols = core.columns
+    sealed = np.flatnonzero(cols["state"] == SEALED)
+    seq = _scalar(fields, "seq")
+    plan: dict[str, Any] = {"seq": seq, "ops": _scalar(fields, "ops"), "epoch": _scalar(fields, "lfuepoch"),
+                            "hits": _scalar(fields, "hits")}
+    where, rows = _match(cols["key_hash"][sealed], fields.get("hash", np.zeros(0, np.uint64)))
+    restored = cols["insert_seq"][sealed[where]] <= np.uint64(seq)  # not put again while the fill ran
+    where, rows = where[restored], rows[restored]
+    others = np.ones(sealed.size, bool)
+    others[where] = False
+    # others: entries put while the fill ran, and any the blob does not know (they keep their own state)
+    plan.update(sealed=sealed, slots=sealed[where], rows=rows, others=sealed[others])
+    q = core.queues
+    if q is None:
+        if core.policy == "lfu" and "lfuage" not in fields:
+            raise Ignored("policy state lacks lfu's ages")
+        return plan
+    for name in ("queue", "freq", "qseq"):
+        if name not in fields:
+            raise Ignored(f"policy state lacks its {name}")
+    if (fields["queue"] > 1).any() or (fields["freq"] > MAX_FREQ).any():
+        raise Ignored("policy state has an entry in no queue, or read more often than counted")
+    target = _scalar(fields, "qtarget")
+    limit = float(cols["state"].size) if q.arc else 1.0
+    regime = _scalar(fields, "qregime", AUTO_ADAPTIVE)
+    rates = (_scalar(fields, "qghost", 0.0), _scalar(fields, "qhitrate", 0.0))
+    if not (0.0 <= target <= limit and regime in (AUTO_ADAPTIVE, AUTO_LOOP) and 0.0 <= rates[0] <= 1.0
+            and 0.0 <= rates[1] < float("inf")):
+        raise Ignored("policy state's queue target, regime or rates are out of range")
+    if not q.auto and (regime or rates != (0.0, 0.0)):
+        raise Ignored("policy state has auto's regime for a pool that is not auto's")
+    plan.update(qclock=_scalar(fields, "qclock"), target=target, regime=regime, rates=rates,
+                hitseen=_scalar(fields, "qhitseen", plan["hits"]))
+    return plan
+
+
+def _match(slot_hashes: np.ndarray, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in slot_hashes, rows of hashes) of the pairs with the same hash, each hash once on each
+    side (two keys of one hash are left as the restore made them: which state is whose cannot be told).
+    Both sides sorted first: the search then walks memory in order (at 1,000,000 entries, 4x faster)."""
+    if not hashes.size or not slot_hashes.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    ob = np.argsort(hashes, kind="stable")
+    sb = hashes[ob]
+    osl = np.argsort(slot_hashes, kind="stable")
+    ss = slot_hashes[osl]
+    pos = np.minimum(np.searchsorted(sb, ss), sb.size - 1)
+    found = (sb[pos] == ss) & _once(ss) & _once(sb)[pos]
+    return osl[found], ob[pos[found]]
+
+
+def _once(sorted_values: np.ndarray) -> np.ndarray:
+    """Which of the sorted values occur once."""
+    out = np.ones(sorted_values.size, bool)
+    same = sorted_values[1:] == sorted_values[:-1]
+    out[1:] &= ~same
+    out[:-1] &= ~same
+    return out
+
+
+def _write(core: "Core", fields: dict[str, np.ndarray], plan: dict[str, Any]) -> dict[str, int]:
+    cols, h = core.columns, core.header[0]
+    slots, rows = plan["slots"], plan["rows"]
+    # The clocks: the LFU epoch goes on from the snapshot's; an entry not given its age keeps its own.
+    epoch = plan["epoch"]
+    if core.policy == "lfu":  # (the column means nothing to the other policies)
+        others = plan["others"]
+        age = int(h["lfu_epoch"]) - cols["lfu_epoch"][others].astype(np.int64)
+        cols["lfu_epoch"][others] = np.maximum(epoch - np.maximum(age, 0), 0).astype(np.uint64)
+        cols["lfu_epoch"][slots] = np.maximum(epoch - fields["lfuage"][rows].astype(np.int64), 0).astype(np.uint64)
+    h["ops"] = plan["ops"]
+    h["lfu_epoch"] = epoch
+    if int(h["seq"]) < plan["seq"]:
+        h["seq"] = plan["seq"]
+    ghosts = 0
+    if core.queues is not None:
+        ghosts = _write_queues(core, fields, plan)
+    core.victims.invalidate()  # every order just changed behind the lists' backs
+    return {"entries": int(slots.size), "ghosts": ghosts}
+
+
+def _write_queues(core: "Core", fields: dict[str, np.ndarray], plan: dict[str, Any]) -> int:
+    q = core.queues
+    cols, qcols, qh = core.columns, q.cols, q.header[0]
+    slots, rows = plan["slots"], plan["rows"]
+    queue, freq, qseq = qcols["queue"], qcols["freq"], qcols["qseq"]
+    # Entries put while the fill ran, and any this blob does not know, join after every restored one, in
+    # the order they joined (their qseq is the fill's clock).
+    others = plan["others"]
+    others = others[np.argsort(qseq[others], kind="stable")]
+    qseq[others] = plan["qclock"] + 1 + np.arange(others.size, dtype=np.uint64)
+    qh["q_seq"] = plan["qclock"] + others.size
+    # A restored entry read while the fill ran keeps those reads (and the promotion one may have earned).
+    read = cols["access_seq"][slots] > np.uint64(plan["seq"])
+    queue[slots] = np.where(read, np.maximum(queue[slots], fields["queue"][rows]), fields["queue"][rows])
+    freq[slots] = np.where(read, np.minimum(freq[slots] + fields["freq"][rows], MAX_FREQ), fields["freq"][rows])
+    qseq[slots] = fields["qseq"][rows]
+    sealed = plan["sealed"]
+    n1 = int(np.count_nonzero(queue[sealed] == 1))
+    qh["q_count0"], qh["q_count1"] = sealed.size - n1, n1
+    qh["q_target"] = plan["target"]
+    qh["q_regime"] = plan["regime"]
+    qh["q_ghost_rate"], qh["q_hit_rate"] = plan["rates"]
+    # Hits since auto's last put: the snapshot's, and those served since the fill's last put.
+    hits_now = int(core.header[0]["hits"])
+    since = max(0, hits_now - max(int(qh["q_hits_seen"]), plan["hits"]))
+    fresh = max(0, plan["hits"] - plan["hitseen"]) + since
+    qh["q_hits_seen"] = max(0, hits_now - fresh)
+    # A ghost of the blob whose key is in the pool again (put while the fill ran) or was lost again since
+    # (a ghost of the fill's own rings, newer) is forgotten there: its place becomes a hole, so every other
+    # ghost keeps its depth.  (The blob's rings, like every ring, hold each key once and no key in the pool.)
+    later = [_window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])) for r, ring in enumerate(q.ghosts)]
+    gone = np.sort(np.concatenate([cols["key_hash"][others], *later]))
+    total = 0
+    for r, ring in enumerate(q.ghosts):
+        if not ring.n:
+            continue
+        window = fields.get(f"ghosts{r}", np.zeros(0, np.uint64)).copy()
+        if gone.size and window.size:
+            pos = np.minimum(np.searchsorted(gone, window), gone.size - 1)
+            window[gone[pos] == window] = 0
+        window = np.concatenate([window, later[r]])[-ring.n:]
+        ring.hashes[:] = 0
+        ring.hashes[: window.size] = window
+        qh[f"g{r}_head"], qh[f"g{r}_tail"] = window.size, 0
+        ring.repair(True)  # its chains and count, from the places
+        total += int(qh[f"g{r}_live"])
+    return total
+
+
+__all__ = ["capture", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION"]
