@@ -31,6 +31,8 @@ device there raises GpuUnavailable (exit 69 from the CLI).
 
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -244,6 +246,112 @@ def _in_pool(pool: "Pool", t: "torch.Tensor") -> bool:
     return base <= t.data_ptr() < base + size
 
 
+# ------------------------------------------------------------------ the segment as one tensor, runs of values
+
+_segments: "weakref.WeakKeyDictionary[Pool, torch.Tensor]" = weakref.WeakKeyDictionary()
+_segments_lock = threading.Lock()
+
+
+def segment_tensor(pool: "Pool") -> "torch.Tensor":
+    """A uint8 CPU tensor over this handle's whole mapping, made once per handle and dropped when it closes.
+
+    A copy slices it at a value's offset: a slice is one cheap torch call,
+    where a numpy array and a tensor made per value cost ~10 us of Python
+    each (a quarter of what a CUDA load spent per value on the H200)."""
+    t = _segments.get(pool)
+    if t is not None:
+        return t
+    torch = torch_module()
+    with _segments_lock:
+        t = _segments.get(pool)
+        if t is None:
+            t = torch.from_numpy(pool.core.value_array(0, len(pool.core.seg.mm)))
+            _segments[pool] = t
+            ref = weakref.ref(pool)
+            pool.add_close_hook(lambda: _forget_segment(ref))  # before the mapping goes
+    return t
+
+
+def _forget_segment(ref: Any) -> None:
+    pool = ref()
+    if pool is not None:
+        _segments.pop(pool, None)
+
+
+def slot_bytes(pool: "Pool", nbytes: int) -> int:
+    """What a value of `nbytes` occupies in the pool: whole blocks.  Values reserved together usually lie
+    one slot after another, and rows of this width then match them byte for byte."""
+    bs = pool.geometry.block_size
+    return -(-nbytes // bs) * bs
+
+
+def _runs(pool: "Pool", rows: Sequence["torch.Tensor"], offs: Sequence[int], merge: bool,
+          values: Sequence[int] | None = None, cap: int = 0) -> list[tuple[int, int]]:
+    """Index ranges [a, b) of `rows` (contiguous uint8 tensors, one per value, at pool offset `offs[k]`, a
+    part of a value of `values[k]` bytes, default the row's own) that one copy can move: each value of the
+    run one slot after the last in the pool (so the bytes between two rows are the first value's padding
+    and the second's bytes before the row, never another entry's) and as far after it in one storage.
+    A run ends at `cap` bytes (default CHECKSUM_GROUP_BYTES: a store checksums each run once it has
+    landed, so runs that size let the checksums of the first overlap the copies of the next)."""
+    cap = cap or CHECKSUM_GROUP_BYTES
+    n = len(rows)
+    if not merge or n < 2:
+        return [(k, k + 1) for k in range(n)]
+    out, a = [], 0
+    bs = pool.geometry.block_size
+    size = rows[0].numel()
+    slots = [-(-v // bs) * bs for v in values] if values is not None else [-(-size // bs) * bs] * n
+    base = rows[0].untyped_storage().data_ptr()
+    ptr = rows[0].data_ptr()
+    for k in range(1, n):
+        r = rows[k]
+        p = r.data_ptr()
+        slot = slots[k - 1]
+        if not (r.numel() == size and offs[k] - offs[k - 1] == slot and p - ptr == slot
+                and offs[k] + size - offs[a] <= cap and r.device == rows[k - 1].device
+                and r.untyped_storage().data_ptr() == base):
+            out.append((a, k))
+            a, size = k, r.numel()
+            base = r.untyped_storage().data_ptr()
+        ptr = p
+    out.append((a, n))
+    return out
+
+
+def _copy_run(pool: "Pool", rows: Sequence["torch.Tensor"], offs: Sequence[int], a: int, b: int,
+              to_pool: bool, sliced: bool = True) -> None:
+    """Copy rows[a:b] to (or from) the pool as one span, from the first value's start to the last's end.
+    `sliced=False`: the pool's side through a tensor made for it (what every copy cost before the
+    segment's tensor: a baseline for benchmarks)."""
+    first = rows[a]
+    nbytes = offs[b - 1] - offs[a] + rows[b - 1].numel()
+    if b - a == 1:
+        other = first
+    else:  # the span of the rows' storage, the bytes between rows included
+        torch = torch_module()
+        other = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset() * first.element_size(), (nbytes,))
+    if sliced:
+        pool_side = segment_tensor(pool)[offs[a] : offs[a] + nbytes]
+    else:
+        pool_side = host_tensor(pool, offs[a], nbytes, torch_module().uint8, (nbytes,))
+    if to_pool:
+        copy_with_pool(pool_side, other, pool, offs[a], non_blocking=True)
+    else:
+        copy_with_pool(other, pool_side, pool, offs[a], non_blocking=True)
+
+
+def copy_runs(pool: "Pool", rows: Sequence["torch.Tensor"], offs: Sequence[int], *, to_pool: bool,
+              merge: bool = True, values: Sequence[int] | None = None) -> int:
+    """Copy each of `rows` (contiguous uint8 tensors on any device) to or from the pool's bytes at `offs[k]`
+    (within a value of `values[k]` bytes; default: the row is the value), neighbours merged into one copy
+    where `_runs` allows; how many copies (queued on the current stream for a CUDA tensor) it made."""
+    runs = _runs(pool, rows, offs, merge, values)
+    for a, b in runs:
+        _copy_run(pool, rows, offs, a, b, to_pool, sliced=merge)
+    return len(runs)
+
+
 # ------------------------------------------------------------------ batched transfers
 
 
@@ -338,11 +446,16 @@ def load(
 
 def load_views(
     pool: "Pool", views: list, *, dtype: Any, shape: Sequence[int], device: Any = "cuda", out: Any = None,
-    stream: Any = None, offset: int = 0,
+    stream: Any = None, offset: int = 0, merge: bool = True,
 ) -> Transfer:
     """`load` from entries the caller pinned already (EntryViews of `pool.view_many`, every one there):
     the transfer takes the pins over and releases them at `wait()`, or at once on an error.  For a
-    caller that looked at the entries first (a header check): each is read once, so counted once."""
+    caller that looked at the entries first (a header check): each is read once, so counted once.
+
+    Values that lie one slot after another in the pool and whose rows of `out` lie as far apart in one
+    tensor are copied as one span (`copy_runs`), the bytes between them included: with `out` a column
+    slice of wider rows (BlockStore's staging), what lies between its rows may be overwritten.
+    `merge=False` copies value by value (a baseline for benchmarks)."""
 
     def release() -> None:
         pool.release_many(views)
@@ -353,17 +466,20 @@ def load_views(
         dt = as_dtype(dtype)
         shp = tuple(int(s) for s in shape)
         itemsize = torch.empty((), dtype=dt).element_size()
+        seg = segment_tensor(pool)
         srcs = []
         starts = []
-        for v in views:
-            n = v.memoryview.nbytes - offset  # type: ignore[union-attr]
-            _shape(shp, n, itemsize)
+        sizes = [v.memoryview.nbytes for v in views]  # type: ignore[union-attr]
+        for n in set(sizes):
+            _shape(shp, n - offset, itemsize)
+        for v, n in zip(views, sizes):
             start = v.offset + offset
-            srcs.append(host_tensor(pool, start, n, dt, shp))
+            srcs.append(seg[start : start + n - offset])
             starts.append(start)
         if out is None:
             pin = dev.type == "cuda"
-            dsts = [torch.empty(shp, dtype=dt, device=dev) for _ in srcs] if pin else [s.clone() for s in srcs]
+            dsts = [torch.empty(shp, dtype=dt, device=dev) for _ in srcs] if pin else \
+                [s.view(dt).view(shp).clone() for s in srcs]
             if not pin:
                 release()
                 return Transfer(dsts, None, None)
@@ -376,8 +492,11 @@ def load_views(
         if len(dsts) != len(srcs):
             raise UsageError(f"{len(dsts)} output tensors for {len(srcs)} keys")
         with _stream_ctx(dev, stream):
-            for d, s, start in zip(dsts, srcs, starts):
-                copy_with_pool(d, s, pool, start, non_blocking=True)
+            if all(d.dtype == dt and d.is_contiguous() for d in dsts):
+                copy_runs(pool, [_byte_view(d) for d in dsts], starts, to_pool=False, merge=merge, values=sizes)
+            else:  # another dtype or layout: torch converts, value by value
+                for d, s, start in zip(dsts, srcs, starts):
+                    copy_with_pool(d, s.view(dt).view(shp), pool, start, non_blocking=True)
             event = _record(dev, stream)
     except BaseException:
         release()
@@ -387,13 +506,15 @@ def load_views(
 
 def store(
     pool: "Pool", keys: Sequence[str | bytes], tensors: Sequence["torch.Tensor"], *, stream: Any = None,
-    ttl: float | None = None, priority: int = 0,
+    ttl: float | None = None, priority: int = 0, merge: bool = True,
 ) -> Transfer:
     """Copy `tensors` (CUDA or CPU, contiguous) into entries `keys`, asynchronously.
 
     Each value goes straight into reserved pool memory; the entries become
     visible (atomically, checksummed) at `wait()`.  If the process dies
-    before, nothing half-written is ever seen.
+    before, nothing half-written is ever seen.  Tensors that lie one pool
+    slot apart in one storage, reserved one slot apart, are copied as one
+    span (`copy_runs`; `merge=False`: value by value).
     """
     torch = torch_module()
     if len(keys) != len(tensors):
@@ -412,20 +533,21 @@ def store(
     jobs = []
     try:
         with _stream_ctx(dev, stream):
+            byte_rows = [t.reshape(-1).view(torch.uint8) for t in tensors]
+            offs = [w.offset for w in writers]
             group: list = []  # memoryviews copied since the last checksum job
             group_bytes = 0
-            for i, (w, t) in enumerate(zip(writers, tensors)):
-                host = host_tensor(pool, w.offset, w.nbytes, torch.uint8, (w.nbytes,))
-                copy_with_pool(host, t.reshape(-1).view(torch.uint8), pool, w.offset, non_blocking=True)
-                del host
-                group.append(w.memoryview)
-                group_bytes += w.nbytes
+            for a, b in _runs(pool, byte_rows, offs, merge):
+                _copy_run(pool, byte_rows, offs, a, b, to_pool=True, sliced=merge)
+                group += [w.memoryview for w in writers[a:b]]
+                group_bytes += sum(w.nbytes for w in writers[a:b])
                 # The values are checksummed as soon as their copies land, on a
                 # worker thread (xxhash and the event wait release the GIL), so
                 # checksums overlap the copies still in flight and each other:
-                # one event and one job per CHECKSUM_GROUP_BYTES, not per value
-                # (each costs Python calls and a thread's wake-up under the GIL).
-                if group_bytes >= CHECKSUM_GROUP_BYTES or i == len(writers) - 1:
+                # one event and one job per CHECKSUM_GROUP_BYTES (a run is at
+                # most that, or one value), not per value (each costs Python
+                # calls and a thread's wake-up under the GIL).
+                if group_bytes >= CHECKSUM_GROUP_BYTES or b == len(writers):
                     jobs.append(copy_executor().submit(_checksums_when_done, group, _record(dev, stream)))
                     group, group_bytes = [], 0
             event = _record(dev, stream)
@@ -457,18 +579,19 @@ def raise_first(pool: "Pool", results: Sequence[Any], writers: Sequence[Any]) ->
 
 
 _EXECUTOR = None
+# Threads the checksums run on (made on first use, daemons).
+CHECKSUM_THREADS = min(8, os.cpu_count() or 1)
 # A store's values are checksummed in jobs of about this many bytes (one CUDA event each).
 CHECKSUM_GROUP_BYTES = 8 << 20
 
 
 def copy_executor():
-    """Worker threads for checksums (made on first use; daemon threads, no more than 8)."""
+    """Worker threads for checksums (made on first use; CHECKSUM_THREADS daemon threads)."""
     global _EXECUTOR
     if _EXECUTOR is None:
-        import os
         from concurrent.futures import ThreadPoolExecutor
 
-        _EXECUTOR = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cortex-gpu")
+        _EXECUTOR = ThreadPoolExecutor(max_workers=CHECKSUM_THREADS, thread_name_prefix="cortex-gpu")
     return _EXECUTOR
 
 
@@ -483,14 +606,16 @@ def _checksums_when_done(mvs: list, event: Any) -> list[int]:
 def start_checksums(views: Sequence[Any], parallel_bytes: int) -> Callable[[], list[bool]]:
     """Start `[view.verify() for view in views]`; the returned call waits for it and gives the list.
 
-    On the checksum threads, in up to 8 runs of views, when they hold
+    On the checksum threads, in runs of views, when they hold
     `parallel_bytes` or more (xxhash releases the GIL): the caller can queue
     its copies meanwhile.  Below that, in the caller's thread at the call.
+    One run per `parallel_bytes / 2` at most, and no more runs than threads:
+    a thread woken for less hashing than that costs more than it saves.
     The views must stay pinned (and the pool open) until the call returns."""
     nbytes = sum(v.memoryview.nbytes for v in views)
     if len(views) < 2 or nbytes < parallel_bytes:
         return lambda: [v.verify() for v in views]
-    k = min(8, len(views))
+    k = min(CHECKSUM_THREADS, len(views), max(2, 2 * nbytes // parallel_bytes))
     runs = [views[len(views) * i // k : len(views) * (i + 1) // k] for i in range(k)]
     jobs = [copy_executor().submit(lambda run=run: [v.verify() for v in run]) for run in runs]
 
@@ -576,6 +701,7 @@ def load_blocks(pool: "Pool", key: str | bytes, kv_caches: Sequence["torch.Tenso
 
 
 __all__ = [
-    "cuda_available", "device_of", "entry_tensor", "pin_memory", "pinned_memory", "is_pinned", "copy_with_pool",
+    "cuda_available", "device_of", "entry_tensor", "segment_tensor", "slot_bytes", "copy_runs", "pin_memory",
+    "pinned_memory", "is_pinned", "copy_with_pool",
     "load", "load_views", "store", "Transfer", "gather_blocks", "scatter_blocks", "store_blocks", "load_blocks",
 ]

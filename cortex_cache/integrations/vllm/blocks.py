@@ -313,6 +313,7 @@ class BlockStore:
         self.verify = verify
         self._fixed = HEADER.pack(MAGIC, VERSION, 0, fingerprint, bytes(16), payload_bytes, block_tokens)
         self.memo = LookupMemo(self.prefix)  # `present` per request id: see cortex_cache/lookups.py
+        self.merge = True  # copies of neighbouring values merged (False: value by value, a benchmark's baseline)
 
     def key(self, digest: bytes) -> str:
         return self.prefix + digest.hex()
@@ -320,11 +321,23 @@ class BlockStore:
     def header(self, digest: bytes) -> bytes:
         return self._fixed[:24] + digest[:16] + self._fixed[40:]
 
+    def row_bytes(self) -> int:
+        """What a value takes in the pool now under the name (whole pool blocks): the row width at which
+        `staging` rows lie as the values of a batch do, so a run of them moves in one copy."""
+        value = HEADER_SIZE + self.payload_bytes
+        pool = self.pool.get()
+        try:
+            return gpu.slot_bytes(pool, value) if pool is not None else value
+        except Exception:  # a pool closed under us: plain rows
+            return value
+
     def staging(self, n: int, device: Any) -> "torch.Tensor":
-        """Rows for `save`: `[n, HEADER_SIZE + payload_bytes]` uint8 on `device`; fill `[:, HEADER_SIZE:]`."""
+        """Rows for `save`: `[n, HEADER_SIZE + payload_bytes]` uint8 on `device`; fill `[:, HEADER_SIZE:]`.
+        A view of wider rows (`row_bytes`): `save` and `load` may write the bytes between them."""
         import torch
 
-        return torch.empty((n, HEADER_SIZE + self.payload_bytes), dtype=torch.uint8, device=device)
+        rows = torch.empty((n, self.row_bytes()), dtype=torch.uint8, device=device)
+        return rows[:, : HEADER_SIZE + self.payload_bytes]
 
     def absent(self, digests: Sequence[bytes]) -> list[int]:
         """Indices of the digests whose keys the pool does not hold (its index only: no I/O)."""
@@ -411,7 +424,8 @@ class BlockStore:
                     rows[:, :HEADER_SIZE].copy_(heads.pin_memory().view(n, HEADER_SIZE), non_blocking=True)
             else:
                 rows[:, :HEADER_SIZE].copy_(heads.view(n, HEADER_SIZE))
-            gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0)), stream=stream).wait()
+            gpu.store(pool, [self.key(d) for d in digests], list(rows.unbind(0)), stream=stream,
+                      merge=self.merge).wait()
         except Exception as e:  # pool full, value too large, a broken pool: the engine goes on
             self.faults.fault("store_failed", e, n)
             return 0
@@ -498,7 +512,8 @@ class BlockStore:
                 nonlocal handed
                 handed = k
                 return gpu.load_views(pool, views[:k], dtype=torch.uint8, shape=(self.payload_bytes,),
-                                      device=out.device, out=out[:k], offset=HEADER_SIZE, stream=stream)
+                                      device=out.device, out=out[:k], offset=HEADER_SIZE, stream=stream,
+                                      merge=self.merge)
 
             if n and self.verify:
                 checked = gpu.start_checksums(views[:n], _PARALLEL_VERIFY_BYTES)
@@ -568,13 +583,14 @@ class HostRows:
 def load_host(store: BlockStore, paged: "PagedLayers", rows: HostRows, digests: Sequence[bytes],
               block_ids: Sequence[int]) -> int:
     """Load the leading blocks of `digests` that are there and sound into `block_ids` of a paged cache in
-    host memory, through `rows` (in parts of at most its rows); how many were loaded (the first part that
-    stops short ends it)."""
+    host memory, through `rows` (in parts of at most its rows; rows `store.row_bytes()` wide let a run of
+    values that neighbour in the pool come in one copy); how many were loaded (the first part that stops
+    short ends it)."""
     import torch
 
     n = 0
     while n < len(digests):
-        out = torch.from_numpy(rows.take(len(digests) - n))
+        out = torch.from_numpy(rows.take(len(digests) - n))[:, : store.payload_bytes]
         k = store.load(digests[n : n + len(out)], out)
         if k:
             paged.scatter(block_ids[n : n + k], out[:k])

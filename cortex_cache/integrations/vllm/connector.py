@@ -523,7 +523,7 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 if stream is None:
                     if self._host_rows is None:
-                        self._host_rows = HostRows(store.payload_bytes)
+                        self._host_rows = HostRows(store.row_bytes())
                     n = load_host(store, paged, self._host_rows, t.digests, t.block_ids)
                 else:
                     n = self._load_cuda(t, stream)
