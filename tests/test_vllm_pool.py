@@ -117,7 +117,7 @@ def test_a_large_load_checks_its_blocks_on_threads_and_stops_at_the_first_fault(
     for i in range(8):
         rows[i, 64:] = i + 1
     assert store.save(d, rows) == 8
-    assert 8 * payload >= blocks._PARALLEL_VERIFY_BYTES
+    assert 8 * payload >= blocks.PARALLEL_VERIFY_BYTES
     out = torch.zeros((8, payload), dtype=torch.uint8)
     assert store.load(d, out) == 8 and all((out[i] == i + 1).all() for i in range(8))
     pool.put(store.key(d[6]), pool.get(store.key(d[0])))  # block 6: another block's bytes (foreign)

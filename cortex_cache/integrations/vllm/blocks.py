@@ -83,7 +83,7 @@ FAULT_NAMES = ("missing", "foreign", "corrupt", "store_failed", "unavailable", "
 
 # A load checks its blocks' checksums on several threads from this many bytes on (below it, the hop to a
 # thread costs more than it saves).
-_PARALLEL_VERIFY_BYTES = 4 << 20
+PARALLEL_VERIFY_BYTES = 4 << 20
 # Host rows a CPU load or save copies through, kept from one batch to the next (HostRows).
 HOST_ROWS_BYTES = 64 << 20
 # Pool block sizes an adapter picks from for its values: page-sized and up (values start on a page,
@@ -465,7 +465,7 @@ class BlockStore:
         self.faults.count("stored_bytes", n * self.payload_bytes)
         return n
 
-    def _headers(self, digests: Sequence[bytes], views: list) -> tuple[int, str]:
+    def check_headers(self, digests: Sequence[bytes], views: list) -> tuple[int, str]:
         """How many leading views hold a block under the header this reader would have written for
         `digests`, and the fault of the first that does not ('' if all do): "missing", or "foreign"
         (another writer's bytes or layout)."""
@@ -476,6 +476,17 @@ class BlockStore:
             if mv.nbytes != HEADER_SIZE + self.payload_bytes or bytes(mv[:HEADER_SIZE]) != self.header(d):
                 return i, "foreign"
         return len(views), ""
+
+    def report(self, pool: "Pool", digests: Sequence[bytes], n: int, why: str) -> None:
+        """Count the fault `why` ("missing", "foreign", "corrupt" or '' for none) of block `n` of a load."""
+        if why == "missing":
+            self.faults.fault("missing", f"{self.key(digests[n])} left the pool between lookup and load")
+        elif why:
+            self.faults.fault(why, f"{self.key(digests[n])} in pool {pool.name!r}")
+            if why == "corrupt":
+                # Damaged bytes help no one: drop them, so the next
+                # look-up is a miss and the block is stored afresh.
+                pool.delete(self.key(digests[n]))
 
     def load(self, digests: Sequence[bytes], out: "torch.Tensor", stream: Any = None,
              keep: "list | None" = None) -> int:
@@ -506,7 +517,7 @@ class BlockStore:
         try:
             # Every block pinned in one lock hold (eviction cannot reuse one mid-copy), released in one.
             views = pool.view_many([self.key(d) for d in digests])
-            n, why = self._headers(digests, views)
+            n, why = self.check_headers(digests, views)
 
             def copy(k: int) -> "gpu.Transfer":  # each block read (and counted a hit) once, from its view
                 nonlocal handed
@@ -516,7 +527,7 @@ class BlockStore:
                                       merge=self.merge)
 
             if n and self.verify:
-                checked = gpu.start_checksums(views[:n], _PARALLEL_VERIFY_BYTES)
+                checked = gpu.start_checksums(views[:n], PARALLEL_VERIFY_BYTES)
                 if out.device.type == "cuda":
                     try:
                         t = copy(n)  # queued while the checksums run
@@ -526,14 +537,7 @@ class BlockStore:
                     sound = checked()
                 if not all(sound):
                     n, why = sound.index(False), "corrupt"
-            if why == "missing":
-                self.faults.fault("missing", f"{self.key(digests[n])} left the pool between lookup and load")
-            elif why:
-                self.faults.fault(why, f"{self.key(digests[n])} in pool {pool.name!r}")
-                if why == "corrupt":
-                    # Damaged bytes help no one: drop them, so the next
-                    # look-up is a miss and the block is stored afresh.
-                    pool.delete(self.key(digests[n]))
+            self.report(pool, digests, n, why)
             if t is None and n:
                 t = copy(n)
             if t is not None:
@@ -664,7 +668,7 @@ class PagedLayers:
             rows[:, a : a + lb] = layer[ids]
         return True
 
-    def _ids(self, block_ids: Sequence[int]) -> "torch.Tensor":
+    def device_ids(self, block_ids: Sequence[int]) -> "torch.Tensor":
         import torch
 
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -680,17 +684,30 @@ class PagedLayers:
         """Copy those blocks into `rows[:, offset:]` (`[len(block_ids), >= offset + payload_bytes]` uint8)."""
         import torch
 
-        ids, n, lb = self._ids(block_ids), len(block_ids), self.layer_bytes
+        ids, n, lb = self.device_ids(block_ids), len(block_ids), self.layer_bytes
         for i, v in enumerate(self.views):
             a = offset + i * lb
             rows[:, a : a + lb].copy_(v.index_select(0, ids).reshape(n, -1).view(torch.uint8))
 
     def scatter(self, block_ids: Sequence[int], data: "torch.Tensor") -> None:
         """Write `data` (`[len(block_ids), payload_bytes]` uint8, any device) into those blocks."""
-        ids, lb = self._ids(block_ids), self.layer_bytes
+        ids, lb = self.device_ids(block_ids), self.layer_bytes
         data = data.to(self.device, non_blocking=True)
-        for i, v in enumerate(self.views):
-            v.index_copy_(0, ids, data[:, i * lb : (i + 1) * lb].view(self.dtype).unflatten(1, v.shape[1:]))
+        for i in range(len(self.views)):
+            self.scatter_layer(i, ids, data[:, i * lb : (i + 1) * lb])
+
+    def layer_parts(self) -> "list[tuple[PagedLayers, int, int, int | None]]":
+        """Each layer, in the order of a block's row: (the PagedLayers holding it, its index there, the byte
+        offset of its part of the row, its group: None for a model of one group)."""
+        return [(self, i, i * self.layer_bytes, None) for i in range(len(self.views))]
+
+    def scatter_layer(self, i: int, block_ids: "Sequence[int] | torch.Tensor", data: "torch.Tensor") -> None:
+        """Write layer `i`'s part of blocks (`data`: `[len(block_ids), layer_bytes]` uint8, on this device)."""
+        import torch
+
+        ids = block_ids if isinstance(block_ids, torch.Tensor) else self.device_ids(block_ids)
+        v = self.views[i]
+        v.index_copy_(0, ids, data.view(self.dtype).unflatten(1, v.shape[1:]))
 
 
 class Saver:

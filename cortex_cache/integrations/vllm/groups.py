@@ -132,6 +132,11 @@ class PagedGroups:
         for g, (p, off) in enumerate(zip(self.groups, self.offsets)):
             p.gather([ids[g] for ids in block_ids], rows, offset + off)
 
+    def layer_parts(self) -> "list[tuple[PagedLayers, int, int, int | None]]":
+        """Every group's layers in the order of a position's row (as PagedLayers.layer_parts), with its group."""
+        return [(p, i, off + a, g) for g, (p, off) in enumerate(zip(self.groups, self.offsets))
+                for _, i, a, _ in p.layer_parts()]
+
     def scatter(self, block_ids: Sequence[tuple[int, ...]], data: "torch.Tensor") -> None:
         """Write each group's part of `data`'s rows into its blocks, but none into the null block."""
         for g, (p, off) in enumerate(zip(self.groups, self.offsets)):
