@@ -37,10 +37,18 @@ Checks (each asserts; a failure is printed, the rest still run, exit 1):
    stay untouched; the entries are pinned until the step's end.  On CUDA a
    control gathers without waiting for the event (and reads without waiting
    for the load stream) and says whether the sleep made that race visible.
-2. Foreign and corrupt blocks: another rank's block, another block's bytes
+2. Per-layer loads (`load_per_layer`, integrations/vllm/layers.py's
+   LayerLoads), per layout: blocks saved, then one step loads them into a
+   cache of another memory order behind a GPU sleep on the load stream;
+   each layer is read on the engine's stream right after `wait(layer)`
+   (the engine's wait_for_layer_load), which alone orders the read after
+   that layer's run of copies: bit-exact per layer, the missing tail a load
+   error, pins held through the step.  On the CPU both ways (layers written
+   at their wait; the CUDA way's pins, runs and scatters).
+3. Foreign and corrupt blocks: another rank's block, another block's bytes
    under a key, a flipped byte: each a counted miss, nothing of it copied,
    the corrupt one deleted; the blocks before it load.
-3. A full pool (every block held): a save, in the engine's thread or on the
+4. A full pool (every block held): a save, in the engine's thread or on the
    Saver's, stores nothing, raises nothing, is counted, leaves no half-write.
 
 Figures (median of --reps, CUDA events around each batch; wall time on the
@@ -49,7 +57,11 @@ save (`BlockStore.save` in the caller's thread, and through the Saver),
 load (the `start_load_kv` path to the step's end), the gather alone on the
 device, beside a baseline measured in the same run: a torch copy of the same
 bytes between the device and pinned host memory (on the CPU, a plain torch
-copy).  Then the overlap: a save on the Saver's thread while a matmul loop
+copy): the ratio is the figure to watch (target >= 0.8x with verification
+on, issue 43 item 6).  Per layer: the same load through LayerLoads (GB/s),
+the time until the engine's stream may run its first layer against the
+whole-request load, and a forward pass of one batch of matmuls a layer (as
+long in all as the whole-request load) behind each way's loads.  Then the overlap: a save on the Saver's thread while a matmul loop
 runs on the engine's stream, against each alone (reported, never asserted).
 
 Pools are made under CORTEX_CACHE_SHM_PREFIX (default `ccgpuconn-<pid>.`)
@@ -393,6 +405,67 @@ def check_layout(torch, run: Run, args, dev, layout: str, target: str) -> str:
     return what
 
 
+def check_per_layer(torch, run: Run, args, dev) -> str:
+    """load_per_layer (integrations/vllm/layers.py), mirrored as the connector drives it: per KV layout, blocks
+    saved, then one step loads them into a cache of another memory order behind a GPU sleep on the load
+    stream; before each layer is read on the engine's stream, `wait(layer)` (the engine's wait_for_layer_load)
+    is all that orders the read after that layer's copies.  Bit-exact per layer, load errors, pins."""
+    from cortex_cache.integrations.vllm.blocks import HEADER_SIZE, PagedLayers, fit_block_size
+    from cortex_cache.integrations.vllm.layers import LayerLoads, layer_runs
+
+    cuda = dev.type == "cuda"
+    nb = args.check_blocks
+    dims = (args.layers, nb, args.kv_heads, args.block_tokens, 2 * args.head_size)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+    n = max(1, min(8, (nb - 2) // 4))
+    done = []
+    for k, (layout, target) in enumerate(zip(LAYOUTS, ("LBNHC", "BLHNC", "LBHNC", "LBHNC/2"))):
+        truth = PagedLayers(*make_caches(torch, layout, *dims, args.dtype, dev))
+        fill_random(torch, truth)
+        value = HEADER_SIZE + truth.payload_bytes
+        pool = run.pool(f"pl{k}", max(4 << 20, 2 * n * value + (2 << 20)), fit_block_size(value))
+        src = Engine(torch, run, pool, truth)
+        perm = torch.randperm(nb, generator=torch.Generator().manual_seed(100 + k)).tolist()
+        ids, rest = perm[:n], [i for i in perm[n:] if i != 0]  # block 0: vLLM's null block, never a load error
+        tgt, tail = rest[:n], rest[n : n + 1]
+        d = digests_of(0, n + 1)
+        assert src.save_inline(d[:n], ids) == n
+        for by_runs in ((True,) if cuda else (True, False)):  # on the CPU both ways: the CUDA way's bytes too
+            dst = PagedLayers(*make_caches(torch, target, *dims, args.dtype, dev))
+            eng = Engine(torch, run, pool, dst)
+            if eng.pinning is not None:
+                eng.pinning.wait()
+            stream = torch.cuda.Stream(dev) if cuda else None
+            loads = LayerLoads(eng.store, dst, names, stream=stream, by_runs=by_runs)
+            if cuda:
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                gpu_sleep(torch, stream)  # the copies land ~50 ms after the engine's stream would read them
+            errors = loads.start([_T(d, tgt + tail)])
+            pinned = pool.stats()["pinned_entries"]
+            exact = []
+            for i, name in enumerate(names):
+                loads.wait(name)  # the engine's wait_for_layer_load, then the layer reads its blocks
+                got = dst.views[i].index_select(0, torch.tensor(tgt, device=dev))
+                exact.append(torch.equal(got, truth.views[i].index_select(0, torch.tensor(ids, device=dev))))
+            loads.finish()
+            assert all(exact), f"{layout} -> {target}: layers {[i for i, ok in enumerate(exact) if not ok]} not exact"
+            assert errors == set(tail), f"load errors {errors}, not {set(tail)}"
+            assert pool.stats()["pinned_entries"] == 0, "entries still pinned after the step's end"
+            if by_runs:
+                assert pinned == n, f"{pinned} entries pinned during the step, not {n}"
+            assert untouched(torch, dst, [i for i in range(nb) if i not in tgt]), "blocks not loaded were written"
+        done.append(f"{layout} -> {target}")
+    runs = layer_runs(args.layers)
+    return (f"per-layer loads ({', '.join(done)}): {n} blocks a step, each layer read on the engine's stream right "
+            f"after its wait, bit-exact; {len(runs)} runs of layers ({', '.join(f'{b - a}' for a, b in runs)}), "
+            f"the missing tail a load error, pins held through the step")
+
+
+class _T:
+    def __init__(self, digests, block_ids) -> None:
+        self.digests, self.block_ids = digests, block_ids
+
+
 def _source(torch, args, dev):
     """The blocks a check saves: --check-blocks engine blocks of the LBHNC layout, random; (blocks, the
     layers' dims, the PagedLayers, the bytes of one stored value)."""
@@ -545,6 +618,8 @@ def figures(torch, run: Run, args, dev) -> dict:
     a = torch.randn(m, m, device=dev, dtype=torch.float16 if cuda else torch.float32)
     c = torch.empty_like(a)
     one = clock.time(lambda: torch.mm(a, a, out=c), 3)
+    res["per_layer"] = per_layer_figures(torch, clock, args, eng, paged, d, ids, ids_to, res["load_s"],
+                                         lambda: torch.mm(a, a, out=c), one)
     t_save = clock.wall(save_saver, args.reps, setup=drop)
     k = max(1, min(100_000, round(t_save / one)))
 
@@ -564,6 +639,51 @@ def figures(torch, run: Run, args, dev) -> dict:
     res["overlap"] = {"matmul": f"{k} x {m}x{m} {str(a.dtype).removeprefix('torch.')}", "matmul_s": t_mm,
                       "save_s": t_save, "both_s": t_both, "hidden_of_shorter": hidden}
     return res
+
+
+def per_layer_figures(torch, clock, args, eng, paged, d, ids, ids_to, t_load: float, matmul, t_mm: float) -> dict:
+    """load_per_layer against the whole-request load, same blocks: its GB/s (every layer waited for), the
+    time until the engine's stream may run its first layer, and a forward pass of `layers` layers of
+    matmuls (as long, all together, as the whole-request load) behind each way's loads."""
+    from cortex_cache.integrations.vllm.layers import LayerLoads
+
+    cuda = paged.device.type == "cuda"
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+    stream = torch.cuda.Stream(paged.device) if cuda else None
+    loads = LayerLoads(eng.store, paged, names, stream=stream)
+    k = max(1, min(10_000, round(t_load / args.layers / t_mm)))  # matmuls a layer
+
+    def start() -> None:
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream(paged.device))
+        assert not loads.start([_T(d, ids_to)])
+
+    def layered(compute: int = 0, first_only: bool = False) -> None:
+        start()
+        for name in names[:1] if first_only else names:
+            loads.wait(name)
+            for _ in range(compute):
+                matmul()
+
+    def whole(compute: int = 0) -> None:
+        assert not eng.start_load([(d, ids_to)])
+        for _ in range(compute * len(names)):
+            matmul()
+
+    out = {"matmuls_a_layer": k, "layers": len(names)}
+    out["load_s"] = clock.time(lambda: (layered(), loads.finish()), args.reps)
+    out["first_layer_s"] = clock.time(lambda: layered(first_only=True), args.reps, setup=loads.finish)
+    loads.finish()
+    out["first_layer_whole_s"] = clock.time(whole, args.reps, setup=eng.end_step)
+    eng.end_step()
+    out["forward_s"] = clock.time(lambda: layered(k), args.reps, setup=loads.finish)
+    loads.finish()
+    out["forward_whole_s"] = clock.time(lambda: whole(k), args.reps, setup=eng.end_step)
+    eng.end_step()
+    out["compute_s"] = clock.time(lambda: [matmul() for _ in range(k * len(names))], args.reps)
+    assert same_blocks(torch, paged, ids_to, paged, ids), "the per-layer loads did not bring back the blocks saved"
+    out["load_gbps"] = len(ids_to) * paged.payload_bytes / out["load_s"] / 1e9
+    return out
 
 
 def print_figures(f: dict, dev) -> None:
@@ -591,6 +711,16 @@ def print_figures(f: dict, dev) -> None:
     for label, k, base in rows:
         ratio = f"  {f[k + '_gbps'] / f[base + '_gbps']:.2f}x of the baseline" if base else ""
         print(f"  {label:78} {f[k + '_gbps']:8.2f} GB/s{ratio}")
+    p = f["per_layer"]
+    print(f"  {'load, per layer (load_per_layer: runs of layers, every layer waited for)':78} {p['load_gbps']:8.2f} GB/s"
+          f"  {p['load_gbps'] / f['baseline_h2d_gbps' if cuda else 'baseline_d2h_gbps']:.2f}x of the baseline")
+    print("  (target on a device: loads and saves >= 0.80x of the baseline, with verification on)")
+    ms = 1e3
+    print(f"per layer: the engine's stream may run its first layer {p['first_layer_s'] * ms:.2f} ms after the loads "
+          f"start (whole-request: {p['first_layer_whole_s'] * ms:.2f} ms); a forward pass of {p['layers']} layers x "
+          f"{p['matmuls_a_layer']} matmuls ({p['compute_s'] * ms:.1f} ms alone) behind the loads: "
+          f"{p['forward_s'] * ms:.1f} ms per layer, {p['forward_whole_s'] * ms:.1f} ms whole-request "
+          f"({p['forward_s'] / p['forward_whole_s']:.2f}x)" + ("" if cuda else " (CPU: no copy engine to overlap)"))
     o = f["overlap"]
     print(f"overlap (reported, not asserted): {o['matmul']} matmuls alone {o['matmul_s'] * 1e3:.1f} ms, the Saver's "
           f"save alone {o['save_s'] * 1e3:.1f} ms, both at once {o['both_s'] * 1e3:.1f} ms (sum "
@@ -654,7 +784,8 @@ def main(argv=None) -> int:
     run = Run()
     checks = [(f"layout {a}", lambda a=a, b=b: check_layout(torch, run, args, dev, a, b))
               for a, b in zip(LAYOUTS, ("LBNHC", "BLHNC", "LBHNC", "LBHNC/2"))]
-    checks += [("foreign and corrupt blocks", lambda: check_faults(torch, run, args, dev)),
+    checks += [("per-layer loads", lambda: check_per_layer(torch, run, args, dev)),
+               ("foreign and corrupt blocks", lambda: check_faults(torch, run, args, dev)),
                ("a full pool", lambda: check_full(torch, run, args, dev))]
     try:
         for label, fn in checks:

@@ -251,11 +251,14 @@ def test_the_connectors_gpu_check_passes_on_the_cpu(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
     oks = [line for line in r.stdout.splitlines() if line.startswith("ok: ")]
-    assert len(oks) == 6 and all("bit-exact" in line for line in oks[:4]), r.stdout
-    assert "6 checks passed on CPU" in r.stdout and "GB/s" in r.stdout and "overlap" in r.stdout
+    assert len(oks) == 7 and all("bit-exact" in line for line in oks[:5]), r.stdout
+    assert "per-layer loads (LBHNC -> LBNHC, LBNHC -> BLHNC, BLHNC -> LBHNC, LBHNC/2 -> LBHNC/2)" in oks[4]
+    assert "7 checks passed on CPU" in r.stdout and "GB/s" in r.stdout and "overlap" in r.stdout
+    assert "may run its first layer" in r.stdout
     got = json.loads(report.read_text())
-    assert got["failed"] == [] and len(got["checks"]) == 6
+    assert got["failed"] == [] and len(got["checks"]) == 7
     assert all(got["figures"][k] > 0 for k in ("save_inline_gbps", "save_saver_gbps", "load_gbps", "baseline_d2h_gbps"))
+    assert all(got["figures"]["per_layer"][k] > 0 for k in ("load_gbps", "first_layer_s", "forward_s"))
 
 
 @needs_no_cuda

@@ -609,6 +609,25 @@ def test_a_hybrid_models_second_engine_hits_the_firsts_prefix_with_the_tokens_of
     assert len(pool.keys(prefix="vllm/")) == 10
 
 
+@needs_vllm
+@pytest.mark.timeout(900)  # two engine starts
+def test_per_layer_loads_give_the_referees_tokens(models, referee, make_pool):
+    """Issue 43, item 5: with "load_per_layer" forced on, a step's loads are written into the cache layer by
+    layer, each just before vLLM runs that attention layer (its wait_for_layer_load): the second engine hits
+    the first's prefix and its tokens are the referee's, and every layer waited for was one the loads knew."""
+    pool = make_pool("64M", block_size="4K")
+    conn = {"pool": pool.name, "load_per_layer": True}
+    first = engine(models["small"], [A], conn)
+    assert first["outputs"] == referee["outputs"][:1] and first["stats"]["stored"] == 9
+    assert first["record"]["layer_waits"] == []  # nothing to load: no step went layer by layer
+    second = engine(models["small"], [B], conn)
+    assert second["cached"] == [256] and second["outputs"] == referee["outputs"][1:]
+    assert second["stats"]["loaded"] == 8 and second["record"]["load_errors"] == []
+    waits = second["record"]["layer_waits"]
+    assert [known for _, known in waits] == [True] * 2  # the small Llama's two layers, once each, in order
+    assert [name for name, _ in waits] == sorted(name for name, _ in waits)
+
+
 # ---------------------------------------------------------------------- the tier, through vLLM's own managers
 
 TIER = str(REPO / "tests" / "vllm_tier.py")

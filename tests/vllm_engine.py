@@ -57,7 +57,9 @@ to other requests since.  Each result has
 (`get_block_ids_with_load_errors`, each non-empty answer), the
 preemptions the workers saw (the requests, and how many of them had saves
 in flight) and the loads they were asked for ("blocks", and "null": per KV
-cache group, the positions vLLM gave no block of); and "groups": how many
+cache group, the positions vLLM gave no block of), and, with
+"load_per_layer", the wait_for_layer_load calls of steps that loaded
+("layer_waits": each layer's name and whether the loads knew it); and "groups": how many
 KV cache groups vLLM made (None when the engine core is another process).
 """
 
@@ -107,9 +109,10 @@ def instrument(req: dict) -> dict:
     from cortex_cache.integrations.vllm import CortexConnector
     from cortex_cache.integrations.vllm.blocks import Saver
 
-    record: dict = {"load_errors": [], "preemptions": [], "loads": []}
+    record: dict = {"load_errors": [], "preemptions": [], "loads": [], "layer_waits": []}
     real_errors = CortexConnector.get_block_ids_with_load_errors
     real_load = CortexConnector.start_load_kv
+    real_wait = CortexConnector.wait_for_layer_load
 
     def load(self, forward_context, **kwargs) -> None:
         # Each load's positions, and per KV cache group those vLLM left null (block 0: outside a window).
@@ -125,8 +128,16 @@ def instrument(req: dict) -> dict:
             record["load_errors"].append(sorted(out))
         return out
 
+    def wait(self, layer_name: str) -> None:
+        # A step's per-layer waits (load_per_layer): the layer's name, and whether the loads knew it.
+        loader = getattr(self, "_layer_loads", None)
+        if self._layer_step and loader is not None:
+            record["layer_waits"].append([layer_name, layer_name in loader.index])
+        return real_wait(self, layer_name)
+
     CortexConnector.get_block_ids_with_load_errors = errors
     CortexConnector.start_load_kv = load
+    CortexConnector.wait_for_layer_load = wait
     if req.get("hold_saves_until_preempted"):
         # Saves are held until the connector waits for some by name -- which it does for a preempted
         # request's, before vLLM may write that request's blocks -- or for two minutes.  A connector that

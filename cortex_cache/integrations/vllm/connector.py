@@ -48,6 +48,10 @@ kv_connector_extra_config:
   weights     a name for the weights, in keys and the chain's tag (default: computed
               from the checkpoint's files, cortex_cache/weights.py; or CORTEX_CACHE_WEIGHTS)
   verify      check each loaded block against its checksum (default true)
+  load_per_layer
+              load layer by layer (layers.py): the first layers compute while later
+              ones load (default false: every layer before the forward pass, until a
+              device shows this wins; see docs/vllm.md)
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from .blocks import (HEADER_SIZE, BlockStore, Faults, HostRows, PagedLayers, Poo
                      fit_block_size, load_host, prefix_digests)
 from .events import PoolEvents
 from .groups import PagedGroups, block_numbers, check_groups, describe, has_null, positions
+from .layers import LayerLoads
 from .stats import CortexConnectorStats, CortexPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,7 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ...pool import Pool
 
-PARAMS = (*POOL_PARAMS, "namespace", "model", "weights", "verify")
+PARAMS = (*POOL_PARAMS, "namespace", "model", "weights", "verify", "load_per_layer")
 _TAG_RE = re.compile(r"[^A-Za-z0-9._:@+-]+")
 # vLLM's own logger tree: what it prints at start (INFO) appears among vLLM's lines, in its format.
 start_log = logging.getLogger("vllm.cortex_cache")
@@ -132,6 +137,9 @@ def _params(vllm_config: "VllmConfig") -> dict[str, Any]:
         raise UsageError(f"unknown kv_connector_extra_config {', '.join(unknown)}: valid are {', '.join(PARAMS)}")
     if not extra.get("pool"):
         raise UsageError('kv_connector_extra_config needs "pool": the name of a cortex pool')
+    if not isinstance(extra.get("load_per_layer", False), bool):
+        raise UsageError(f'kv_connector_extra_config "load_per_layer" is true or false, not '
+                         f'{extra["load_per_layer"]!r}')
     return extra
 
 
@@ -223,6 +231,8 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
     _pool: PoolRef | None = None
     _saver: Saver | None = None
     _events: PoolEvents | None = None  # the scheduler's, with vLLM's KV events on
+    _layer_loads: LayerLoads | None = None  # the worker's, with load_per_layer
+    _layer_step = False  # this step's loads went through _layer_loads (wait_for_layer_load waits for them)
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -239,6 +249,7 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
                              on_open=self._check_fit if role == KVConnectorRole.SCHEDULER else self._pin)
         self._namespace = str(params.get("namespace", "vllm/"))
         self._verify = bool(params.get("verify", True))
+        self._per_layer = bool(params.get("load_per_layer", False))
         self._reqs: dict[str, _Request] = {}
         self._matched: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the workers' saves end
@@ -482,7 +493,26 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
         self._paged = paged
         self._store = self._block_store(rank, fp, paged.payload_bytes)
         self._saver = Saver(self._store, paged, self.faults, name=f"cortex-vllm-save-{rank}")
+        if self._per_layer:
+            self._layer_loads = self._make_layer_loads(kv_caches)
         self._pool.get()  # opened now (and pinned: _pin), not at the first step
+
+    def _make_layer_loads(self, kv_caches: "dict[str, torch.Tensor]") -> LayerLoads | None:
+        """The per-layer loads, where they apply: every layer of the KV cache named as vLLM will name it in
+        `wait_for_layer_load`; else (noted once) the whole-request loads."""
+        names = self._layout.layer_names
+        try:
+            if sorted(names) != sorted(kv_caches):
+                raise ValueError("the KV cache's layers are not the KV cache groups' layers")
+            stream = None
+            if self._paged.device.type == "cuda":
+                import torch
+
+                stream = self._load_stream(torch)
+            return LayerLoads(self._store, self._paged, names, stream=stream)
+        except Exception as e:
+            self.faults.once("per-layer", "load_per_layer: %s; loading every layer before the forward pass", e)
+            return None
 
     def _pin(self, pool: "Pool") -> None:
         """The worker's, for every pool it opens (at start, and one created or put under the name later):
@@ -512,6 +542,11 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
             for t in getattr(meta, "loads", ()):
                 self._load_errors.update(block_numbers(t.block_ids))
             return
+        if self._layer_loads is not None:
+            self._finish_layer_step()  # a step whose wait_for_save never came (none expected)
+            if meta.loads:
+                self._start_layer_loads(meta.loads)
+            return
         stream = None
         if meta.loads and paged.device.type == "cuda":
             import torch
@@ -537,6 +572,30 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
             # The forward pass waits for the copies on the device, not here: the host goes on launching it.
             torch.cuda.current_stream(paged.device).wait_stream(stream)
 
+    def _start_layer_loads(self, loads: list[Transfer]) -> None:
+        """The per-layer mode's start_load_kv: pins and checks the blocks, queues (CUDA) or holds (CPU) their
+        layers; each layer's wait_for_layer_load waits for (or writes) that layer only."""
+        loader = self._layer_loads
+        if loader.stream is not None:
+            import torch
+
+            loader.stream.wait_stream(torch.cuda.current_stream(self._paged.device))  # blocks the last step read
+        self._layer_step = True
+        try:
+            self._load_errors.update(loader.start(loads))
+        except Exception as e:
+            self.faults.fault("error", e)
+            for t in loads:
+                self._load_errors.update(block_numbers(t.block_ids))
+
+    def _finish_layer_step(self) -> None:
+        if self._layer_step:
+            self._layer_step = False
+            try:
+                self._layer_loads.finish()
+            except Exception as e:
+                self.faults.fault("error", e)
+
     def _load_stream(self, torch: Any) -> Any:
         if getattr(self, "_stream", None) is None:
             self._stream = torch.cuda.Stream(self._paged.device)
@@ -556,7 +615,15 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
         return n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv ordered the forward pass after every layer's copies
+        """Per layer (load_per_layer): the engine's stream waits for this layer's copies (CUDA), or its blocks
+        are written now (CPU); else start_load_kv ordered the forward pass after every layer's copies."""
+        if self._layer_step:
+            try:
+                self._layer_loads.wait(layer_name)
+            except Exception as e:  # that layer may not hold its blocks: every block of the step recomputed
+                self.faults.fault("error", e)
+                for t in getattr(self._connector_metadata, "loads", ()):
+                    self._load_errors.update(block_numbers(t.block_ids))
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -564,6 +631,7 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
+        self._finish_layer_step()  # every layer in (or the engine's stream after every copy), pins let go
         loading, self._loading = self._loading, []
         for x in loading:  # this step's CUDA loads: the forward pass is queued after them; unpin the entries
             if hasattr(x, "wait"):
