@@ -342,11 +342,12 @@ def _copy_run(pool: "Pool", rows: Sequence["torch.Tensor"], offs: Sequence[int],
 
 
 def copy_runs(pool: "Pool", rows: Sequence["torch.Tensor"], offs: Sequence[int], *, to_pool: bool,
-              merge: bool = True, values: Sequence[int] | None = None) -> int:
+              merge: bool = True, values: Sequence[int] | None = None, cap: int = 0) -> int:
     """Copy each of `rows` (contiguous uint8 tensors on any device) to or from the pool's bytes at `offs[k]`
     (within a value of `values[k]` bytes; default: the row is the value), neighbours merged into one copy
-    where `_runs` allows; how many copies (queued on the current stream for a CUDA tensor) it made."""
-    runs = _runs(pool, rows, offs, merge, values)
+    of at most `cap` bytes (default CHECKSUM_GROUP_BYTES) where `_runs` allows; how many copies (queued on
+    the current stream for a CUDA tensor) it made."""
+    runs = _runs(pool, rows, offs, merge, values, cap)
     for a, b in runs:
         _copy_run(pool, rows, offs, a, b, to_pool, sliced=merge)
     return len(runs)
@@ -493,7 +494,8 @@ def load_views(
             raise UsageError(f"{len(dsts)} output tensors for {len(srcs)} keys")
         with _stream_ctx(dev, stream):
             if all(d.dtype == dt and d.is_contiguous() for d in dsts):
-                copy_runs(pool, [_byte_view(d) for d in dsts], starts, to_pool=False, merge=merge, values=sizes)
+                copy_runs(pool, [_byte_view(d) for d in dsts], starts, to_pool=False, merge=merge, values=sizes,
+                          cap=LOAD_RUN_BYTES)
             else:  # another dtype or layout: torch converts, value by value
                 for d, s, start in zip(dsts, srcs, starts):
                     copy_with_pool(d, s.view(dt).view(shp), pool, start, non_blocking=True)
@@ -578,6 +580,9 @@ def raise_first(pool: "Pool", results: Sequence[Any], writers: Sequence[Any]) ->
         raise err
 
 
+# A load's runs of values go up to this many bytes a copy (no checksum waits on a load's copies: the
+# values were checked in place), so a batch of 2 MiB blocks is a few copies, not one per 8 MiB.
+LOAD_RUN_BYTES = 64 << 20
 _EXECUTOR = None
 # Threads the checksums run on (made on first use, daemons).
 CHECKSUM_THREADS = min(8, os.cpu_count() or 1)

@@ -628,6 +628,39 @@ def test_per_layer_loads_give_the_referees_tokens(models, referee, make_pool):
     assert [name for name, _ in waits] == sorted(name for name, _ in waits)
 
 
+@needs_vllm
+@pytest.mark.timeout(900)  # one engine start
+def test_a_hybrid_models_pool_blocks_are_reported_per_group_as_vllm_reports_its_own(make_pool, tmp_path):
+    """Issue 43, items 2 and 3: one pool value holds every KV cache group's block of a position, so a block is
+    stored (or removed) for every group at once.  vLLM's own publisher reports a hybrid model's blocks once per
+    group, with the group's index, attention kind and window; the pool's blocks are reported the same way."""
+    model = str(tmp_path / "hybrid")
+    subprocess.run([VLLM_PY, ENGINE, "make-model", model + ":4:0:64"], check=True, capture_output=True,
+                   timeout=300, cwd=REPO)
+    pool = make_pool("64M", block_size="64K")
+    owner = f"cortex:{pool.name}"
+    eng = PhasedEngine(model, {"pool": pool.name}, kv_events=True)
+    try:
+        one = eng.phase([A])
+        theirs = [e for e in one["events"] if e["type"] == "BlockStored" and e["ownership"] != owner]
+        groups = {(e["group"], e["kind"], e["window"]) for e in theirs}
+        assert sorted(g for g, _, _ in groups) == [0, 1] and {w for _, _, w in groups} == {None, 64}, groups
+        a_hashes = [h for e in theirs if e["group"] == 0 for h in e["hashes"]][:9]
+        two = eng.phase([B])  # A's saves landed: the next steps find them in the pool
+        ours = [e for e in two["events"] if e["ownership"] == owner and e["type"] == "BlockStored"]
+        assert {(e["group"], e["kind"], e["window"]) for e in ours} == groups  # as vLLM names each group
+        per_group = {g: [h for e in ours if e["group"] == g for h in e["hashes"]] for g in (0, 1)}
+        assert per_group[0] == per_group[1] and per_group[0][:9] == a_hashes  # every position, in both groups
+        assert pool.delete(pool.keys(prefix="vllm/")[3])  # another process takes a position out of the pool
+        three = eng.phase([B])
+        removed = [e for e in three["events"] if e["ownership"] == owner and e["type"] == "BlockRemoved"]
+        assert sorted(e["group"] for e in removed) == [0, 1] and len({tuple(e["hashes"]) for e in removed}) == 1
+        assert len(removed[0]["hashes"]) == 1
+    finally:
+        eng.close()
+    assert eng.proc.returncode == 0, eng.log()
+
+
 # ---------------------------------------------------------------------- the tier, through vLLM's own managers
 
 TIER = str(REPO / "tests" / "vllm_tier.py")

@@ -193,7 +193,9 @@ def published_events(llm, replay: str) -> list[dict]:
                 break
             for e in decode(payload).events:
                 d = {"type": type(e).__name__, "medium": getattr(e, "medium", None),
-                     "ownership": getattr(e, "ownership", None),
+                     "ownership": getattr(e, "ownership", None), "group": getattr(e, "group_idx", None),
+                     "kind": getattr(e, "kv_cache_spec_kind", None),
+                     "window": getattr(e, "kv_cache_spec_sliding_window", None),
                      "hashes": [_plain(h) for h in getattr(e, "block_hashes", [])]}
                 if d["type"] == "BlockStored":
                     d.update(parent=_plain(e.parent_block_hash), tokens=list(e.token_ids), block_size=e.block_size)

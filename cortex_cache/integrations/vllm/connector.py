@@ -143,6 +143,18 @@ def _params(vllm_config: "VllmConfig") -> dict[str, Any]:
     return extra
 
 
+def _event_groups(kv_cache_config: "KVCacheConfig | None") -> list[tuple[str | None, int | None]]:
+    """Each KV cache group's attention kind and window as vLLM's KV events name them (events.py)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+        return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                for g in groups]
+    except Exception:  # a vLLM without them: the groups unnamed
+        return [(None, None)] * len(groups)
+
+
 def say_weights(who: str, weights: Weights, retire: str) -> None:
     """Say once at start which weights the keys carry, and how to retire their KV (`retire`: a command)."""
     if weights.known:
@@ -272,7 +284,7 @@ class CortexConnector(KVConnectorBase_V1, SupportsHMA):
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and getattr(events, "enable_kv_cache_events", False):
                 self._events = PoolEvents(self._pool, self._rank_stores, self.faults, self._layout.block_tokens,
-                                          ownership=f"cortex:{params['pool']}")
+                                          ownership=f"cortex:{params['pool']}", groups=_event_groups(kv_cache_config))
             pool = params["pool"]
             say_weights(f"CortexConnector(pool {pool!r}, model {self._layout.model!r})", self._layout.weights,
                         f"cortex cache evict {pool} --prefix {self.key_prefix} --tier all")

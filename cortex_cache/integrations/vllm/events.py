@@ -22,6 +22,17 @@ is the connector's scheduler side of that:
   the oldest let go first (silently: a router may keep one of those longer
   than the pool does; it is then a miss, never a wrong answer).
 
+A hybrid model (several KV cache groups, groups.py): one pool value holds
+every group's block of a position, so a block stored or removed is so for
+every group at once.  vLLM's own publisher reports a hybrid model's blocks
+once per group (its BlockPool caches each group's blocks under the group's
+index, and KVCacheManager.take_events annotates each with the group's
+attention kind and window); a router that follows groups -- and needs a
+windowed group's blocks too before it counts a prefix as held -- reads ours
+the same way: each event is made once per group, with that group's
+`group_idx`, `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` (as
+vLLM annotates its own; a model of one group gets one event, group 0).
+
 Nothing here raises into vLLM: a pool that breaks makes no events.
 """
 
@@ -58,7 +69,8 @@ class PoolEvents:
 
     def __init__(self, pool: "PoolRef", stores: "Sequence[BlockStore]", faults: "Faults", block_tokens: int,
                  ownership: str, limit: int = 16384, probe_every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 groups: "Sequence[tuple[str | None, int | None]]" = ((None, None),)) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -66,6 +78,7 @@ class PoolEvents:
         self._pool, self._stores, self._faults = pool, list(stores), faults
         self._bs, self.ownership, self._limit = block_tokens, ownership, limit
         self._probe_every, self._clock = probe_every, clock
+        self._groups = list(groups) or [(None, None)]  # per KV cache group: its kind and window, as vLLM says them
         self._pending: deque[_Block] = deque()
         self._reported: OrderedDict[bytes, Any] = OrderedDict()  # digest -> vLLM's hash, oldest first
         self._seen: tuple[int, int] | None = None  # (id of the pool handle, its gone_seq) at the last probe
@@ -117,23 +130,25 @@ class PoolEvents:
                     self._pending.append(b)  # its save is still in flight: looked at again next step
                 continue
             if run and (b.parent != run[-1].hash or b.lora != run[-1].lora):
-                events.append(self._stored(run))
+                events += self._stored(run)
                 run = []
             run.append(b)
         if run:
-            events.append(self._stored(run))
+            events += self._stored(run)
         return events
 
-    def _stored(self, run: "list[_Block]") -> Any:
+    def _stored(self, run: "list[_Block]") -> list:
         for b in run:
             self._reported[b.digest] = b.hash
             self._reported.move_to_end(b.digest)
         while len(self._reported) > self._limit:
             self._reported.popitem(last=False)
         lora_id, lora_name = run[0].lora
-        return self._stored_cls(block_hashes=[b.hash for b in run], parent_block_hash=run[0].parent,
-                                token_ids=[t for b in run for t in b.tokens], block_size=self._bs, lora_id=lora_id,
-                                medium=MEDIUM, lora_name=lora_name, group_idx=0, ownership=self.ownership)
+        return [self._stored_cls(block_hashes=[b.hash for b in run], parent_block_hash=run[0].parent,
+                                 token_ids=[t for b in run for t in b.tokens], block_size=self._bs, lora_id=lora_id,
+                                 medium=MEDIUM, lora_name=lora_name, group_idx=g, kv_cache_spec_kind=kind,
+                                 kv_cache_spec_sliding_window=window, ownership=self.ownership)
+                for g, (kind, window) in enumerate(self._groups)]
 
     def _removed(self, pool: Any) -> list:
         if not self._reported:
@@ -155,7 +170,8 @@ class PoolEvents:
         if not gone:
             return []
         hashes = [self._reported.pop(d) for d in gone]
-        return [self._removed_cls(block_hashes=hashes, medium=MEDIUM, group_idx=0, ownership=self.ownership)]
+        return [self._removed_cls(block_hashes=hashes, medium=MEDIUM, group_idx=g, ownership=self.ownership)
+                for g in range(len(self._groups))]
 
 
 __all__ = ["PoolEvents", "MEDIUM", "PENDING_S"]
