@@ -112,7 +112,7 @@ def instrument(req: dict) -> dict:
     record: dict = {"load_errors": [], "preemptions": [], "loads": [], "layer_waits": []}
     real_errors = CortexConnector.get_block_ids_with_load_errors
     real_load = CortexConnector.start_load_kv
-    real_wait = CortexConnector.wait_for_layer_load
+    real_layer_wait = CortexConnector.wait_for_layer_load
 
     def load(self, forward_context, **kwargs) -> None:
         # Each load's positions, and per KV cache group those vLLM left null (block 0: outside a window).
@@ -128,16 +128,16 @@ def instrument(req: dict) -> dict:
             record["load_errors"].append(sorted(out))
         return out
 
-    def wait(self, layer_name: str) -> None:
+    def layer_wait(self, layer_name: str) -> None:
         # A step's per-layer waits (load_per_layer): the layer's name, and whether the loads knew it.
         loader = getattr(self, "_layer_loads", None)
         if self._layer_step and loader is not None:
             record["layer_waits"].append([layer_name, layer_name in loader.index])
-        return real_wait(self, layer_name)
+        return real_layer_wait(self, layer_name)
 
     CortexConnector.get_block_ids_with_load_errors = errors
     CortexConnector.start_load_kv = load
-    CortexConnector.wait_for_layer_load = wait
+    CortexConnector.wait_for_layer_load = layer_wait
     if req.get("hold_saves_until_preempted"):
         # Saves are held until the connector waits for some by name -- which it does for a preempted
         # request's, before vLLM may write that request's blocks -- or for two minutes.  A connector that
