@@ -71,6 +71,12 @@ class GoneMarks:
         if self.present and 0 <= pos < self.n:
             self._bytes[pos] |= POSITION
 
+    def mark_all(self, positions: np.ndarray) -> None:
+        """Lock held (or the pool not published): the snapshot's entries at `positions` are gone."""
+        if self.present and len(positions):
+            positions = positions[(positions >= 0) & (positions < self.n)]
+            np.frombuffer(self._bytes, np.uint8)[positions] |= POSITION
+
     def mark_hash(self, kh: int) -> None:
         """Lock held: a key of hash `kh` was written by a process that cannot find its position."""
         if self.present:

@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import xxhash
 
-from . import capture, config, fill, interrupts, manifest, packs, policy_state, safefs, snapplaces
+from . import basepos, capture, config, deltaplan, fill, interrupts, manifest, packs, policy_state, safefs, snapdelta, snapplaces
 from .copyhash import gather_hash
 from .core import GUARD, Core
 from .errors import CannotCreate, CortexCacheError, PermissionDenied, PersistBusy, SnapshotCorrupt, UsageError
@@ -38,6 +38,7 @@ from .layout import FLAG_MULTI_THREADED
 from .lock import PERSIST_BYTE, RecordLock
 from .retention import (  # noqa: F401 (re-exported)
     SPACE_BOUND,
+    bases as retention_bases,
     list_snapshots,
     prune,
     retain,
@@ -52,6 +53,7 @@ from .snapfile import (  # noqa: F401 (re-exported: the format's tables too)
     HEAD_CHECK,
     LEGACY_MANIFEST,
     MAGIC,
+    DELTA_VERSION,
     MANIFEST_VERSION,
     MANIFESTS,
     PACK_ENTRY,
@@ -415,9 +417,9 @@ def _write_manifest(f: Any, prefix_fn: Callable[[tuple[int, int]], bytes], prefi
 
 
 def _v4_sections(live: capture.Live, pack_idx: np.ndarray, offset: np.ndarray, table: list[packs.PackRef],
-                 policy: bytes) -> tuple[list[tuple[str, Any]], int]:
+                 policy: bytes) -> tuple[list[tuple[str, Any]], int, np.ndarray]:
     """The sections of a version 4 manifest of `live`'s entries (values at `pack_idx`/`offset` in `table`'s
-    packs), put in fill order; and the value bytes."""
+    packs), put in fill order; the value bytes; and the order (position p holds live entry order[p])."""
     c = live.cols
     order = manifest.fill_order(c["access_seq"], c["value_len"], pack_idx, offset, newest_first=True)
     cols = {"key_off": c["key_off"], "key_len": c["key_len"], "flags": c["flags"], "length": c["value_len"],
@@ -426,7 +428,7 @@ def _v4_sections(live: capture.Live, pack_idx: np.ndarray, offset: np.ndarray, t
     sections: list[tuple[str, Any]] = [("packs", _pack_table(table))]
     sections += manifest.columns_sections(cols)
     sections += [("keys", live.keys), ("table", manifest.build_table(cols["key_hash"])), ("policy", policy)]
-    return sections, int(cols["length"].sum(dtype=np.uint64)) if live.n else 0
+    return sections, int(cols["length"].sum(dtype=np.uint64)) if live.n else 0, order
 
 
 def _pack_table(table: list[packs.PackRef]) -> bytes:
@@ -516,7 +518,7 @@ def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
     out = []
     for path in paths:
         try:
-            with Snapshot(path, verify=False, private=True) as snap:
+            with Snapshot(path, verify=False, private=True, base=False) as snap:  # a delta: its own entries
                 if snap.header.version not in MANIFESTS:
                     continue
                 if snap.v4 is not None:  # the sections sharing reads (the rest is checked when it is restored)
@@ -530,7 +532,7 @@ def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
                     c = snap.v4.cols
                     if snap.v4.n and int(c["pack"].max()) >= len(snap.pack_refs):
                         continue
-                    out.append(_Kept(path, MANIFEST_VERSION, list(snap.pack_refs), c["pack"].astype(np.int64),
+                    out.append(_Kept(path, snap.header.version, list(snap.pack_refs), c["pack"].astype(np.int64),
                                      c["offset"].copy(), c["length"].copy(), c["checksum"].copy()))
                     continue
                 refs = list(snap.references())  # version 3: its records, one by one (once, after an upgrade)
@@ -576,6 +578,7 @@ class _Incremental:
         self.remap: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # compacted pack -> (old offsets, new)
         self.staying: list[_Kept] = []
         self.written = 0
+        self.stamp: tuple | None = None  # a full manifest's (slots, insert_seqs, positions, ident): basepos.stamp
 
     def write(self, f: Any, configuration, progress) -> tuple[int, int, int]:
         """Write the new pack (durable) and the manifest into `f`; (entries, value bytes, skipped)."""
@@ -583,8 +586,13 @@ class _Incremental:
         # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
         # the new one names).  Compacted for: those retention keeps beside the new one.
         files = timestamped_files(self.stem, directory)
+        if not self.full:
+            delta = deltaplan.plan(core, directory, files)
+            if delta is not None:
+                return self._write_delta(f, configuration, progress, delta)
         kept = _read_kept(files, directory)
         survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
+        survivors |= {directory / n for n in retention_bases(survivors)}  # what kept deltas read stays too
         self.staying = [k for k in kept if k.path in survivors]
         live = capture.capture(core)
         names: list[packs.PackRef] = []  # every pack the new manifest may name; the new one first
@@ -627,13 +635,57 @@ class _Incremental:
         # Index 0 was the new pack, j the j-th of `names`: as _moved counts them, the new pack last.
         idx = np.where(pack_of == 0, len(names), pack_of - 1)
         table, pack_idx, offset = self._moved(names, idx, offset)
-        sections, nbytes = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        sections, nbytes, order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        ident = secrets.token_bytes(basepos.IDENT_BYTES)  # what names it as a base (snapdelta.py)
+        sections.append((snapdelta.IDENT, ident))
+        positions = np.empty(live.n, np.int64)
+        positions[order] = np.arange(live.n)
+        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident)
+        self._manifest(f, configuration, MANIFEST_VERSION, sections, live.n, nbytes)
+        return live.n, nbytes, skipped
+
+    def _manifest(self, f: Any, configuration, version: int, sections: list, entries: int, nbytes: int) -> None:
+        core = self.core
         cfg = core.locked(pool_config, core)
         block = config.encode({**core.locked(configuration), "created": float(core.header[0]["created"])})
         prefix_len = FILE_HEAD.size + HEAD_CHECK.size + len(block)
-        _write_manifest(f, lambda at: _pack_head(cfg, self.now, MANIFEST_VERSION, block, at) + block, prefix_len,
-                        sections, live.n, nbytes)
-        return live.n, nbytes, skipped
+        _write_manifest(f, lambda at: _pack_head(cfg, self.now, version, block, at) + block, prefix_len,
+                        sections, entries, nbytes)
+
+    def _write_delta(self, f: Any, configuration, progress, plan: deltaplan.Plan) -> tuple[int, int, int]:
+        """A delta manifest against `plan`'s base (snapdelta.py): the changed entries' values into a new pack
+        (flushed, renamed into place, the directory flushed), then the manifest into `f`.  Nothing shared,
+        nothing compacted, no kept snapshot rewritten: the base and its packs stay as they are."""
+        core = self.core
+        live = capture.capture(core, plan.split.changed)
+        offset = np.zeros(live.n, np.uint64)
+        writer = self._writer() if live.n else None
+        try:
+            def into_pack(g: capture.Gathered) -> None:
+                assert writer is not None
+                at = writer.add(memoryview(g.data)[: g.nbytes], g.count)
+                lens = live.cols["value_len"][g.first : g.first + g.count].astype(np.uint64)
+                offset[g.first : g.first + g.count] = np.uint64(at) + np.cumsum(lens) - lens
+                self.written += g.nbytes
+
+            good, skipped = _live_good(core, progress, into_pack, live, None) if writer is not None else \
+                (np.ones(live.n, bool), 0)
+            live, offset = live.take(good), offset[good]
+            if writer is not None:
+                writer.finish()
+                self.new_ref.size = writer.size
+                fsync_dir(self.directory)  # the pack's name is on disk before the manifest that names it
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        table = [self.new_ref] if writer is not None else []
+        sections, nbytes, _order = _v4_sections(live, np.zeros(live.n, np.uint32), offset, table, policy_blob(core))
+        entries, total = live.n + plan.split.kept, nbytes + plan.kept_bytes
+        sections += [("base", snapdelta.base_section(plan.ident, plan.nb, entries, total, plan.base_name)),
+                     ("dropped", snapdelta.dropped_section(plan.split.dropped))]
+        self._manifest(f, configuration, snapdelta.DELTA_VERSION, sections, live.n, nbytes)
+        return entries, total, skipped
 
     def _share(self, kept: list[_Kept], by_name: dict[str, int], live: capture.Live, pack_of: np.ndarray,
                offset: np.ndarray) -> None:
@@ -727,11 +779,14 @@ class _Incremental:
         return [everyone[j] for j in used], index[pack].astype(np.uint32), offset
 
     def after(self) -> None:
-        """Once the new manifest is in place: point the kept snapshots at the compacted copies, then retention."""
+        """Once the new manifest is in place: a full one is the pool's base from now on (basepos.py); point the
+        kept snapshots at the compacted copies, then retention."""
         directory = self.directory
+        if self.stamp is not None:
+            basepos.stamp(self.core, *self.stamp)
         if self.remap:
             for kept in self.staying:
-                if kept.version == MANIFEST_VERSION and any(r.name in self.remap for r in kept.table):
+                if kept.version in (MANIFEST_VERSION, DELTA_VERSION) and any(r.name in self.remap for r in kept.table):
                     try:
                         self._rewrite(kept)
                     except SnapshotCorrupt:
@@ -745,7 +800,7 @@ class _Incremental:
         """Rewrite kept version 4 manifest `kept` (temp file, flush, rename) with its values in compacted
         packs pointed at their copies; every other section as it was."""
         directory = self.directory
-        with Snapshot(kept.path, verify=False, private=True) as snap:
+        with Snapshot(kept.path, verify=False, private=True, base=False) as snap:
             v4 = snap.v4
             assert v4 is not None
             table, pack, offset = self._moved(kept.table, kept.pack, kept.offset)

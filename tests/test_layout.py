@@ -60,6 +60,8 @@ FROZEN_HEADER = [
     ("tier_admit", "<u4", 984), ("tier_pad", "<u4", 988), ("tier_refused", "<u8", 992),
     # ... and where a background fill's gone marks lie (issue 39; 0 in older pools: their fills keep none).
     ("gone_off", "<u8", 1000),
+    # ... and where the base positions of an incremental persist lie (0 in older pools: full manifests).
+    ("base_off", "<u8", 1008),
     # ... and the prefix the pool was made under (0 in older pools: listed under any prefix, as before).
     ("prefix_mark", "<u8", 1016),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),

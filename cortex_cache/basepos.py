@@ -1,0 +1,143 @@
+"""Base positions: what an incremental persist may leave to the full manifest before it (docs/design.md).
+
+An incremental persist writes a delta manifest (snapdelta.py): only the
+entries put or changed since a BASE -- a full version 4 manifest of the pool
+in the snapshot directory -- and a bit per base position that is no longer
+part of the snapshot.  To know which live entries are still the base's
+without reading each of them in Python, the segment keeps, per slot, the
+position + 1 of its entry in the base (0: none), in a region of its own
+(layout.py, base_off; BASE_HEAD first)::
+
+    base_off + 0   u8[16] ident of the base (its "ident" section); zeros: no base
+    base_off + 16  u64 entries of the base
+    base_off + 24  40 bytes zero
+    base_off + 64  n_slots x u32: position + 1 of the slot's entry in the base, 0 none
+
+Stamped by persist once a full manifest is durably in place (`stamp`): the
+ident is zeroed first, the positions written a chunk of slots per lock hold
+for the slots whose entry is still the one captured (same insert_seq), the
+ident last, so a persister killed in between leaves no base (the next persist
+writes a full manifest).  Nothing on the hot paths clears a position: a slot
+counts as unchanged only while its entry matches the base's row at that
+position -- same insert_seq, checksum and expiry (`split`) -- and a put, an
+in-place overwrite (the C path too) or a reuse of the slot gives a new
+insert_seq.  A fill forgets the base (`forget`): it loads entries with the
+insert_seqs of the snapshot it reads.  A pool made before the region
+(base_off 0) has no base: its persists write full manifests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from .layout import BASE_HEAD_SIZE, SEALED
+
+if TYPE_CHECKING:
+    from .core import Core
+
+IDENT_BYTES = 16
+CHUNK_SLOTS = 1 << 17  # slots stamped per lock hold (a few ms)
+
+
+def present(core: "Core") -> bool:
+    return bool(core.geometry.base_off)
+
+
+def _head(core: "Core") -> np.ndarray:
+    return np.frombuffer(core.mv, np.uint8, BASE_HEAD_SIZE, core.geometry.base_off)
+
+
+def _positions(core: "Core") -> np.ndarray:
+    return np.frombuffer(core.mv, np.uint32, core.geometry.n_slots, core.geometry.base_off + BASE_HEAD_SIZE)
+
+
+def base_of(core: "Core") -> tuple[bytes, int] | None:
+    """(ident, entries) of the base the pool's positions name, or None (no region, or no base)."""
+    if not present(core):
+        return None
+    head = _head(core)
+    ident = head[:IDENT_BYTES].tobytes()
+    if ident == bytes(IDENT_BYTES):
+        return None
+    return ident, int(head[16:24].view(np.uint64)[0])
+
+
+def forget(core: "Core") -> None:
+    """Lock held (or the pool not published): no base any more; the next persist writes a full manifest."""
+    if present(core):
+        _head(core)[:IDENT_BYTES] = 0
+
+
+def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np.ndarray, ident: bytes) -> None:
+    """A full manifest of `len(slots)` entries named `ident` is durably in place: the entry captured at
+    `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose entry is still that
+    one; the ident last (a kill before it leaves no base)."""
+    if not present(core):
+        return
+    assert len(ident) == IDENT_BYTES and ident != bytes(IDENT_BYTES)
+    core.locked(forget, core)
+    pos = _positions(core)
+    n = core.geometry.n_slots
+    for a in range(0, n, CHUNK_SLOTS):
+        core.locked(_zero, pos, a, min(n, a + CHUNK_SLOTS))
+    order = np.argsort(slots, kind="stable")  # chunks of slots in slot order: each hold touches a range
+    slots, insert_seq, positions = slots[order], insert_seq[order], positions[order]
+    for a in range(0, len(slots), CHUNK_SLOTS):
+        core.locked(_stamp_chunk, core, pos, slots[a : a + CHUNK_SLOTS], insert_seq[a : a + CHUNK_SLOTS],
+                    positions[a : a + CHUNK_SLOTS])
+
+    def name() -> None:
+        head = _head(core)
+        head[16:24] = np.frombuffer(np.uint64(len(slots)).tobytes(), np.uint8)
+        head[:IDENT_BYTES] = np.frombuffer(ident, np.uint8)
+
+    core.locked(name)
+
+
+def _zero(pos: np.ndarray, a: int, b: int) -> None:
+    pos[a:b] = 0
+
+
+def _stamp_chunk(core: "Core", pos: np.ndarray, slots: np.ndarray, insert_seq: np.ndarray,
+                 positions: np.ndarray) -> None:
+    c = core.columns
+    same = (c["state"][slots] == SEALED) & (c["insert_seq"][slots] == insert_seq)
+    pos[slots[same]] = (positions[same] + 1).astype(np.uint32)
+
+
+class Split(NamedTuple):
+    """The live entries against a base: `changed` slots (most recently used first) to write, `dropped` base
+    positions (bool per base position) no longer in the pool, and how many base entries stay."""
+
+    changed: np.ndarray
+    dropped: np.ndarray
+    kept: int
+
+
+def split(core: "Core", nb: int, base_cols: dict[str, np.ndarray]) -> Split:
+    """Which live entries are the base's (`nb` entries, whose insert_seq, checksum and expiry columns are
+    `base_cols`) and which changed: one lock hold copies the live slots' positions and fields (numpy), the
+    rest runs outside it."""
+    def look() -> tuple[np.ndarray, ...]:
+        live = np.flatnonzero(core.live_mask())
+        c = core.columns
+        return (live, _positions(core)[live].copy(), c["insert_seq"][live].copy(), c["checksum"][live].copy(),
+                c["expiry"][live].copy(), c["access_seq"][live].copy())
+
+    live, pos, iseq, ck, exp, aseq = core.locked(look)
+    ok = (pos > 0) & (pos <= nb)
+    at = np.flatnonzero(ok)
+    p = pos[at].astype(np.int64) - 1
+    same = (base_cols["insert_seq"][p] == iseq[at]) & (base_cols["checksum"][p] == ck[at])
+    same &= base_cols["expiry"][p] == exp[at]
+    ok[at[~same]] = False
+    dropped = np.ones(nb, bool)
+    dropped[pos[ok].astype(np.int64) - 1] = False
+    rest = np.flatnonzero(~ok)
+    changed = live[rest[np.argsort(aseq[rest], kind="stable")[::-1]]]  # most recently used first
+    return Split(changed, dropped, int(ok.sum()))
+
+
+__all__ = ["IDENT_BYTES", "present", "base_of", "forget", "stamp", "split", "Split"]

@@ -1,0 +1,78 @@
+"""Whether an incremental persist writes a delta manifest (snapdelta.py), and against which base.
+
+A delta is written when the pool's base positions (basepos.py) name a full
+manifest that is still in the snapshot directory -- found by its "ident"
+section among the pool's timestamped snapshots, whole where the split reads
+it (its insert_seq, checksum, expiry and length columns' checksums), its
+packs there -- and when the delta stays small: changed plus dropped entries
+at most MAX_CHANGED of the base's, and the positions of both (the delta's
+entries, then the base's) within the pool's slots (gone.py marks by
+position).  Otherwise (`plan` gives None) the persist writes a full manifest,
+which becomes the next base.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from . import basepos, snapdelta
+from .errors import CortexCacheError
+from .snapfile import MANIFEST_VERSION, Snapshot
+
+if TYPE_CHECKING:
+    from .core import Core
+
+MAX_CHANGED = 0.25  # of the base's entries changed or dropped: beyond it, a full manifest
+
+
+class Plan(NamedTuple):
+    base_name: str
+    ident: bytes
+    nb: int
+    split: basepos.Split
+    kept_bytes: int  # value bytes of the base's entries the delta keeps
+
+
+def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
+    """The delta to write for `core`'s pool in `directory` (its timestamped snapshots `files`), or None."""
+    named = basepos.base_of(core)
+    if named is None:
+        return None
+    ident, nb = named
+    for path in reversed(files):
+        try:
+            with Snapshot(path, verify=False, private=True, base=False) as snap:
+                if snap.header.version != MANIFEST_VERSION or snap.entries != nb:
+                    continue
+                own = snap.section(snapdelta.IDENT)
+                if own is None or bytes(own) != ident:
+                    continue
+                if not all(_there(directory, r.name, r.size) for r in snap.pack_refs):
+                    return None
+                v4 = snap.v4
+                v4.verify_sections(("insert_seq", "checksum", "expiry", "length"))
+                split = basepos.split(core, nb, v4.cols)
+                nd, ndrop = len(split.changed), nb - split.kept
+                if nd + nb > core.geometry.n_slots or nd + ndrop > MAX_CHANGED * max(nb, 1):
+                    return None
+                kept = int(v4.cols["length"][~split.dropped].sum(dtype=np.uint64)) if nb else 0
+                return Plan(path.name, ident, nb, split, kept)
+        except (CortexCacheError, OSError):
+            continue  # not readable: not the base (and a damaged base gives a full manifest)
+    return None
+
+
+def _there(directory: Path, name: str, size: int) -> bool:
+    try:
+        st = (directory / name).stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_uid == os.geteuid()
+
+
+__all__ = ["plan", "Plan", "MAX_CHANGED"]
