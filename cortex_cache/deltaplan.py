@@ -54,6 +54,7 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
                     continue
                 if not all(_there(directory, r.name, r.size) for r in snap.pack_refs):
                     return None
+                snap.open_packs()  # each pack's header whole (a damaged one: a full manifest, sharing nothing)
                 v4 = snap.v4
                 v4.verify_sections(("insert_seq", "checksum", "expiry", "length"))
                 split = basepos.split(core, nb, v4.cols)
@@ -67,6 +68,21 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
     return None
 
 
+def deltas_of(files: list[Path], ident: bytes) -> set[str]:
+    """The names of the delta manifests among `files` written against the base named `ident`."""
+    out = set()
+    for path in files:
+        try:
+            with Snapshot(path, verify=False, private=True, base=False) as snap:
+                view = snap.section("base") if snap.header.version == snapdelta.DELTA_VERSION else None
+                if view is not None and snapdelta.read_base(view, snap._corrupt)[0] == ident:
+                    out.add(path.name)
+                del view
+        except (CortexCacheError, OSError):
+            continue
+    return out
+
+
 def _there(directory: Path, name: str, size: int) -> bool:
     try:
         st = (directory / name).stat(follow_symlinks=False)
@@ -75,4 +91,4 @@ def _there(directory: Path, name: str, size: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_uid == os.geteuid()
 
 
-__all__ = ["plan", "Plan", "MAX_CHANGED"]
+__all__ = ["plan", "Plan", "MAX_CHANGED", "deltas_of"]

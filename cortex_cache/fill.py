@@ -92,6 +92,7 @@ class Source(Protocol):
 
     path: Any
     entries: int
+    positions: int  # of the fill's order: entries, and a delta's dropped base positions (snapdelta.py)
     value_bytes: int
     file_check: int
     header: Any
@@ -136,7 +137,7 @@ def mark(core: "Core", snap: "Source", private: bool) -> None:
     h = core.header[0]
     h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
     h["fill_done"] = h["fill_bytes"] = h["fill_corrupt"] = h["fill_skipped"] = 0
-    h["fill_total"] = snap.entries
+    h["fill_total"] = snap.positions
     h["fill_bytes_total"] = snap.value_bytes
     h["fill_check"] = snap.file_check
     h["fill_started"] = time.time()
@@ -246,9 +247,9 @@ def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | N
         why = "it is not an incremental snapshot"
     elif sh.version == 5 and not core.geometry.gone_off:
         why = "it is a delta manifest, and the pool keeps no gone marks to skip its dropped entries"
-    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.entries > g.n_slots:
+    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.positions > g.n_slots:
         why = "it is a snapshot of a pool of another size or shape"
-    elif (snap.file_check, snap.entries, snap.value_bytes) != (check, total, nbytes):
+    elif (snap.file_check, snap.positions, snap.value_bytes) != (check, total, nbytes):
         why = "it is not the snapshot the fill began from (its checksum, entries or bytes differ from the mark's)"
     if why is not None:
         snap.close()

@@ -222,7 +222,7 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("fill_state", "<u4", 680),  # FILL_* (0: never filled from a snapshot)
     ("fill_gen", "<u4", 684),  # +1 whenever a fill starts or is stopped: a filler that sees it change stops
     ("fill_done", "<u8", 688),  # snapshot entries processed, in the fill's order (loaded, skipped or damaged)
-    ("fill_total", "<u8", 696),  # entries of the snapshot
+    ("fill_total", "<u8", 696),  # positions of the fill's order: the snapshot's entries (a delta's: and its dropped)
     ("fill_bytes", "<u8", 704),  # value bytes loaded
     ("fill_bytes_total", "<u8", 712),  # value bytes of the snapshot
     ("fill_check", "<u8", 720),  # the snapshot's file checksum (its trailer's): which snapshot the fill reads

@@ -64,7 +64,7 @@ def snapshots_and_space(name: str, directory: Path | None = None,
             row["latest"] = st.st_ino == latest_ino
             with Snapshot(path, verify=False) as snap:
                 h = snap.header
-                row.update(time=h.created, entries=snap.live_entries, value_bytes=snap.value_bytes, version=h.version,
+                row.update(time=h.created, entries=snap.entries, value_bytes=snap.value_bytes, version=h.version,
                            size_bytes=h.size, policy=h.policy,
                            configuration=config.redacted(h.config) if h.config else None)
                 if h.version in MANIFESTS:

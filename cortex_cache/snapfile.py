@@ -217,7 +217,7 @@ class Snapshot:
             magic, self.entries, self.value_bytes, self._file_check = TRAILER.unpack_from(self._mv, end)
             if magic != END_MAGIC:
                 raise self._corrupt(self._why_no_trailer())
-            self.live_entries = self.entries  # entries the snapshot holds (a delta: with its base's kept ones)
+            self.positions = self.entries  # positions of the fill's order (a delta's: its own and its base's)
             if self.header.version in (MANIFEST_VERSION, DELTA_VERSION):
                 self._open_v4()
             if self.header.version == DELTA_VERSION and base:
@@ -363,7 +363,7 @@ class Snapshot:
         self.pack_refs = [*base.pack_refs, *self.pack_refs]
         self._packs = {k + shift: r for k, r in self._packs.items()}
         self.base = base
-        self.entries, self.value_bytes, self.live_entries = delta.n + nb, live_bytes, live
+        self.entries, self.value_bytes, self.positions = live, live_bytes, delta.n + nb
 
     def prefix(self) -> bytes:
         """The file header and configuration block, as they are in the file."""
@@ -542,9 +542,9 @@ class Snapshot:
             hasher = None  # its sections' checksums were checked by the pass (records)
         if hasher is not None and hasher.intdigest() != self._file_check:
             raise self._corrupt("file checksum mismatch")
-        if count != self.live_entries or total != self.value_bytes:
+        if count != self.entries or total != self.value_bytes:
             raise self._corrupt(
-                f"trailer says {self.live_entries} entries / {self.value_bytes} bytes, found {count} / {total}"
+                f"trailer says {self.entries} entries / {self.value_bytes} bytes, found {count} / {total}"
             )
 
     def records(self, verify: bool = False, values: bool = True, hasher: Any | None = None) -> Iterator[Record]:

@@ -589,7 +589,7 @@ class _Incremental:
         if not self.full:
             delta = deltaplan.plan(core, directory, files)
             if delta is not None:
-                return self._write_delta(f, configuration, progress, delta)
+                return self._write_delta(f, configuration, progress, delta, files)
         kept = _read_kept(files, directory)
         survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
         survivors |= {directory / n for n in retention_bases(survivors)}  # what kept deltas read stays too
@@ -652,25 +652,42 @@ class _Incremental:
         _write_manifest(f, lambda at: _pack_head(cfg, self.now, version, block, at) + block, prefix_len,
                         sections, entries, nbytes)
 
-    def _write_delta(self, f: Any, configuration, progress, plan: deltaplan.Plan) -> tuple[int, int, int]:
-        """A delta manifest against `plan`'s base (snapdelta.py): the changed entries' values into a new pack
-        (flushed, renamed into place, the directory flushed), then the manifest into `f`.  Nothing shared,
-        nothing compacted, no kept snapshot rewritten: the base and its packs stay as they are."""
+    def _write_delta(self, f: Any, configuration, progress, plan: deltaplan.Plan,
+                     files: list[Path]) -> tuple[int, int, int]:
+        """A delta manifest against `plan`'s base (snapdelta.py): the changed entries' values that no kept
+        delta of the same base holds into a new pack (flushed, renamed into place, the directory flushed),
+        then the manifest into `f`.  Nothing compacted, no kept snapshot rewritten: the base and its packs
+        stay as they are."""
         core = self.core
         live = capture.capture(core, plan.split.changed)
+        # Shared from: the kept deltas of the same base (small: their own entries), so that a persist after
+        # nothing changed writes nothing.
+        kept = _read_kept([p for p in files if p.name in deltaplan.deltas_of(files, plan.ident)], self.directory)
+        names: list[packs.PackRef] = []
+        by_name: dict[str, int] = {}
+        for k in kept:
+            for r in k.table:
+                if r.name not in by_name:
+                    by_name[r.name] = len(names) + 1
+                    names.append(r)
+        pack_of = np.zeros(live.n, np.int64)
         offset = np.zeros(live.n, np.uint64)
-        writer = self._writer() if live.n else None
+        if kept and live.n:
+            self._share(kept, by_name, live, pack_of, offset)
+        new_idx = np.flatnonzero(pack_of == 0)
+        writer = self._writer() if len(new_idx) else None
         try:
             def into_pack(g: capture.Gathered) -> None:
                 assert writer is not None
                 at = writer.add(memoryview(g.data)[: g.nbytes], g.count)
-                lens = live.cols["value_len"][g.first : g.first + g.count].astype(np.uint64)
-                offset[g.first : g.first + g.count] = np.uint64(at) + np.cumsum(lens) - lens
+                sel = new_idx[g.first : g.first + g.count]
+                lens = live.cols["value_len"][sel].astype(np.uint64)
+                offset[sel] = np.uint64(at) + np.cumsum(lens) - lens
                 self.written += g.nbytes
 
-            good, skipped = _live_good(core, progress, into_pack, live, None) if writer is not None else \
+            good, skipped = _live_good(core, progress, into_pack, live, pack_of == 0) if writer is not None else \
                 (np.ones(live.n, bool), 0)
-            live, offset = live.take(good), offset[good]
+            live, pack_of, offset = live.take(good), pack_of[good], offset[good]
             if writer is not None:
                 writer.finish()
                 self.new_ref.size = writer.size
@@ -679,8 +696,9 @@ class _Incremental:
             if writer is not None:
                 writer.discard()
             raise
-        table = [self.new_ref] if writer is not None else []
-        sections, nbytes, _order = _v4_sections(live, np.zeros(live.n, np.uint32), offset, table, policy_blob(core))
+        idx = np.where(pack_of == 0, len(names), pack_of - 1)
+        table, pack_idx, offset = self._moved(names, idx, offset)
+        sections, nbytes, _order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
         entries, total = live.n + plan.split.kept, nbytes + plan.kept_bytes
         sections += [("base", snapdelta.base_section(plan.ident, plan.nb, entries, total, plan.base_name)),
                      ("dropped", snapdelta.dropped_section(plan.split.dropped))]

@@ -208,7 +208,7 @@ def test_the_ghost_rings_places_come_from_the_header_alone():
     for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins", "slots_off", "buckets_off",
               "blockmap_off", "pins_off", "victims_off", "data_off", "n_dslots", "n_dbuckets", "dslots_off",
               "dbuckets_off", "n_kcells", "keymap_off", "keys_off", "qslots_off", "n_ghosts0", "n_ghosts1",
-              "gone_off"):
+              "gone_off", "base_off"):
         hdr[0][f] = getattr(g, f)
     back = Geometry.from_header(hdr)
     assert back == g and (back.ghosts0_off, back.ghosts1_off) == (g.ghosts0_off, g.ghosts1_off)
