@@ -4,13 +4,14 @@ An incremental persist writes a delta manifest (snapdelta.py): only the
 entries put or changed since a BASE -- a full version 4 manifest of the pool
 in the snapshot directory -- and a bit per base position that is no longer
 part of the snapshot.  To know which live entries are still the base's
-without reading each of them in Python, the segment keeps, per slot, the
-position + 1 of its entry in the base (0: none), in a region of its own
-(layout.py, base_off; BASE_HEAD first)::
+without reading each of them in Python, or the base's columns from disk, the
+segment keeps, per slot, the position + 1 of its entry in the base (0: none),
+in a region of its own (layout.py, base_off; BASE_HEAD first)::
 
     base_off + 0   u8[16] ident of the base (its "ident" section); zeros: no base
     base_off + 16  u64 entries of the base
-    base_off + 24  40 bytes zero
+    base_off + 24  u64 seq: every entry the base holds has an insert_seq <= seq
+    base_off + 32  32 bytes zero
     base_off + 64  n_slots x u32: position + 1 of the slot's entry in the base, 0 none
 
 Stamped by persist once a full manifest is durably in place (`stamp`): the
@@ -18,12 +19,15 @@ ident is zeroed first, the positions written a chunk of slots per lock hold
 for the slots whose entry is still the one captured (same insert_seq), the
 ident last, so a persister killed in between leaves no base (the next persist
 writes a full manifest).  Nothing on the hot paths clears a position: a slot
-counts as unchanged only while its entry matches the base's row at that
-position -- same insert_seq, checksum and expiry (`split`) -- and a put, an
-in-place overwrite (the C path too) or a reuse of the slot gives a new
-insert_seq.  A fill forgets the base (`forget`): it loads entries with the
-insert_seqs of the snapshot it reads.  A pool made before the region
-(base_off 0) has no base: its persists write full manifests.
+counts as unchanged while its position is set and its entry's insert_seq is
+<= seq (`split`).  Every put, in-place overwrite (the C path too) and reuse of
+a slot gives its entry the header's next sequence number, which only grows in
+a segment, so above seq; only core.restore_meta gives an entry an older one,
+and it runs in new pools (restore, resize: their regions are zero) or in a
+fill, which forgets the base first (`forget`, from fill.mark).  Expiry is set
+only with a new insert_seq too; an entry expired since is not live, so dropped.
+A pool made before the region (base_off 0) has no base: its persists write
+full manifests.
 """
 
 from __future__ import annotations
@@ -53,15 +57,16 @@ def _positions(core: "Core") -> np.ndarray:
     return np.frombuffer(core.mv, np.uint32, core.geometry.n_slots, core.geometry.base_off + BASE_HEAD_SIZE)
 
 
-def base_of(core: "Core") -> tuple[bytes, int] | None:
-    """(ident, entries) of the base the pool's positions name, or None (no region, or no base)."""
+def base_of(core: "Core") -> tuple[bytes, int, int] | None:
+    """(ident, entries, seq) of the base the pool's positions name, or None (no region, or no base)."""
     if not present(core):
         return None
     head = _head(core)
     ident = head[:IDENT_BYTES].tobytes()
     if ident == bytes(IDENT_BYTES):
         return None
-    return ident, int(head[16:24].view(np.uint64)[0])
+    words = head[16:32].view(np.uint64)
+    return ident, int(words[0]), int(words[1])
 
 
 def forget(core: "Core") -> None:
@@ -70,10 +75,12 @@ def forget(core: "Core") -> None:
         _head(core)[:IDENT_BYTES] = 0
 
 
-def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np.ndarray, ident: bytes) -> None:
+def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np.ndarray, ident: bytes,
+          seq: int) -> None:
     """A full manifest of `len(slots)` entries named `ident` is durably in place: the entry captured at
     `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose entry is still that
-    one; the ident last (a kill before it leaves no base)."""
+    one; the ident last (a kill before it leaves no base).  `seq`: the capture's sequence number (every
+    captured entry's insert_seq is <= it, every later put's above)."""
     if not present(core):
         return
     assert len(ident) == IDENT_BYTES and ident != bytes(IDENT_BYTES)
@@ -90,7 +97,7 @@ def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np
 
     def name() -> None:
         head = _head(core)
-        head[16:24] = np.frombuffer(np.uint64(len(slots)).tobytes(), np.uint8)
+        head[16:32] = np.frombuffer(np.array([len(slots), seq], np.uint64).tobytes(), np.uint8)
         head[:IDENT_BYTES] = np.frombuffer(ident, np.uint8)
 
     core.locked(name)
@@ -109,35 +116,29 @@ def _stamp_chunk(core: "Core", pos: np.ndarray, slots: np.ndarray, insert_seq: n
 
 class Split(NamedTuple):
     """The live entries against a base: `changed` slots (most recently used first) to write, `dropped` base
-    positions (bool per base position) no longer in the pool, and how many base entries stay."""
+    positions (bool per base position) no longer in the pool, how many base entries stay and their bytes."""
 
     changed: np.ndarray
     dropped: np.ndarray
     kept: int
+    kept_bytes: int
 
 
-def split(core: "Core", nb: int, base_cols: dict[str, np.ndarray]) -> Split:
-    """Which live entries are the base's (`nb` entries, whose insert_seq, checksum and expiry columns are
-    `base_cols`) and which changed: one lock hold copies the live slots' positions and fields (numpy), the
-    rest runs outside it."""
+def split(core: "Core", nb: int, seq: int) -> Split:
+    """Which live entries are the base's (`nb` entries, all put at sequence numbers <= `seq`) and which
+    changed: one lock hold copies the live slots' positions and fields (numpy), the rest runs outside it."""
     def look() -> tuple[np.ndarray, ...]:
         live = np.flatnonzero(core.live_mask())
         c = core.columns
-        return (live, _positions(core)[live].copy(), c["insert_seq"][live].copy(), c["checksum"][live].copy(),
-                c["expiry"][live].copy(), c["access_seq"][live].copy())
+        return live, _positions(core)[live], c["insert_seq"][live], c["value_len"][live], c["access_seq"][live]
 
-    live, pos, iseq, ck, exp, aseq = core.locked(look)
-    ok = (pos > 0) & (pos <= nb)
-    at = np.flatnonzero(ok)
-    p = pos[at].astype(np.int64) - 1
-    same = (base_cols["insert_seq"][p] == iseq[at]) & (base_cols["checksum"][p] == ck[at])
-    same &= base_cols["expiry"][p] == exp[at]
-    ok[at[~same]] = False
+    live, pos, iseq, vlen, aseq = core.locked(look)  # fancy indexing: copies
+    ok = (pos > 0) & (pos <= nb) & (iseq <= np.uint64(seq))
     dropped = np.ones(nb, bool)
     dropped[pos[ok].astype(np.int64) - 1] = False
     rest = np.flatnonzero(~ok)
     changed = live[rest[np.argsort(aseq[rest], kind="stable")[::-1]]]  # most recently used first
-    return Split(changed, dropped, int(ok.sum()))
+    return Split(changed, dropped, int(ok.sum()), int(vlen[ok].sum(dtype=np.uint64)))
 
 
 __all__ = ["IDENT_BYTES", "present", "base_of", "forget", "stamp", "split", "Split"]

@@ -18,7 +18,6 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 
 from . import basepos, snapdelta
 from .errors import CortexCacheError
@@ -43,7 +42,7 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
     named = basepos.base_of(core)
     if named is None:
         return None
-    ident, nb = named
+    ident, nb, seq = named
     for path in reversed(files):
         try:
             with Snapshot(path, verify=False, private=True, base=False) as snap:
@@ -55,14 +54,12 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
                 if not all(_there(directory, r.name, r.size) for r in snap.pack_refs):
                     return None
                 snap.open_packs()  # each pack's header whole (a damaged one: a full manifest, sharing nothing)
-                v4 = snap.v4
-                v4.verify_sections(("insert_seq", "checksum", "expiry", "length"))
-                split = basepos.split(core, nb, v4.cols)
+                split = basepos.split(core, nb, seq)
                 nd, ndrop = len(split.changed), nb - split.kept
-                if nd + nb > core.geometry.n_slots or nd + ndrop > MAX_CHANGED * max(nb, 1):
+                g = core.geometry
+                if nd + nb > (g.gone_len if g.gone_off else g.n_slots) or nd + ndrop > MAX_CHANGED * max(nb, 1):
                     return None
-                kept = int(v4.cols["length"][~split.dropped].sum(dtype=np.uint64)) if nb else 0
-                return Plan(path.name, ident, nb, split, kept)
+                return Plan(path.name, ident, nb, split, split.kept_bytes)
         except (CortexCacheError, OSError):
             continue  # not readable: not the base (and a damaged base gives a full manifest)
     return None

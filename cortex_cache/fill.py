@@ -247,7 +247,8 @@ def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | N
         why = "it is not an incremental snapshot"
     elif sh.version == 5 and not core.geometry.gone_off:
         why = "it is a delta manifest, and the pool keeps no gone marks to skip its dropped entries"
-    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.positions > g.n_slots:
+    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or \
+            snap.positions > (g.gone_len if g.gone_off else g.n_slots):
         why = "it is a snapshot of a pool of another size or shape"
     elif (snap.file_check, snap.positions, snap.value_bytes) != (check, total, nbytes):
         why = "it is not the snapshot the fill began from (its checksum, entries or bytes differ from the mark's)"

@@ -47,10 +47,11 @@ class GoneMarks:
 
     def __init__(self, core: "Core") -> None:
         g = core.geometry
-        self.n = g.n_slots
+        self.n = g.n_slots  # the hash marks' buckets
+        self.room = g.gone_len  # positions: a slot's worth each, and a delta's room (layout.gone_room)
         self.present = bool(g.gone_off)
         # A typed memoryview: a byte read or set costs tens of nanoseconds, not numpy's scalar overhead.
-        self._bytes = core.mv[g.gone_off : g.gone_off + self.n] if self.present else memoryview(b"")
+        self._bytes = core.mv[g.gone_off : g.gone_off + self.room] if self.present else memoryview(b"")
 
     def clear(self) -> None:
         """A new fill is marked (fill.mark, the pool not published yet): nothing is gone from its snapshot."""
@@ -61,20 +62,20 @@ class GoneMarks:
         """Is the snapshot's entry at `pos` (of key hash `kh`) no longer the answer?"""
         if not self.present:
             return False  # a pool made before the marks: as its fill always did
-        if not 0 <= pos < self.n:
+        if not 0 <= pos < self.room:
             return True  # never (fill.follow bounds the snapshot by the slots): a miss, never a wrong answer
         b = self._bytes
         return bool(b[pos] & POSITION or b[kh % self.n] & HASH)
 
     def mark(self, pos: int) -> None:
         """Lock held: the snapshot's entry at `pos` is gone."""
-        if self.present and 0 <= pos < self.n:
+        if self.present and 0 <= pos < self.room:
             self._bytes[pos] |= POSITION
 
     def mark_all(self, positions: np.ndarray) -> None:
         """Lock held (or the pool not published): the snapshot's entries at `positions` are gone."""
         if self.present and len(positions):
-            positions = positions[(positions >= 0) & (positions < self.n)]
+            positions = positions[(positions >= 0) & (positions < self.room)]
             np.frombuffer(self._bytes, np.uint8)[positions] |= POSITION
 
     def mark_hash(self, kh: int) -> None:

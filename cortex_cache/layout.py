@@ -16,7 +16,7 @@ in a queue policy's pool), each starting on a 4096-byte boundary (docs/design.md
     qslots_off    queues     queue policies only: QUEUE_HEADER_FIELDS (256 bytes), then on the
                              next page QSLOT_COLUMNS (n_slots values each), ghost ring 0 and
                              ring 1 (GHOST_COLUMNS and their hash heads), each page-aligned
-    gone_off      gone marks n_slots    x uint8: per position of a fill's snapshot, bit 0 "its
+    gone_off      gone marks gone_room  x uint8: per position of a fill's snapshot, bit 0 "its
                              copy is no longer the answer"; bit 1 of byte kh % n_slots "a key
                              of that hash was written by a process that cannot find positions"
     base_off      base pos.  BASE_HEAD (64 bytes: the base manifest's ident, entries), then
@@ -434,7 +434,14 @@ def blocks_for(nbytes: int, block_size: int) -> int:
     return -(-nbytes // block_size)
 
 
-BASE_HEAD_SIZE = 64  # the base positions' head (basepos.py): u8[16] ident of the base, u64 its entries, zeros
+BASE_HEAD_SIZE = 64  # the base positions' head (basepos.py): u8[16] ident of the base, u64 its entries, u64 seq
+
+
+def gone_room(n_slots: int, deltas: bool) -> int:
+    """Bytes of the gone marks of a pool of `n_slots` slots: one per slot, and in a pool with base positions
+    (deltas: an incremental persist's delta manifest has up to a quarter of its base's entries beside them,
+    deltaplan.MAX_CHANGED) a quarter more."""
+    return n_slots + (-(-n_slots // 4) if deltas else 0)
 
 
 def base_region_size(n_slots: int) -> int:
@@ -485,6 +492,11 @@ class Geometry:
     n_ghosts1: int = 0
     gone_off: int = 0  # 0: no gone marks (a pool made before them)
     base_off: int = 0  # 0: no base positions (a pool made before them)
+
+    @property
+    def gone_len(self) -> int:
+        """Bytes of the gone marks (positions a fill's snapshot may have): gone_room."""
+        return gone_room(self.n_slots, bool(self.base_off))
 
     @property
     def data_size(self) -> int:
@@ -573,8 +585,8 @@ class Geometry:
             if max(n_g0, n_g1) >= 2**32:  # the header holds them as u32
                 raise UsageError(f"too many entries ({n_slots}) for a queue policy's ghost rings")
             data_off = _queue_parts(qslots_off, n_slots, n_g0, n_g1)[3]
-        gone_off = data_off  # the gone marks (gone.py): one byte per slot, a snapshot never has more entries
-        data_off = _align(gone_off + n_slots)
+        gone_off = data_off  # the gone marks (gone.py): a byte per position of a fill's snapshot
+        data_off = _align(gone_off + gone_room(n_slots, True))
         base_off = data_off  # the base positions (basepos.py): a head, then a u32 per slot
         data_off = _align(base_off + base_region_size(n_slots))
         # The data region starts on a block boundary (and a page boundary), so
@@ -648,7 +660,7 @@ class Geometry:
         elif self.n_ghosts0 or self.n_ghosts1:
             return "ghost rings without a queue region"
         if self.gone_off:
-            regions.append((self.gone_off, self.n_slots))
+            regions.append((self.gone_off, self.gone_len))
         if self.base_off:
             regions.append((self.base_off, base_region_size(self.n_slots)))
         regions.append((self.data_off, self.n_blocks * bs))

@@ -18,6 +18,7 @@ before a pool anyone can see changes (restore.py, fill.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import stat
@@ -329,8 +330,10 @@ class WriteBehind:
         self.raw.flush()
 
 
+@functools.lru_cache(maxsize=1)
 def _sync_file_range():
-    """libc's sync_file_range as a callable, or None where it is not available."""
+    """libc's sync_file_range as a callable, or None where it is not available (looked up once: finding libc
+    runs ldconfig, ~5 ms, which a delta persist's two writers paid each time)."""
     try:
         import ctypes
         import ctypes.util
@@ -640,7 +643,8 @@ class _Incremental:
         sections.append((snapdelta.IDENT, ident))
         positions = np.empty(live.n, np.int64)
         positions[order] = np.arange(live.n)
-        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident)
+        seq = int(live.cols["insert_seq"].max()) if live.n else 0
+        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident, seq)
         self._manifest(f, configuration, MANIFEST_VERSION, sections, live.n, nbytes)
         return live.n, nbytes, skipped
 
