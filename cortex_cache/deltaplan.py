@@ -4,10 +4,11 @@ A delta is written when the pool's base positions (basepos.py) name a full
 manifest that is still in the snapshot directory -- found by its "ident"
 section among the pool's timestamped snapshots, whole where the split reads
 it (its insert_seq, checksum, expiry and length columns' checksums), its
-packs there -- and when the delta stays small: changed plus dropped entries
-at most MAX_CHANGED of the base's, and the positions of both (the delta's
-entries, then the base's) within the pool's slots (gone.py marks by
-position).  Otherwise (`plan` gives None) the persist writes a full manifest,
+packs there -- and when the delta stays small: its entries (put or changed
+since the base) and the base's dropped ones (deleted, overwritten, evicted or
+expired since) each at most MAX_CHANGED of the base's entries, and the
+positions of both (the delta's entries, then the base's) within the gone
+marks' room (layout.gone_room: a quarter more than the slots).  Otherwise (`plan` gives None) the persist writes a full manifest,
 which becomes the next base.
 """
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 
 from . import basepos, snapdelta
-from .errors import CortexCacheError
+from .errors import CortexCacheError, SnapshotCorrupt
 from .snapfile import MANIFEST_VERSION, Snapshot
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
                 split = basepos.split(core, nb, seq)
                 nd, ndrop = len(split.changed), nb - split.kept
                 g = core.geometry
-                if nd + nb > (g.gone_len if g.gone_off else g.n_slots) or nd + ndrop > MAX_CHANGED * max(nb, 1):
+                if nd + nb > (g.gone_len if g.gone_off else g.n_slots) or max(nd, ndrop) > MAX_CHANGED * nb:
                     return None
                 return Plan(path.name, ident, nb, split, split.kept_bytes)
         except (CortexCacheError, OSError):
@@ -72,7 +73,7 @@ def deltas_of(files: list[Path], ident: bytes) -> set[str]:
         try:
             with Snapshot(path, verify=False, private=True, base=False) as snap:
                 view = snap.section("base") if snap.header.version == snapdelta.DELTA_VERSION else None
-                if view is not None and snapdelta.read_base(view, snap._corrupt)[0] == ident:
+                if view is not None and snapdelta.read_base(view, SnapshotCorrupt)[0] == ident:
                     out.add(path.name)
                 del view
         except (CortexCacheError, OSError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import config, fill, packs, snapdelta, snapplaces
 from .core import Core
-from .errors import CortexCacheError, PersistBusy, SnapshotNotFound, UsageError
+from .errors import CortexCacheError, PersistBusy, SnapshotCorrupt, SnapshotNotFound, UsageError
 from .lock import PERSIST_BYTE, RecordLock
 from .snapfile import DELTA_VERSION, MANIFESTS, Snapshot, followed
 from .snapplaces import checked_snapshot_dir, fsync_dir, latest_path, namespaced, snapshot_dir, snapshots_of
@@ -220,7 +220,7 @@ def bases(paths: Any) -> set[str]:
             with Snapshot(path, verify=False, private=True, base=False) as snap:
                 view = snap.section("base") if snap.header.version == DELTA_VERSION else None
                 if view is not None:
-                    out.add(snapdelta.read_base(view, snap._corrupt)[4])
+                    out.add(snapdelta.read_base(view, SnapshotCorrupt)[4])
                     del view
         except (CortexCacheError, OSError):
             continue
