@@ -122,6 +122,7 @@ class Split(NamedTuple):
     dropped: np.ndarray
     kept: int
     kept_bytes: int
+    changed_bytes: int
 
 
 def split(core: "Core", nb: int, seq: int) -> Split:
@@ -138,7 +139,8 @@ def split(core: "Core", nb: int, seq: int) -> Split:
     dropped[pos[ok].astype(np.int64) - 1] = False
     rest = np.flatnonzero(~ok)
     changed = live[rest[np.argsort(aseq[rest], kind="stable")[::-1]]]  # most recently used first
-    return Split(changed, dropped, int(ok.sum()), int(vlen[ok].sum(dtype=np.uint64)))
+    return Split(changed, dropped, int(ok.sum()), int(vlen[ok].sum(dtype=np.uint64)),
+                 int(vlen[rest].sum(dtype=np.uint64)))
 
 
 __all__ = ["IDENT_BYTES", "present", "base_of", "forget", "stamp", "split", "Split"]

@@ -8,7 +8,12 @@ packs there -- and when the delta stays small: its entries (put or changed
 since the base) and the base's dropped ones (deleted, overwritten, evicted or
 expired since) each at most MAX_CHANGED of the base's entries, and the
 positions of both (the delta's entries, then the base's) within the gone
-marks' room (layout.gone_room: a quarter more than the slots).  Otherwise (`plan` gives None) the persist writes a full manifest,
+marks' room (layout.gone_room: a quarter more than the slots); and while
+the pool's packs, with the delta's new values, stay within SPACE_BOUND of
+the bytes the new snapshot holds -- what the kept snapshots need is at least
+that, so the space bound holds after a delta too.  A delta never compacts the
+base's packs (that would read the base's columns); the full persist this
+sends to does.  Otherwise (`plan` gives None) the persist writes a full manifest,
 which becomes the next base.
 """
 
@@ -20,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 
-from . import basepos, snapdelta
+from . import basepos, packs, snapdelta, snapplaces
 from .errors import CortexCacheError, SnapshotCorrupt
+from .retention import SPACE_BOUND
 from .snapfile import MANIFEST_VERSION, Snapshot
 
 if TYPE_CHECKING:
@@ -36,6 +42,7 @@ class Plan(NamedTuple):
     nb: int
     split: basepos.Split
     kept_bytes: int  # value bytes of the base's entries the delta keeps
+    base_packs: tuple[str, ...]  # the packs the base names
 
 
 def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
@@ -60,7 +67,10 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
                 g = core.geometry
                 if nd + nb > (g.gone_len if g.gone_off else g.n_slots) or max(nd, ndrop) > MAX_CHANGED * nb:
                     return None
-                return Plan(path.name, ident, nb, split, split.kept_bytes)
+                held = split.kept_bytes + split.changed_bytes
+                if _pack_bytes(directory, snapplaces.namespaced(core.name)) + split.changed_bytes > SPACE_BOUND * held:
+                    return None
+                return Plan(path.name, ident, nb, split, split.kept_bytes, tuple(r.name for r in snap.pack_refs))
         except (CortexCacheError, OSError):
             continue  # not readable: not the base (and a damaged base gives a full manifest)
     return None
@@ -79,6 +89,17 @@ def deltas_of(files: list[Path], ident: bytes) -> set[str]:
         except (CortexCacheError, OSError):
             continue
     return out
+
+
+def _pack_bytes(directory: Path, stem: str) -> int:
+    """The bytes of the packs of pool files `stem` in `directory`."""
+    total = 0
+    for p in packs.packs_of(stem, directory):
+        try:
+            total += p.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total
 
 
 def _there(directory: Path, name: str, size: int) -> bool:

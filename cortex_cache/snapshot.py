@@ -586,18 +586,36 @@ class _Incremental:
     def write(self, f: Any, configuration, progress) -> tuple[int, int, int]:
         """Write the new pack (durable) and the manifest into `f`; (entries, value bytes, skipped)."""
         core, directory = self.core, self.directory
-        # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
-        # the new one names).  Compacted for: those retention keeps beside the new one.
         files = timestamped_files(self.stem, directory)
         if not self.full:
             delta = deltaplan.plan(core, directory, files)
             if delta is not None:
                 return self._write_delta(f, configuration, progress, delta, files)
-        kept = _read_kept(files, directory)
+        # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
+        # the new one names).  Compacted for: those retention keeps beside the new one, and the bases that
+        # the kept deltas among them read.
         survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
-        survivors |= {directory / n for n in retention_bases(survivors)}  # what kept deltas read stays too
+        survivors |= {directory / n for n in retention_bases(survivors)}
+        live, table, pack_idx, offset, skipped = self._pack_values(
+            capture.capture(core), _read_kept(files, directory), survivors, set(), progress)
+        sections, nbytes, order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        ident = secrets.token_bytes(basepos.IDENT_BYTES)  # what names it as a base (snapdelta.py)
+        sections.append((snapdelta.IDENT, ident))
+        positions = np.empty(live.n, np.int64)
+        positions[order] = np.arange(live.n)
+        seq = int(live.cols["insert_seq"].max()) if live.n else 0
+        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident, seq)
+        self._manifest(f, configuration, MANIFEST_VERSION, sections, live.n, nbytes)
+        return live.n, nbytes, skipped
+
+    def _pack_values(self, live: capture.Live, kept: list[_Kept], survivors: set[Path], pinned: set[str],
+                     progress) -> tuple[capture.Live, list[packs.PackRef], np.ndarray, np.ndarray, int]:
+        """Point `live`'s entries at the values `kept` snapshots hold (unless `full`), write the others into
+        the new pack with compaction's copies for the `survivors` (packs `pinned` are never compacted), the
+        pack durable under its name; (the entries whose values checked out, the packs the manifest names,
+        each entry's index there and offset, how many were damaged in memory)."""
+        core = self.core
         self.staying = [k for k in kept if k.path in survivors]
-        live = capture.capture(core)
         names: list[packs.PackRef] = []  # every pack the new manifest may name; the new one first
         by_name: dict[str, int] = {}
         for k in kept:
@@ -607,7 +625,7 @@ class _Incremental:
                     names.append(r)
         pack_of = np.zeros(live.n, np.int64)  # 0: the new pack; else 1 + index into `names`
         offset = np.zeros(live.n, np.uint64)
-        if not self.full and kept:
+        if not self.full and kept and live.n:
             self._share(kept, by_name, live, pack_of, offset)
         writer: packs.PackWriter | None = None
         try:
@@ -626,11 +644,11 @@ class _Incremental:
             good, skipped = _live_good(core, progress, into_pack, live, new) if writer is not None else \
                 (np.ones(live.n, bool), 0)
             live, pack_of, offset = live.take(good), pack_of[good], offset[good]
-            writer = self._compact(names, pack_of, offset, live, writer)
+            writer = self._compact(names, pack_of, offset, live, writer, pinned)
             if writer is not None:
                 writer.finish()
                 self.new_ref.size = writer.size
-                fsync_dir(directory)  # the pack's name is on disk before any manifest that names it
+                fsync_dir(self.directory)  # the pack's name is on disk before any manifest that names it
         except BaseException:
             if writer is not None:
                 writer.discard()
@@ -638,15 +656,7 @@ class _Incremental:
         # Index 0 was the new pack, j the j-th of `names`: as _moved counts them, the new pack last.
         idx = np.where(pack_of == 0, len(names), pack_of - 1)
         table, pack_idx, offset = self._moved(names, idx, offset)
-        sections, nbytes, order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
-        ident = secrets.token_bytes(basepos.IDENT_BYTES)  # what names it as a base (snapdelta.py)
-        sections.append((snapdelta.IDENT, ident))
-        positions = np.empty(live.n, np.int64)
-        positions[order] = np.arange(live.n)
-        seq = int(live.cols["insert_seq"].max()) if live.n else 0
-        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident, seq)
-        self._manifest(f, configuration, MANIFEST_VERSION, sections, live.n, nbytes)
-        return live.n, nbytes, skipped
+        return live, table, pack_idx, offset, skipped
 
     def _manifest(self, f: Any, configuration, version: int, sections: list, entries: int, nbytes: int) -> None:
         core = self.core
@@ -658,51 +668,18 @@ class _Incremental:
 
     def _write_delta(self, f: Any, configuration, progress, plan: deltaplan.Plan,
                      files: list[Path]) -> tuple[int, int, int]:
-        """A delta manifest against `plan`'s base (snapdelta.py): the changed entries' values that no kept
-        delta of the same base holds into a new pack (flushed, renamed into place, the directory flushed),
-        then the manifest into `f`.  Nothing compacted, no kept snapshot rewritten: the base and its packs
-        stay as they are."""
-        core = self.core
-        live = capture.capture(core, plan.split.changed)
-        # Shared from: the kept deltas of the same base (small: their own entries), so that a persist after
-        # nothing changed writes nothing.
-        kept = _read_kept([p for p in files if p.name in deltaplan.deltas_of(files, plan.ident)], self.directory)
-        names: list[packs.PackRef] = []
-        by_name: dict[str, int] = {}
-        for k in kept:
-            for r in k.table:
-                if r.name not in by_name:
-                    by_name[r.name] = len(names) + 1
-                    names.append(r)
-        pack_of = np.zeros(live.n, np.int64)
-        offset = np.zeros(live.n, np.uint64)
-        if kept and live.n:
-            self._share(kept, by_name, live, pack_of, offset)
-        new_idx = np.flatnonzero(pack_of == 0)
-        writer = self._writer() if len(new_idx) else None
-        try:
-            def into_pack(g: capture.Gathered) -> None:
-                assert writer is not None
-                at = writer.add(memoryview(g.data)[: g.nbytes], g.count)
-                sel = new_idx[g.first : g.first + g.count]
-                lens = live.cols["value_len"][sel].astype(np.uint64)
-                offset[sel] = np.uint64(at) + np.cumsum(lens) - lens
-                self.written += g.nbytes
-
-            good, skipped = _live_good(core, progress, into_pack, live, pack_of == 0) if writer is not None else \
-                (np.ones(live.n, bool), 0)
-            live, pack_of, offset = live.take(good), pack_of[good], offset[good]
-            if writer is not None:
-                writer.finish()
-                self.new_ref.size = writer.size
-                fsync_dir(self.directory)  # the pack's name is on disk before the manifest that names it
-        except BaseException:
-            if writer is not None:
-                writer.discard()
-            raise
-        idx = np.where(pack_of == 0, len(names), pack_of - 1)
-        table, pack_idx, offset = self._moved(names, idx, offset)
-        sections, nbytes, _order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        """A delta manifest against `plan`'s base (snapdelta.py), as a full one is written but of the changed
+        entries alone: shared from, and compacted for, the kept deltas of the same base (small: their own
+        entries), so that a persist after nothing changed writes nothing and their packs stay within the
+        space bound.  The base's packs are never compacted here (that would need its columns: a full
+        persist does it)."""
+        same_base = deltaplan.deltas_of(files, plan.ident)
+        survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
+        live, table, pack_idx, offset, skipped = self._pack_values(
+            capture.capture(self.core, plan.split.changed),
+            _read_kept([p for p in files if p.name in same_base], self.directory),
+            survivors, set(plan.base_packs), progress)
+        sections, nbytes, _order = _v4_sections(live, pack_idx, offset, table, policy_blob(self.core))
         entries, total = live.n + plan.split.kept, nbytes + plan.kept_bytes
         sections += [("base", snapdelta.base_section(plan.ident, plan.nb, entries, total, plan.base_name)),
                      ("dropped", snapdelta.dropped_section(plan.split.dropped))]
@@ -735,13 +712,13 @@ class _Incremental:
                                 WriteBehind)
 
     def _compact(self, names: list[packs.PackRef], pack_of: np.ndarray, offset: np.ndarray, live: capture.Live,
-                 writer: packs.PackWriter | None) -> packs.PackWriter | None:
+                 writer: packs.PackWriter | None, pinned: set[str]) -> packs.PackWriter | None:
         """Copy into the new pack the values still needed of every pack that the snapshots kept after this
         persist refer to for less than packs.COMPACT_BELOW of its bytes, so that it can go.  A pack one of
         whose values does not check out is left as it is (the snapshots naming it keep naming it)."""
         needed: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # name -> [(offsets, lengths, sums)]
         sizes = {r.name: r for r in names}
-        pinned = {r.name for k in self.staying if k.version == LEGACY_MANIFEST for r in k.table}
+        pinned = pinned | {r.name for k in self.staying if k.version == LEGACY_MANIFEST for r in k.table}
         lens, sums = live.cols["value_len"], live.cols["checksum"]
         for j, r in enumerate(names, start=1):
             sel = pack_of == j
