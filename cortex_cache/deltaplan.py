@@ -4,7 +4,7 @@ A delta is written when the pool's base positions (basepos.py) name a full
 manifest that is still in the snapshot directory -- found by its "ident"
 section among the pool's timestamped snapshots, whole where the split reads
 it (its insert_seq, checksum, expiry and length columns' checksums), its
-packs there -- and when the delta stays small: its entries (put or changed
+packs there -- of at least MIN_BASE entries, and when the delta stays small: its entries (put or changed
 since the base) and the base's dropped ones (deleted, overwritten, evicted or
 expired since) each at most MAX_CHANGED of the base's entries, and the
 positions of both (the delta's entries, then the base's) within the gone
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .core import Core
 
 MAX_CHANGED = 0.25  # of the base's entries changed or dropped: beyond it, a full manifest
+MIN_BASE = 64  # a base of fewer entries is simply rewritten whole: a delta would save nothing worth a second file
 
 
 class Plan(NamedTuple):
@@ -51,6 +52,8 @@ def plan(core: "Core", directory: Path, files: list[Path]) -> Plan | None:
     if named is None:
         return None
     ident, nb, seq = named
+    if nb < MIN_BASE:
+        return None
     for path in reversed(files):
         try:
             with Snapshot(path, verify=False, private=True, base=False) as snap:

@@ -226,7 +226,12 @@ def test_a_pool_made_before_the_base_positions_writes_full_manifests(make_pool, 
         assert _version(again.path) == MANIFEST_VERSION and again.written == SIZE  # shared, but whole
 
 
-def test_more_changes_than_a_quarter_of_the_base_write_a_full_manifest(make_pool, snapshot_dir):
+def test_a_small_base_or_more_changes_than_a_quarter_of_it_write_a_full_manifest(make_pool, snapshot_dir):
+    small = make_pool("8M", block_size=4096, max_entries=300)
+    _fill(small, 63)
+    snap.persist(small)
+    small.put("k1", make_value(1, 1, SIZE))
+    assert _version(snap.persist(small).path) == MANIFEST_VERSION  # 63 entries: a delta would save nothing
     p = make_pool("8M", block_size=4096, max_entries=300)
     _fill(p, 100)
     snap.persist(p)
@@ -291,7 +296,7 @@ def test_an_older_reader_refuses_a_delta_by_its_version(make_pool, snapshot_dir)
     """Version 5 on the file header: a version 4 reader says "format version 5" instead of restoring the
     changed entries alone as if they were the pool."""
     p = make_pool("8M", block_size=4096, max_entries=300)
-    _fill(p, 10)
+    _fill(p, 100)
     snap.persist(p)
     p.put("k1", make_value(1, 1, SIZE))
     d = snap.persist(p)
