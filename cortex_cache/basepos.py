@@ -127,20 +127,23 @@ class Split(NamedTuple):
 
 def split(core: "Core", nb: int, seq: int) -> Split:
     """Which live entries are the base's (`nb` entries, all put at sequence numbers <= `seq`) and which
-    changed: one lock hold copies the live slots' positions and fields (numpy), the rest runs outside it."""
+    changed: elementwise numpy over the slot columns in one lock hold (no gather of the live entries:
+    ~10 ns a slot), the changed ones' order outside it."""
     def look() -> tuple[np.ndarray, ...]:
-        live = np.flatnonzero(core.live_mask())
         c = core.columns
-        return live, _positions(core)[live], c["insert_seq"][live], c["value_len"][live], c["access_seq"][live]
+        live = core.live_mask()
+        pos = _positions(core)
+        ok = live & (pos > 0) & (pos <= nb) & (c["insert_seq"] <= np.uint64(seq))
+        changed = np.flatnonzero(live & ~ok)
+        vlen = c["value_len"]
+        return (pos[ok], int(ok.sum()), int(vlen[ok].sum(dtype=np.uint64)), changed, c["access_seq"][changed],
+                int(vlen[changed].sum(dtype=np.uint64)))
 
-    live, pos, iseq, vlen, aseq = core.locked(look)  # fancy indexing: copies
-    ok = (pos > 0) & (pos <= nb) & (iseq <= np.uint64(seq))
+    kept_pos, kept, kept_bytes, changed, aseq, changed_bytes = core.locked(look)  # copies, not views
     dropped = np.ones(nb, bool)
-    dropped[pos[ok].astype(np.int64) - 1] = False
-    rest = np.flatnonzero(~ok)
-    changed = live[rest[np.argsort(aseq[rest], kind="stable")[::-1]]]  # most recently used first
-    return Split(changed, dropped, int(ok.sum()), int(vlen[ok].sum(dtype=np.uint64)),
-                 int(vlen[rest].sum(dtype=np.uint64)))
+    dropped[kept_pos.astype(np.int64) - 1] = False
+    changed = changed[np.argsort(aseq, kind="stable")[::-1]]  # most recently used first
+    return Split(changed, dropped, kept, kept_bytes, changed_bytes)
 
 
 __all__ = ["IDENT_BYTES", "present", "base_of", "forget", "stamp", "split", "Split"]
