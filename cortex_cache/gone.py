@@ -20,10 +20,12 @@ for that is in the segment, one byte per slot (layout.py, gone_off):
   never a wrong answer.
 
 Expiry needs no mark: the snapshot's own expiry is checked at each lookup
-and by the fill.  A snapshot never holds more entries than the pool has
-slots (fill.follow refuses it otherwise), so positions fit.  The marks are
-cleared when a new fill is marked (fill.mark, before the pool is published),
-only ever set afterwards, and every set is made with the pool lock held;
+and by the fill.  A snapshot never has more positions than the region has
+bytes (fill.follow refuses it otherwise): one per slot, and in a pool with
+base positions a quarter more (layout.gone_room), for a delta manifest's
+entries beside its base's (snapdelta.py).  The marks are cleared when a new
+fill is marked (fill.mark, before the pool is published) -- and a delta's
+dropped base positions set there, in the same step -- only ever set afterwards, and every set is made with the pool lock held;
 readers outside it check again inside it (snaptier.SnapshotBelow.still).
 A pool made before the region (gone_off 0) keeps no marks: its fill behaves
 as it did then.
