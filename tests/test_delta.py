@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import time
 
 import pytest
+import xxhash
 
 from cortex_cache import Pool, SnapshotCorrupt
 from cortex_cache import packs
@@ -302,3 +304,25 @@ def test_an_older_reader_refuses_a_delta_by_its_version(make_pool, snapshot_dir)
     d = snap.persist(p)
     (version,) = struct.unpack_from("<I", d.path.read_bytes(), 8)
     assert version == 5
+
+
+def test_entries_expired_since_the_base_are_dropped_by_the_delta(make_pool, snapshot_dir, pool_name):
+    p = make_pool("8M", block_size=4096, max_entries=300, name=pool_name)
+    _fill(p, 100)
+    for i in range(10):
+        p.put(f"t{i}", make_value(i, 0, SIZE), ttl=60)
+    snap.persist(p)
+    p.close()
+    with Pool.open(pool_name, clock=lambda: time.time() + 3600) as q:  # an hour on: the TTLs ran out
+        q.put("k1", make_value(1, 1, SIZE))
+        d = snap.persist(q)
+    assert _version(d.path) == DELTA_VERSION and d.entries == 100
+    with Snapshot(d.path, private=True) as s:
+        dropped = s.v4.dropped_mask()
+        assert int(dropped.sum()) == 10 + 1  # the ten expired and k1's old value
+        for i in range(10):
+            kb = f"t{i}".encode()
+            assert s.position(kb, xxhash.xxh3_64_intdigest(kb)) is None
+        kb = b"k1"
+        p1 = s.position(kb, xxhash.xxh3_64_intdigest(kb))
+        assert p1 is not None and p1 < s.v4.nd  # the delta's own entry, found before the base's dropped one
