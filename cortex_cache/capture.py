@@ -50,9 +50,11 @@ class Live(NamedTuple):
         return Live({k: v[keep] for k, v in self.cols.items()}, self.keys)
 
 
-def capture(core: Core) -> Live:
-    """The pool's live entries now, most recently used first (Live).  Entries put after this call began
-    are not part of it; one deleted before its chunk's lock hold is left out."""
+def capture(core: Core, slots: np.ndarray | None = None) -> Live:
+    """The pool's live entries now, most recently used first (Live); with `slots`, those of the entries at
+    these slots (in this order) that are still live (an incremental persist's changed ones: basepos.py).
+    Entries put after this call began are not part of it; one deleted before its chunk's lock hold is
+    left out."""
     def start() -> tuple[np.ndarray, np.ndarray, int]:
         # Dead processes' pins and reservations back first (O(pin records)): a persist used to when its own
         # pins ran out; it takes none now, and a pool it found littered should not stay so.
@@ -60,8 +62,11 @@ def capture(core: Core) -> Live:
         live = np.flatnonzero(core.live_mask())
         return live, core.columns["access_seq"][live].copy(), int(core.fields.seq[0])
 
-    live, recency, seq = core.locked(start)
-    order = live[np.argsort(recency, kind="stable")[::-1]]  # sorted outside the lock
+    if slots is None:
+        live, recency, seq = core.locked(start)
+        order = live[np.argsort(recency, kind="stable")[::-1]]  # sorted outside the lock
+    else:
+        order, seq = slots, core.locked(lambda: int(core.fields.seq[0]))
     parts = [core.locked(_chunk, core, order[k : k + CHUNK_ENTRIES], seq) for k in range(0, len(order), CHUNK_ENTRIES)]
     if not parts:
         empty = {name: np.zeros(0, core.columns[name].dtype) for name in FIELDS}

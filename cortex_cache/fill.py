@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 import xxhash
 
-from . import manifest, packs, policy_state
+from . import basepos, manifest, packs, policy_state
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .gone import GoneMarks
 from .layout import (
@@ -92,6 +92,7 @@ class Source(Protocol):
 
     path: Any
     entries: int
+    positions: int  # of the fill's order: entries, and a delta's dropped base positions (snapdelta.py)
     value_bytes: int
     file_check: int
     header: Any
@@ -136,7 +137,7 @@ def mark(core: "Core", snap: "Source", private: bool) -> None:
     h = core.header[0]
     h["fill_gen"] = (int(h["fill_gen"]) + 1) & 0xFFFFFFFF
     h["fill_done"] = h["fill_bytes"] = h["fill_corrupt"] = h["fill_skipped"] = 0
-    h["fill_total"] = snap.entries
+    h["fill_total"] = snap.positions
     h["fill_bytes_total"] = snap.value_bytes
     h["fill_check"] = snap.file_check
     h["fill_started"] = time.time()
@@ -145,7 +146,11 @@ def mark(core: "Core", snap: "Source", private: bool) -> None:
     h["fill_flags"] = FILL_PRIVATE if private else 0
     marks = GoneMarks(core)
     marks.clear()  # nothing is gone from the new fill's snapshot yet
+    dropped = getattr(snap.v4, "dropped_mask", None)
+    if dropped is not None:  # but a delta's dropped base positions never were in it (snapdelta.py)
+        marks.mark_all(np.flatnonzero(dropped()))
     marks.close()
+    basepos.forget(core)  # the fill seals entries with the snapshot's insert_seqs: no base to compare with
     h["fill_state"] = FILL_RUNNING
 
 
@@ -238,11 +243,14 @@ def follow(core: "Core", opener: Callable[[str], "Source"]) -> tuple["Source | N
         return None, no + (str(e) if isinstance(e, CortexCacheError) else f"{path!r}: {e.strerror or e}")
     g, sh = core.geometry, snap.header
     why = None
-    if sh.version not in (3, 4):
+    if sh.version not in (3, 4, 5):
         why = "it is not an incremental snapshot"
-    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or snap.entries > g.n_slots:
+    elif sh.version == 5 and not core.geometry.gone_off:
+        why = "it is a delta manifest, and the pool keeps no gone marks to skip its dropped entries"
+    elif (sh.size, sh.block_size, sh.max_entries) != (g.data_size, g.block_size, g.n_slots) or \
+            snap.positions > (g.gone_len if g.gone_off else g.n_slots):
         why = "it is a snapshot of a pool of another size or shape"
-    elif (snap.file_check, snap.entries, snap.value_bytes) != (check, total, nbytes):
+    elif (snap.file_check, snap.positions, snap.value_bytes) != (check, total, nbytes):
         why = "it is not the snapshot the fill began from (its checksum, entries or bytes differ from the mark's)"
     if why is not None:
         snap.close()

@@ -20,10 +20,12 @@ for that is in the segment, one byte per slot (layout.py, gone_off):
   never a wrong answer.
 
 Expiry needs no mark: the snapshot's own expiry is checked at each lookup
-and by the fill.  A snapshot never holds more entries than the pool has
-slots (fill.follow refuses it otherwise), so positions fit.  The marks are
-cleared when a new fill is marked (fill.mark, before the pool is published),
-only ever set afterwards, and every set is made with the pool lock held;
+and by the fill.  A snapshot never has more positions than the region has
+bytes (fill.follow refuses it otherwise): one per slot, and in a pool with
+base positions a quarter more (layout.gone_room), for a delta manifest's
+entries beside its base's (snapdelta.py).  The marks are cleared when a new
+fill is marked (fill.mark, before the pool is published) -- and a delta's
+dropped base positions set there, in the same step -- only ever set afterwards, and every set is made with the pool lock held;
 readers outside it check again inside it (snaptier.SnapshotBelow.still).
 A pool made before the region (gone_off 0) keeps no marks: its fill behaves
 as it did then.
@@ -47,10 +49,11 @@ class GoneMarks:
 
     def __init__(self, core: "Core") -> None:
         g = core.geometry
-        self.n = g.n_slots
+        self.n = g.n_slots  # the hash marks' buckets
+        self.room = g.gone_len  # positions: a slot's worth each, and a delta's room (layout.gone_room)
         self.present = bool(g.gone_off)
         # A typed memoryview: a byte read or set costs tens of nanoseconds, not numpy's scalar overhead.
-        self._bytes = core.mv[g.gone_off : g.gone_off + self.n] if self.present else memoryview(b"")
+        self._bytes = core.mv[g.gone_off : g.gone_off + self.room] if self.present else memoryview(b"")
 
     def clear(self) -> None:
         """A new fill is marked (fill.mark, the pool not published yet): nothing is gone from its snapshot."""
@@ -61,15 +64,21 @@ class GoneMarks:
         """Is the snapshot's entry at `pos` (of key hash `kh`) no longer the answer?"""
         if not self.present:
             return False  # a pool made before the marks: as its fill always did
-        if not 0 <= pos < self.n:
+        if not 0 <= pos < self.room:
             return True  # never (fill.follow bounds the snapshot by the slots): a miss, never a wrong answer
         b = self._bytes
         return bool(b[pos] & POSITION or b[kh % self.n] & HASH)
 
     def mark(self, pos: int) -> None:
         """Lock held: the snapshot's entry at `pos` is gone."""
-        if self.present and 0 <= pos < self.n:
+        if self.present and 0 <= pos < self.room:
             self._bytes[pos] |= POSITION
+
+    def mark_all(self, positions: np.ndarray) -> None:
+        """Lock held (or the pool not published): the snapshot's entries at `positions` are gone."""
+        if self.present and len(positions):
+            positions = positions[(positions >= 0) & (positions < self.room)]
+            np.frombuffer(self._bytes, np.uint8)[positions] |= POSITION
 
     def mark_hash(self, kh: int) -> None:
         """Lock held: a key of hash `kh` was written by a process that cannot find its position."""

@@ -37,7 +37,7 @@ def initialise(seg: segment.Segment, geo: Geometry, name: str, policy: str, mode
     for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins",
               "slots_off", "buckets_off", "blockmap_off", "pins_off", "victims_off", "data_off",
               "n_dslots", "n_dbuckets", "dslots_off", "dbuckets_off", "n_kcells", "keymap_off", "keys_off",
-              "qslots_off", "n_ghosts0", "n_ghosts1", "gone_off"):
+              "qslots_off", "n_ghosts0", "n_ghosts1", "gone_off", "base_off"):
         h[f] = getattr(geo, f)
     h["policy"] = POLICY_IDS.index(policy)
     h["flags"] = (FLAG_MULTI_THREADED if multi_threaded else 0) | (FLAG_RESERVED if reserve else 0)

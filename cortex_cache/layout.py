@@ -16,9 +16,12 @@ in a queue policy's pool), each starting on a 4096-byte boundary (docs/design.md
     qslots_off    queues     queue policies only: QUEUE_HEADER_FIELDS (256 bytes), then on the
                              next page QSLOT_COLUMNS (n_slots values each), ghost ring 0 and
                              ring 1 (GHOST_COLUMNS and their hash heads), each page-aligned
-    gone_off      gone marks n_slots    x uint8: per position of a fill's snapshot, bit 0 "its
+    gone_off      gone marks gone_room  x uint8: per position of a fill's snapshot, bit 0 "its
                              copy is no longer the answer"; bit 1 of byte kh % n_slots "a key
                              of that hash was written by a process that cannot find positions"
+    base_off      base pos.  BASE_HEAD (64 bytes: the base manifest's ident, entries), then
+                             n_slots x uint32: the slot's entry's position + 1 in that full
+                             manifest, 0 none (basepos.py; an incremental persist's delta)
     data_off      data       n_blocks  x block_size bytes: values only
 
 The two disk-index regions are empty (n_dslots = 0) in a pool without a disk
@@ -219,7 +222,7 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     ("fill_state", "<u4", 680),  # FILL_* (0: never filled from a snapshot)
     ("fill_gen", "<u4", 684),  # +1 whenever a fill starts or is stopped: a filler that sees it change stops
     ("fill_done", "<u8", 688),  # snapshot entries processed, in the fill's order (loaded, skipped or damaged)
-    ("fill_total", "<u8", 696),  # entries of the snapshot
+    ("fill_total", "<u8", 696),  # positions of the fill's order: the snapshot's entries (a delta's: and its dropped)
     ("fill_bytes", "<u8", 704),  # value bytes loaded
     ("fill_bytes_total", "<u8", 712),  # value bytes of the snapshot
     ("fill_check", "<u8", 720),  # the snapshot's file checksum (its trailer's): which snapshot the fill reads
@@ -244,7 +247,10 @@ HEADER_FIELDS: list[tuple[str, str, int]] = [
     # The gone marks of a background fill (gone.py), carved from format 3's reserved zeros: where the region of
     # one byte per slot lies (0 = none: a pool made before it, whose fill keeps no marks).
     ("gone_off", "<u8", 1000),
-    # 1008..1015 reserved (zero).
+    # The base positions of an incremental persist (basepos.py), carved from format 3's last reserved zeros:
+    # where the region lies (a 64-byte head naming the base manifest, then a u32 per slot); 0 = none (a pool
+    # made before it, whose persists always write full manifests).
+    ("base_off", "<u8", 1008),
     # Which CORTEX_CACHE_SHM_PREFIX the pool was made under (header.prefix_mark; 0: made before this field),
     # so that a listing under a shorter prefix ("nc.") leaves out the pools of a longer one ("nc.sd.").
     ("prefix_mark", "<u8", 1016),
@@ -428,6 +434,21 @@ def blocks_for(nbytes: int, block_size: int) -> int:
     return -(-nbytes // block_size)
 
 
+BASE_HEAD_SIZE = 64  # the base positions' head (basepos.py): u8[16] ident of the base, u64 its entries, u64 seq
+
+
+def gone_room(n_slots: int, deltas: bool) -> int:
+    """Bytes of the gone marks of a pool of `n_slots` slots: one per slot, and in a pool with base positions
+    (deltas: an incremental persist's delta manifest has up to a quarter of its base's entries beside them,
+    deltaplan.MAX_CHANGED) a quarter more."""
+    return n_slots + (-(-n_slots // 4) if deltas else 0)
+
+
+def base_region_size(n_slots: int) -> int:
+    """Bytes of the base positions region of a pool of `n_slots` slots: its head, then a u32 per slot."""
+    return BASE_HEAD_SIZE + 4 * n_slots
+
+
 def _align(n: int, a: int = PAGE) -> int:
     return ceil_div(n, a) * a
 
@@ -470,6 +491,12 @@ class Geometry:
     n_ghosts0: int = 0
     n_ghosts1: int = 0
     gone_off: int = 0  # 0: no gone marks (a pool made before them)
+    base_off: int = 0  # 0: no base positions (a pool made before them)
+
+    @property
+    def gone_len(self) -> int:
+        """Bytes of the gone marks (positions a fill's snapshot may have): gone_room."""
+        return gone_room(self.n_slots, bool(self.base_off))
 
     @property
     def data_size(self) -> int:
@@ -558,8 +585,10 @@ class Geometry:
             if max(n_g0, n_g1) >= 2**32:  # the header holds them as u32
                 raise UsageError(f"too many entries ({n_slots}) for a queue policy's ghost rings")
             data_off = _queue_parts(qslots_off, n_slots, n_g0, n_g1)[3]
-        gone_off = data_off  # the gone marks (gone.py): one byte per slot, a snapshot never has more entries
-        data_off = _align(gone_off + n_slots)
+        gone_off = data_off  # the gone marks (gone.py): a byte per position of a fill's snapshot
+        data_off = _align(gone_off + gone_room(n_slots, True))
+        base_off = data_off  # the base positions (basepos.py): a head, then a u32 per slot
+        data_off = _align(base_off + base_region_size(n_slots))
         # The data region starts on a block boundary (and a page boundary), so
         # every value starts on one: blocks of 4 KiB and up are page-aligned.
         data_off = _align(data_off, max(PAGE, block_size))
@@ -568,7 +597,7 @@ class Geometry:
             block_size, n_blocks, n_slots, n_buckets, n_pins,
             slots_off, buckets_off, blockmap_off, pins_off, victims_off, data_off, segment_size,
             disk_entries, n_dbuckets, dslots_off, dbuckets_off, n_kcells, keymap_off, keys_off,
-            qslots_off, n_g0, n_g1, gone_off,
+            qslots_off, n_g0, n_g1, gone_off, base_off,
         )
 
     @classmethod
@@ -581,6 +610,7 @@ class Geometry:
             int(h["n_dslots"]), int(h["n_dbuckets"]), int(h["dslots_off"]), int(h["dbuckets_off"]),
             int(h["n_kcells"]), int(h["keymap_off"]), int(h["keys_off"]),
             int(h["qslots_off"]), int(h["n_ghosts0"]), int(h["n_ghosts1"]), int(h["gone_off"]),
+            int(h["base_off"]),
         )
 
     def check(self, file_size: int) -> str | None:
@@ -630,7 +660,9 @@ class Geometry:
         elif self.n_ghosts0 or self.n_ghosts1:
             return "ghost rings without a queue region"
         if self.gone_off:
-            regions.append((self.gone_off, self.n_slots))
+            regions.append((self.gone_off, self.gone_len))
+        if self.base_off:
+            regions.append((self.base_off, base_region_size(self.n_slots)))
         regions.append((self.data_off, self.n_blocks * bs))
         end = HEADER_SIZE
         for off, length in regions:

@@ -314,7 +314,7 @@ def _check_before_publish(snap: Snapshot) -> None:
     it."""
     if snap.header.version == 3:
         snap.check_manifest_file()
-    if snap.header.version in (3, 4):
+    if snap.header.version in (3, 4, 5):
         snap.open_packs()
 
 
@@ -384,7 +384,7 @@ def _restore_new(Pool: "PoolClass", snap: Snapshot, target: str, mode: int | Non
     it before its values are in and fill it (fill.py), or, for a snapshot whose path the fill mark cannot
     hold, fill it whole first."""
     h = snap.header
-    later = snap.header.version in (3, 4) and fill.fits_mark(snap.path)
+    later = snap.header.version in (3, 4, 5) and fill.fits_mark(snap.path)
     if later:
         _check_before_publish(snap)
     cfg = h.config or {"reserve": True, "keep": None, **{kind.name: None for kind in TIERS}}

@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import config, fill, packs, snapplaces
+from . import config, fill, packs, snapdelta, snapplaces
 from .core import Core
-from .errors import CortexCacheError, PersistBusy, SnapshotNotFound, UsageError
+from .errors import CortexCacheError, PersistBusy, SnapshotCorrupt, SnapshotNotFound, UsageError
 from .lock import PERSIST_BYTE, RecordLock
-from .snapfile import MANIFESTS, Snapshot, followed
+from .snapfile import DELTA_VERSION, MANIFESTS, Snapshot, followed
 from .snapplaces import checked_snapshot_dir, fsync_dir, latest_path, namespaced, snapshot_dir, snapshots_of
 
 
@@ -190,7 +190,10 @@ def retain(name: str, directory: Path, keep: int) -> None:
     stamped = snapshots_of(name, directory)
     if stamped:
         _repair_latest(stamped[-1], latest)
+    needed = bases(stamped[-keep:])  # the base a kept delta reads stays with it (snapdelta.py)
     for old in stamped[:-keep]:
+        if old.name in needed:
+            continue
         try:
             old.unlink()
         except FileNotFoundError:
@@ -208,6 +211,22 @@ def retain(name: str, directory: Path, keep: int) -> None:
     packs.remove_unreferenced(namespaced(name), directory, referenced)
 
 
+def bases(paths: Any) -> set[str]:
+    """The file names of the bases that the delta manifests among `paths` read (a delta that cannot be read
+    names none: restoring it fails whatever is kept)."""
+    out: set[str] = set()
+    for path in paths:
+        try:
+            with Snapshot(path, verify=False, private=True, base=False) as snap:
+                view = snap.section("base") if snap.header.version == DELTA_VERSION else None
+                if view is not None:
+                    out.add(snapdelta.read_base(view, SnapshotCorrupt)[4])
+                    del view
+        except (CortexCacheError, OSError):
+            continue
+    return out
+
+
 def _repair_latest(newest: Path, latest: Path) -> None:
     """Point `latest` (NAME.ccsnap) at `newest`, the newest timestamped snapshot, if it names none or an older
     one and `newest` is a whole manifest of ours (it was renamed into place only once written and flushed)."""
@@ -221,4 +240,5 @@ def _repair_latest(newest: Path, latest: Path) -> None:
         pass  # left as it is: retention then keeps what it names
 
 
-__all__ = ["list_snapshots", "snapshot_space", "snapshots_and_space", "snapshot_usage", "prune", "retain", "SPACE_BOUND"]
+__all__ = ["list_snapshots", "snapshot_space", "snapshots_and_space", "snapshot_usage", "prune", "retain", "SPACE_BOUND",
+           "bases"]

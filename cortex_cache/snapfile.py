@@ -66,7 +66,7 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import xxhash
 
-from . import config, manifest, packs, safefs
+from . import config, manifest, packs, safefs, snapdelta
 from .core import GUARD
 from .errors import (
     OUT_OF_FILES,
@@ -86,8 +86,9 @@ MAGIC = b"CRTXSNAP"
 VERSION = 2  # a self-contained file (persist --output)
 MANIFEST_VERSION = manifest.VERSION  # an incremental snapshot in the snapshot directory (4), its values in packs
 LEGACY_MANIFEST = 3  # the incremental snapshot before version 4: records one after another
-MANIFESTS = (LEGACY_MANIFEST, MANIFEST_VERSION)
-READS = (1, 2, 3, 4)  # versions this code restores
+DELTA_VERSION = snapdelta.DELTA_VERSION  # an incremental snapshot recording what changed since a full one (5)
+MANIFESTS = (LEGACY_MANIFEST, MANIFEST_VERSION, DELTA_VERSION)
+READS = (1, 2, 3, 4, 5)  # versions this code restores
 REC_MAGIC = b"CREC"
 MAN_MAGIC = b"CMRC"
 END_MAGIC = b"CRTXEND\0"
@@ -156,7 +157,8 @@ class Snapshot:
     foreign or of a newer version), PermissionDenied (77).
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool | str = False) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, private: bool | str = False,
+                 base: bool = True) -> None:
         """Map `path` and check its header; with `verify` (default) check the whole file now.
 
         Without `verify` only the header and the trailer's place are checked:
@@ -170,7 +172,9 @@ class Snapshot:
         it is ours, in a directory of ours, and nobody else may write either),
         for restore to decide whether to attach the tiers it names.  The file
         and its packs are mapped fenced against SIGBUS: one cut short while it
-        is read gives zeros, and `check_whole` says so.
+        is read gives zeros, and `check_whole` says so.  A delta manifest
+        (version 5, snapdelta.py) is read with its base, as one snapshot
+        (`base=False`: the delta file alone, as compaction rewrites it).
         """
         self.path = Path(path)
         self._mv = self._guard = None
@@ -204,15 +208,20 @@ class Snapshot:
         self.private = private
         self.pack_refs: list[packs.PackRef] = []  # versions 3 and 4: the packs its values are in
         self._packs: dict[int, packs.PackReader] = {}
-        self.v4: manifest.Reader | None = None  # version 4: its sections, columns and lookup table
+        self.v4: Any = None  # version 4: its sections, columns and lookup table (manifest.Reader; a delta's
+        # with its base: snapdelta.Combined)
+        self.base: Snapshot | None = None  # a delta's base, open
         try:
             self.header = self._read_header()
             end = self.size - TRAILER.size
             magic, self.entries, self.value_bytes, self._file_check = TRAILER.unpack_from(self._mv, end)
             if magic != END_MAGIC:
                 raise self._corrupt(self._why_no_trailer())
-            if self.header.version == MANIFEST_VERSION:
+            self.positions = self.entries  # positions of the fill's order (a delta's: its own and its base's)
+            if self.header.version in (MANIFEST_VERSION, DELTA_VERSION):
                 self._open_v4()
+            if self.header.version == DELTA_VERSION and base:
+                self._open_base()
             if verify:
                 self.verify()
         except BaseException:
@@ -220,6 +229,9 @@ class Snapshot:
             raise
 
     def close(self) -> None:
+        base, self.base = getattr(self, "base", None), None
+        if base is not None:
+            base.close()
         for reader in getattr(self, "_packs", {}).values():
             reader.close()
         self._packs = {}
@@ -318,6 +330,41 @@ class Snapshot:
                 self.v4.places["packs"].offset + len(table):
             raise self._corrupt("pack table cut short")
 
+    def _open_base(self) -> None:
+        """A delta: its base, checked to be the full manifest it names (same pool and shape, the ident it
+        was written against, the entries it counted), opened as this file was; then the two as one."""
+        delta = self.v4
+        view = delta.section("base")
+        dropped = delta.section("dropped")
+        if view is None or dropped is None:
+            raise self._corrupt("a delta manifest without its base or dropped section")
+        ident, nb, live, live_bytes, name = snapdelta.read_base(view, self._corrupt)
+        where = self.path.parent / name
+        try:
+            base = Snapshot(where, verify=False, private=self.private, base=False)
+        except SnapshotNotFound:
+            raise self._corrupt(f"its base {name!r} is missing") from None
+        except CortexCacheError as e:
+            raise self._corrupt(f"its base {name!r} cannot be read ({e})") from None
+        try:
+            bh, h = base.header, self.header
+            own = base.section(snapdelta.IDENT) if base.v4 is not None else None
+            if bh.version != MANIFEST_VERSION or own is None:
+                raise self._corrupt(f"its base {name!r} is not a full manifest")
+            if (bh.name, bh.size, bh.block_size, bh.max_entries) != (h.name, h.size, h.block_size, h.max_entries):
+                raise self._corrupt(f"its base {name!r} is a snapshot of another pool")
+            if bytes(own) != ident or base.entries != nb:
+                raise self._corrupt(f"its base {name!r} is another snapshot than the one it was written against")
+        except BaseException:
+            base.close()
+            raise
+        shift = len(base.pack_refs)
+        self.v4 = snapdelta.Combined(delta, base.v4, dropped, shift, self._corrupt)
+        self.pack_refs = [*base.pack_refs, *self.pack_refs]
+        self._packs = {k + shift: r for k, r in self._packs.items()}
+        self.base = base
+        self.entries, self.value_bytes, self.positions = live, live_bytes, delta.n + nb
+
     def prefix(self) -> bytes:
         """The file header and configuration block, as they are in the file."""
         return bytes(self._mv[: self.records_off])
@@ -377,13 +424,18 @@ class Snapshot:
         """SnapshotCorrupt (65) naming the file -- this one or a pack -- that was cut short while it was read
         (a read of its mapping met its end, and read zeros): nothing read from this snapshot is to be used."""
         cut = [str(self.path)] if self._guard is not None and self._guard.gone else []
+        if self.base is not None and self.base.check_cut():
+            cut.append(str(self.base.path))
         cut += [str(r.path) for r in self._packs.values() if r.cut_short()]
         if cut:
             raise SnapshotCorrupt(f"snapshot {str(self.path)!r}: {cut[0]!r} was cut short while it was read "
                                   "(truncated by another process?); nothing read from it is used")
 
     def check_cut(self) -> bool:
-        """Was this file (not its packs) cut short while mapped (reads of it since may be zeros)?"""
+        """Was this file (or a delta's base; not the packs) cut short while mapped (reads of it since may be
+        zeros)?"""
+        if self.base is not None and self.base.check_cut():
+            return True
         return self._guard is not None and self._guard.gone
 
     def pack_reader(self, index: int) -> packs.PackReader:
@@ -452,11 +504,17 @@ class Snapshot:
         entries and bytes the trailer counts (the sections' checksums are checked apart)."""
         v4 = self.v4
         assert v4 is not None
-        manifest.check_key_blob(v4)
+        if isinstance(v4, snapdelta.Combined):
+            v4.check_key_blob()
+        else:
+            manifest.check_key_blob(v4)
         c = v4.cols
         if v4.n and int(c["pack"].max()) >= len(self.pack_refs):
             raise self._corrupt(f"an entry names a pack beyond the table's {len(self.pack_refs)}")
-        total = int(c["length"].sum(dtype=np.uint64)) if v4.n else 0
+        if isinstance(v4, snapdelta.Combined):  # the bytes of the entries it holds: its base's dropped ones not
+            total = int(c["length"][~v4.dropped_mask()].sum(dtype=np.uint64))
+        else:
+            total = int(c["length"].sum(dtype=np.uint64)) if v4.n else 0
         if total != self.value_bytes:
             raise self._corrupt(f"trailer says {self.value_bytes} value bytes, the entries hold {total}")
 
@@ -555,7 +613,10 @@ class Snapshot:
         assert v4 is not None
         self.verify_manifest()
         self._seen_bytes = 0
+        dropped = v4.dropped_mask() if isinstance(v4, snapdelta.Combined) else None
         for p in range(v4.n):
+            if dropped is not None and dropped[p]:
+                continue  # a base entry this delta says is gone
             r = v4.row(p)
             key = v4.key(p)
             if key is None:
@@ -611,5 +672,5 @@ class Reference(NamedTuple):
 
 
 __all__ = ["Snapshot", "SnapshotHeader", "Record", "Reference", "followed", "os_error", "MAGIC", "VERSION",
-           "MANIFEST_VERSION", "LEGACY_MANIFEST", "MANIFESTS", "READS", "FILE_HEAD", "HEAD_CHECK", "REC_HEAD",
+           "MANIFEST_VERSION", "LEGACY_MANIFEST", "MANIFESTS", "DELTA_VERSION", "READS", "FILE_HEAD", "HEAD_CHECK", "REC_HEAD",
            "REC_CHECK", "TRAILER", "PACK_TABLE", "PACK_ENTRY", "COUNTERS", "SUFFIX", "END_MAGIC", "REC_MAGIC"]

@@ -18,6 +18,7 @@ before a pool anyone can see changes (restore.py, fill.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import stat
@@ -30,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import xxhash
 
-from . import capture, config, fill, interrupts, manifest, packs, policy_state, safefs, snapplaces
+from . import basepos, capture, config, deltaplan, fill, interrupts, manifest, packs, policy_state, safefs, snapdelta, snapplaces
 from .copyhash import gather_hash
 from .core import GUARD, Core
 from .errors import CannotCreate, CortexCacheError, PermissionDenied, PersistBusy, SnapshotCorrupt, UsageError
@@ -38,6 +39,7 @@ from .layout import FLAG_MULTI_THREADED
 from .lock import PERSIST_BYTE, RecordLock
 from .retention import (  # noqa: F401 (re-exported)
     SPACE_BOUND,
+    bases as retention_bases,
     list_snapshots,
     prune,
     retain,
@@ -52,6 +54,7 @@ from .snapfile import (  # noqa: F401 (re-exported: the format's tables too)
     HEAD_CHECK,
     LEGACY_MANIFEST,
     MAGIC,
+    DELTA_VERSION,
     MANIFEST_VERSION,
     MANIFESTS,
     PACK_ENTRY,
@@ -327,8 +330,10 @@ class WriteBehind:
         self.raw.flush()
 
 
+@functools.lru_cache(maxsize=1)
 def _sync_file_range():
-    """libc's sync_file_range as a callable, or None where it is not available."""
+    """libc's sync_file_range as a callable, or None where it is not available (looked up once: finding libc
+    runs ldconfig, ~5 ms, which a delta persist's two writers paid each time)."""
     try:
         import ctypes
         import ctypes.util
@@ -415,9 +420,9 @@ def _write_manifest(f: Any, prefix_fn: Callable[[tuple[int, int]], bytes], prefi
 
 
 def _v4_sections(live: capture.Live, pack_idx: np.ndarray, offset: np.ndarray, table: list[packs.PackRef],
-                 policy: bytes) -> tuple[list[tuple[str, Any]], int]:
+                 policy: bytes) -> tuple[list[tuple[str, Any]], int, np.ndarray]:
     """The sections of a version 4 manifest of `live`'s entries (values at `pack_idx`/`offset` in `table`'s
-    packs), put in fill order; and the value bytes."""
+    packs), put in fill order; the value bytes; and the order (position p holds live entry order[p])."""
     c = live.cols
     order = manifest.fill_order(c["access_seq"], c["value_len"], pack_idx, offset, newest_first=True)
     cols = {"key_off": c["key_off"], "key_len": c["key_len"], "flags": c["flags"], "length": c["value_len"],
@@ -426,7 +431,7 @@ def _v4_sections(live: capture.Live, pack_idx: np.ndarray, offset: np.ndarray, t
     sections: list[tuple[str, Any]] = [("packs", _pack_table(table))]
     sections += manifest.columns_sections(cols)
     sections += [("keys", live.keys), ("table", manifest.build_table(cols["key_hash"])), ("policy", policy)]
-    return sections, int(cols["length"].sum(dtype=np.uint64)) if live.n else 0
+    return sections, int(cols["length"].sum(dtype=np.uint64)) if live.n else 0, order
 
 
 def _pack_table(table: list[packs.PackRef]) -> bytes:
@@ -516,7 +521,7 @@ def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
     out = []
     for path in paths:
         try:
-            with Snapshot(path, verify=False, private=True) as snap:
+            with Snapshot(path, verify=False, private=True, base=False) as snap:  # a delta: its own entries
                 if snap.header.version not in MANIFESTS:
                     continue
                 if snap.v4 is not None:  # the sections sharing reads (the rest is checked when it is restored)
@@ -530,7 +535,7 @@ def _read_kept(paths: list[Path], directory: Path) -> list[_Kept]:
                     c = snap.v4.cols
                     if snap.v4.n and int(c["pack"].max()) >= len(snap.pack_refs):
                         continue
-                    out.append(_Kept(path, MANIFEST_VERSION, list(snap.pack_refs), c["pack"].astype(np.int64),
+                    out.append(_Kept(path, snap.header.version, list(snap.pack_refs), c["pack"].astype(np.int64),
                                      c["offset"].copy(), c["length"].copy(), c["checksum"].copy()))
                     continue
                 refs = list(snap.references())  # version 3: its records, one by one (once, after an upgrade)
@@ -576,17 +581,41 @@ class _Incremental:
         self.remap: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # compacted pack -> (old offsets, new)
         self.staying: list[_Kept] = []
         self.written = 0
+        self.stamp: tuple | None = None  # a full manifest's (slots, insert_seqs, positions, ident): basepos.stamp
 
     def write(self, f: Any, configuration, progress) -> tuple[int, int, int]:
         """Write the new pack (durable) and the manifest into `f`; (entries, value bytes, skipped)."""
         core, directory = self.core, self.directory
-        # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
-        # the new one names).  Compacted for: those retention keeps beside the new one.
         files = timestamped_files(self.stem, directory)
-        kept = _read_kept(files, directory)
+        if not self.full:
+            delta = deltaplan.plan(core, directory, files)
+            if delta is not None:
+                return self._write_delta(f, configuration, progress, delta, files)
+        # Shared from: every snapshot there (one that retention deletes after this persist leaves the packs
+        # the new one names).  Compacted for: those retention keeps beside the new one, and the bases that
+        # the kept deltas among them read.
         survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
+        survivors |= {directory / n for n in retention_bases(survivors)}
+        live, table, pack_idx, offset, skipped = self._pack_values(
+            capture.capture(core), _read_kept(files, directory), survivors, set(), progress)
+        sections, nbytes, order = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        ident = secrets.token_bytes(basepos.IDENT_BYTES)  # what names it as a base (snapdelta.py)
+        sections.append((snapdelta.IDENT, ident))
+        positions = np.empty(live.n, np.int64)
+        positions[order] = np.arange(live.n)
+        seq = int(live.cols["insert_seq"].max()) if live.n else 0
+        self.stamp = (live.cols["slot"], live.cols["insert_seq"], positions, ident, seq)
+        self._manifest(f, configuration, MANIFEST_VERSION, sections, live.n, nbytes)
+        return live.n, nbytes, skipped
+
+    def _pack_values(self, live: capture.Live, kept: list[_Kept], survivors: set[Path], pinned: set[str],
+                     progress) -> tuple[capture.Live, list[packs.PackRef], np.ndarray, np.ndarray, int]:
+        """Point `live`'s entries at the values `kept` snapshots hold (unless `full`), write the others into
+        the new pack with compaction's copies for the `survivors` (packs `pinned` are never compacted), the
+        pack durable under its name; (the entries whose values checked out, the packs the manifest names,
+        each entry's index there and offset, how many were damaged in memory)."""
+        core = self.core
         self.staying = [k for k in kept if k.path in survivors]
-        live = capture.capture(core)
         names: list[packs.PackRef] = []  # every pack the new manifest may name; the new one first
         by_name: dict[str, int] = {}
         for k in kept:
@@ -596,7 +625,7 @@ class _Incremental:
                     names.append(r)
         pack_of = np.zeros(live.n, np.int64)  # 0: the new pack; else 1 + index into `names`
         offset = np.zeros(live.n, np.uint64)
-        if not self.full and kept:
+        if not self.full and kept and live.n:
             self._share(kept, by_name, live, pack_of, offset)
         writer: packs.PackWriter | None = None
         try:
@@ -615,11 +644,11 @@ class _Incremental:
             good, skipped = _live_good(core, progress, into_pack, live, new) if writer is not None else \
                 (np.ones(live.n, bool), 0)
             live, pack_of, offset = live.take(good), pack_of[good], offset[good]
-            writer = self._compact(names, pack_of, offset, live, writer)
+            writer = self._compact(names, pack_of, offset, live, writer, pinned)
             if writer is not None:
                 writer.finish()
                 self.new_ref.size = writer.size
-                fsync_dir(directory)  # the pack's name is on disk before any manifest that names it
+                fsync_dir(self.directory)  # the pack's name is on disk before any manifest that names it
         except BaseException:
             if writer is not None:
                 writer.discard()
@@ -627,13 +656,35 @@ class _Incremental:
         # Index 0 was the new pack, j the j-th of `names`: as _moved counts them, the new pack last.
         idx = np.where(pack_of == 0, len(names), pack_of - 1)
         table, pack_idx, offset = self._moved(names, idx, offset)
-        sections, nbytes = _v4_sections(live, pack_idx, offset, table, policy_blob(core))
+        return live, table, pack_idx, offset, skipped
+
+    def _manifest(self, f: Any, configuration, version: int, sections: list, entries: int, nbytes: int) -> None:
+        core = self.core
         cfg = core.locked(pool_config, core)
         block = config.encode({**core.locked(configuration), "created": float(core.header[0]["created"])})
         prefix_len = FILE_HEAD.size + HEAD_CHECK.size + len(block)
-        _write_manifest(f, lambda at: _pack_head(cfg, self.now, MANIFEST_VERSION, block, at) + block, prefix_len,
-                        sections, live.n, nbytes)
-        return live.n, nbytes, skipped
+        _write_manifest(f, lambda at: _pack_head(cfg, self.now, version, block, at) + block, prefix_len,
+                        sections, entries, nbytes)
+
+    def _write_delta(self, f: Any, configuration, progress, plan: deltaplan.Plan,
+                     files: list[Path]) -> tuple[int, int, int]:
+        """A delta manifest against `plan`'s base (snapdelta.py), as a full one is written but of the changed
+        entries alone: shared from, and compacted for, the kept deltas of the same base (small: their own
+        entries), so that a persist after nothing changed writes nothing and their packs stay within the
+        space bound.  The base's packs are never compacted here (that would need its columns: a full
+        persist does it)."""
+        same_base = deltaplan.deltas_of(files, plan.ident)
+        survivors = set(files[-(self.keep - 1):] if self.keep > 1 else [])
+        live, table, pack_idx, offset, skipped = self._pack_values(
+            capture.capture(self.core, plan.split.changed),
+            _read_kept([p for p in files if p.name in same_base], self.directory),
+            survivors, set(plan.base_packs), progress)
+        sections, nbytes, _order = _v4_sections(live, pack_idx, offset, table, policy_blob(self.core))
+        entries, total = live.n + plan.split.kept, nbytes + plan.kept_bytes
+        sections += [("base", snapdelta.base_section(plan.ident, plan.nb, entries, total, plan.base_name)),
+                     ("dropped", snapdelta.dropped_section(plan.split.dropped))]
+        self._manifest(f, configuration, snapdelta.DELTA_VERSION, sections, live.n, nbytes)
+        return entries, total, skipped
 
     def _share(self, kept: list[_Kept], by_name: dict[str, int], live: capture.Live, pack_of: np.ndarray,
                offset: np.ndarray) -> None:
@@ -661,13 +712,13 @@ class _Incremental:
                                 WriteBehind)
 
     def _compact(self, names: list[packs.PackRef], pack_of: np.ndarray, offset: np.ndarray, live: capture.Live,
-                 writer: packs.PackWriter | None) -> packs.PackWriter | None:
+                 writer: packs.PackWriter | None, pinned: set[str]) -> packs.PackWriter | None:
         """Copy into the new pack the values still needed of every pack that the snapshots kept after this
         persist refer to for less than packs.COMPACT_BELOW of its bytes, so that it can go.  A pack one of
         whose values does not check out is left as it is (the snapshots naming it keep naming it)."""
         needed: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # name -> [(offsets, lengths, sums)]
         sizes = {r.name: r for r in names}
-        pinned = {r.name for k in self.staying if k.version == LEGACY_MANIFEST for r in k.table}
+        pinned = pinned | {r.name for k in self.staying if k.version == LEGACY_MANIFEST for r in k.table}
         lens, sums = live.cols["value_len"], live.cols["checksum"]
         for j, r in enumerate(names, start=1):
             sel = pack_of == j
@@ -727,11 +778,14 @@ class _Incremental:
         return [everyone[j] for j in used], index[pack].astype(np.uint32), offset
 
     def after(self) -> None:
-        """Once the new manifest is in place: point the kept snapshots at the compacted copies, then retention."""
+        """Once the new manifest is in place: a full one is the pool's base from now on (basepos.py); point the
+        kept snapshots at the compacted copies, then retention."""
         directory = self.directory
+        if self.stamp is not None:
+            basepos.stamp(self.core, *self.stamp)
         if self.remap:
             for kept in self.staying:
-                if kept.version == MANIFEST_VERSION and any(r.name in self.remap for r in kept.table):
+                if kept.version in (MANIFEST_VERSION, DELTA_VERSION) and any(r.name in self.remap for r in kept.table):
                     try:
                         self._rewrite(kept)
                     except SnapshotCorrupt:
@@ -745,7 +799,7 @@ class _Incremental:
         """Rewrite kept version 4 manifest `kept` (temp file, flush, rename) with its values in compacted
         packs pointed at their copies; every other section as it was."""
         directory = self.directory
-        with Snapshot(kept.path, verify=False, private=True) as snap:
+        with Snapshot(kept.path, verify=False, private=True, base=False) as snap:
             v4 = snap.v4
             assert v4 is not None
             table, pack, offset = self._moved(kept.table, kept.pack, kept.offset)

@@ -202,10 +202,16 @@ q.close()
 """
 
 
-def _paused_fill(make_pool, n: int):
+def _paused_fill(make_pool, n: int, delta: bool = False):
     p = make_pool(f"{n * 4096 // (1 << 20) + 8}M", block_size="4K", max_entries=n + 64)
     _fill(p, n)
     snap.persist(p)
+    if delta:  # 1% changed: the boot restore reads a delta and its base (snapdelta.py)
+        for i in range(0, n, 100):
+            p.put(f"key-{i:06d}", b"changed")
+        d = snap.persist(p)
+        with Snapshot(d.path, verify=False, private=True, base=False) as alone:
+            assert alone.header.version == 5 and alone.v4.n == len(range(0, n, 100))
     name = p.name
     p.close()
     Pool.unlink(name)
@@ -214,14 +220,15 @@ def _paused_fill(make_pool, n: int):
     return name, w
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
 @pytest.mark.parametrize("n", [1000])
-def test_attaching_to_a_filling_pool_reads_nothing_per_entry(make_pool, snapshot_dir, n):
+def test_attaching_to_a_filling_pool_reads_nothing_per_entry(make_pool, snapshot_dir, n, delta):
     """Another process's Pool.open of a filling pool: the same memory and page faults at n and at 10 n
-    entries (no index of the snapshot is built: the manifest's table is used in place), and a get of an
-    entry the fill has not reached is served from the snapshot."""
+    entries (no index of the snapshot is built: the manifest's table is used in place; a delta's and its
+    base's both), and a get of an entry the fill has not reached is served from the snapshot."""
     seen = []
     for size in (n, 10 * n):
-        name, w = _paused_fill(make_pool, size)
+        name, w = _paused_fill(make_pool, size, delta)
         try:
             out = json.loads(run_py(ATTACH, name, f"key-{size // 2:06d}").stdout)
         finally:

@@ -378,9 +378,9 @@ def test_a_header_of_another_version_is_refused(make_pool, snapshot_dir, pool_na
     p.put("k", b"v")
     path = snap.persist(p).path
     data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, 8, 5)
+    struct.pack_into("<I", data, 8, 6)
     path.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorrupt, match="version 5"):
+    with pytest.raises(SnapshotCorrupt, match="version 6"):
         Pool.restore(path, name=pool_name)
 
 

@@ -60,6 +60,8 @@ FROZEN_HEADER = [
     ("tier_admit", "<u4", 984), ("tier_pad", "<u4", 988), ("tier_refused", "<u8", 992),
     # ... and where a background fill's gone marks lie (issue 39; 0 in older pools: their fills keep none).
     ("gone_off", "<u8", 1000),
+    # ... and where the base positions of an incremental persist lie (0 in older pools: full manifests).
+    ("base_off", "<u8", 1008),
     # ... and the prefix the pool was made under (0 in older pools: listed under any prefix, as before).
     ("prefix_mark", "<u8", 1016),
     ("disk_path", "S2048", 1024), ("remote_url", "S1024", 3072),
@@ -206,7 +208,7 @@ def test_the_ghost_rings_places_come_from_the_header_alone():
     for f in ("segment_size", "block_size", "n_blocks", "n_slots", "n_buckets", "n_pins", "slots_off", "buckets_off",
               "blockmap_off", "pins_off", "victims_off", "data_off", "n_dslots", "n_dbuckets", "dslots_off",
               "dbuckets_off", "n_kcells", "keymap_off", "keys_off", "qslots_off", "n_ghosts0", "n_ghosts1",
-              "gone_off"):
+              "gone_off", "base_off"):
         hdr[0][f] = getattr(g, f)
     back = Geometry.from_header(hdr)
     assert back == g and (back.ghosts0_off, back.ghosts1_off) == (g.ghosts0_off, g.ghosts1_off)

@@ -291,9 +291,9 @@ def test_newer_version_is_refused(make_pool, tmp_path, pool_name):
     p.put("k", b"v")
     path = snap.persist(p, tmp_path / "s.ccsnap").path
     data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, 8, 5)
+    struct.pack_into("<I", data, 8, 6)
     path.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorrupt, match="version 5"):
+    with pytest.raises(SnapshotCorrupt, match="version 6"):
         Pool.restore(path, name=pool_name)
     assert not Pool.exists(pool_name)
 
