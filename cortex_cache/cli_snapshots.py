@@ -158,6 +158,9 @@ def restore(
         print_json(report)
     else:
         say_restored(report)
+        state = report.get("policy_state")
+        if state and not state["applied"]:  # the entries are all there; only the policy's order starts anew
+            warn(f"policy state not restored ({state['note']}): the pool evicts as a freshly filled one would")
         left = report.get("not_attached")
         if left:
             what = ", ".join(

@@ -5,11 +5,13 @@ Version 4, the manifest persist writes into the snapshot directory now, is laid
 out in manifest.py (its columns, key blob, lookup table and sections); the older
 versions, still read and restored::
 
-Snapshot format, version 2 (version 1 is still read).  All integers little-endian::
+Snapshot format, version 5: the self-contained file `persist --output` writes (versions 2 and 1 are still
+read: version 5 is version 2 with the policy state between the configuration block and the records; a
+reader of versions 1-4 refuses it by its version number).  All integers little-endian::
 
     file header  FILE_HEAD (320 bytes)
       0   8s  magic b"CRTXSNAP"
-      8   u32 version (2; 1 has no configuration block)
+      8   u32 version (5; 2 has no policy state, 1 no configuration block either)
       12  u32 header size (320)
       16  f64 created (wall clock of the persist)
       24  u64 pool data size      32  u64 block size     40  u64 max entries
@@ -17,12 +19,17 @@ Snapshot format, version 2 (version 1 is still read).  All integers little-endia
       64  u64 lfu period
       72  64s pool name (NUL padded)
       136 u64 x 8 counters: seq, hits, misses, puts, deletes, evictions, expirations, bytes evicted
-      200 u32 configuration block length (version 2; 0 in version 1)
-      204 108 bytes reserved (zero)
+      200 u32 configuration block length (versions 2, 5; 0 in version 1)
+      204 u64 policy state length (version 5; 0: none.  Version 4: where its section table is)
+      212 100 bytes reserved (zero)
       312 u64 xxh3_64 of bytes 0..311
-    configuration block (version 2): that many bytes of UTF-8 JSON, the rest of
+    configuration block (versions 2, 5): that many bytes of UTF-8 JSON, the rest of
       the pool's configuration (config.encode: reserve, keep, disk tier, remote
       tier), covered by the file checksum
+    policy state (version 5): that many bytes, policy_state.py's blob (its own
+      layout and xxh3_64), covered by the file checksum too: a blob that fails its
+      own checks in a file that passes (written so) costs the restored pool its
+      policy state (restore ignores it and says why), never its entries
     records, one per live entry: REC_HEAD (104 bytes), key, value
       0   4s  magic b"CREC"       4  u32 key length      8  u32 flags (bit 0: str key)
       12  u32 reserved            16 u64 value length
@@ -83,11 +90,13 @@ from .policy_names import POLICY_IDS
 from .units import plural
 
 MAGIC = b"CRTXSNAP"
-VERSION = 2  # a self-contained file (persist --output)
+VERSION = 5  # a self-contained file (persist --output): version 2 and the policy state
+PLAIN = 2  # the self-contained file before version 5: no policy state
+SELF_CONTAINED = (1, PLAIN, VERSION)
 MANIFEST_VERSION = manifest.VERSION  # an incremental snapshot in the snapshot directory (4), its values in packs
 LEGACY_MANIFEST = 3  # the incremental snapshot before version 4: records one after another
 MANIFESTS = (LEGACY_MANIFEST, MANIFEST_VERSION)
-READS = (1, 2, 3, 4)  # versions this code restores
+READS = (1, 2, 3, 4, 5)  # versions this code restores
 REC_MAGIC = b"CREC"
 MAN_MAGIC = b"CMRC"
 END_MAGIC = b"CRTXEND\0"
@@ -100,6 +109,8 @@ REC_CHECK = struct.Struct("<Q")
 TRAILER = struct.Struct("<8sQQQ")
 PACK_TABLE = struct.Struct("<II")
 PACK_ENTRY = struct.Struct("<QQI4x")
+POLICY_AT = struct.Struct("<Q")  # version 5, at byte POLICY_AT_OFFSET of the file header: the policy state's length
+POLICY_AT_OFFSET = 204
 assert FILE_HEAD.size + HEAD_CHECK.size == 320 and REC_HEAD.size + REC_CHECK.size == 104 and TRAILER.size == 32
 
 COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expirations", "bytes_evicted")
@@ -291,6 +302,13 @@ class Snapshot:
             self.records_off += config_len
         elif config_len:
             raise self._corrupt("header checksum mismatch")
+        self.policy_at = (self.records_off, 0)  # (offset, length) of the policy state (version 5)
+        if version == VERSION:
+            (state_len,) = POLICY_AT.unpack_from(mv, POLICY_AT_OFFSET)
+            if state_len > self.size - self.records_off - TRAILER.size:
+                raise self._corrupt("impossible policy state length")
+            self.policy_at = (self.records_off, state_len)
+            self.records_off += state_len
         if version == LEGACY_MANIFEST:
             self.records_off = self._read_pack_table(self.records_off)
         return SnapshotHeader(created, size, bsize, max_entries, POLICY_IDS[policy], flags, mode & 0o777,
@@ -321,6 +339,25 @@ class Snapshot:
     def prefix(self) -> bytes:
         """The file header and configuration block, as they are in the file."""
         return bytes(self._mv[: self.records_off])
+
+    def policy_state(self) -> bytes | None:
+        """The pool's policy state (policy_state.py's blob) as this snapshot carries it: version 4, its
+        "policy" section (checksum checked: SnapshotCorrupt); version 5, the bytes after the configuration
+        block (covered by the file checksum; the blob checks itself again when applied); None when it has
+        none (older versions, or empty)."""
+        if self.v4 is not None:
+            view = self.v4.section("policy")
+            out = bytes(view) if view is not None else b""
+            if view is not None:
+                view.release()
+        else:
+            off, n = self.policy_at
+            out = bytes(self._mv[off : off + n])
+        return out or None
+
+    def _digest(self) -> int:
+        """The xxh3_64 the trailer holds for a file of records (versions 1, 2, 3, 5): every byte before it."""
+        return xxhash.xxh3_64_intdigest(self._mv[: self.size - TRAILER.size])
 
     def section(self, name: str) -> memoryview | None:
         """Version 4: the bytes of section `name` (a view of the mapping: release it before `close`), its
@@ -405,8 +442,7 @@ class Snapshot:
         if self.v4 is not None:
             self.v4.verify_sections()
             return
-        end = self.size - TRAILER.size
-        if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
+        if self._digest() != self._file_check:
             raise self._corrupt("file checksum mismatch")
 
     def verify_manifest(self) -> None:
@@ -467,8 +503,7 @@ class Snapshot:
                 for _ in self.records(verify=True):  # every value read from its pack and checked
                     pass
                 return
-            end = self.size - TRAILER.size
-            if xxhash.xxh3_64_intdigest(self._mv[:end]) != self._file_check:
+            if self._digest() != self._file_check:
                 raise self._corrupt("file checksum mismatch")
             # The file hash covers every byte, and the writer checked each value
             # against its checksum before writing it: here only the structure
@@ -610,6 +645,7 @@ class Reference(NamedTuple):
     pack: int
 
 
-__all__ = ["Snapshot", "SnapshotHeader", "Record", "Reference", "followed", "os_error", "MAGIC", "VERSION",
+__all__ = ["Snapshot", "SnapshotHeader", "Record", "Reference", "followed", "os_error", "MAGIC", "VERSION", "PLAIN",
+           "SELF_CONTAINED", "POLICY_AT", "POLICY_AT_OFFSET",
            "MANIFEST_VERSION", "LEGACY_MANIFEST", "MANIFESTS", "READS", "FILE_HEAD", "HEAD_CHECK", "REC_HEAD",
            "REC_CHECK", "TRAILER", "PACK_TABLE", "PACK_ENTRY", "COUNTERS", "SUFFIX", "END_MAGIC", "REC_MAGIC"]
