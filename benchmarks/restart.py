@@ -22,7 +22,7 @@ from cortex_cache.persist import restore as _restore
 def persist(pool: Pool, path: str | os.PathLike | None = None, state: bool = True) -> tuple[Any, bytes | None]:
     """Persist `pool` (to `path`, or the snapshot directory): (the snapshot's path, the policy state blob for
     a self-contained file, None without `state`)."""
-    blob = pool.core.locked(policy_state.capture, pool.core) if state else None
+    blob = policy_state.capture(pool.core) if state else None
     if state:
         return pool.persist(path), blob
     keep = snapshot.policy_blob

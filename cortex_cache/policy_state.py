@@ -90,30 +90,82 @@ class Ignored(Exception):
 # ---------------------------------------------------------------- capture
 
 
+CHUNK_SLOTS = 1 << 16  # slots whose per-entry state one lock hold of capture copies (about 1 ms at 1M)
+
+
 def capture(core: "Core") -> bytes:
-    """The policy state of `core`'s pool as a blob (lock held: the hold in which persist lists the entries)."""
-    h = core.header[0]
+    """The policy state of `core`'s pool as a blob, taken in short lock holds (not held by the caller).
+
+    The per-entry columns are copied CHUNK_SLOTS slots per hold, like persist's listing (capture.py), so a
+    writer waits a millisecond, not the whole copy (6-64 ms at 1,000,000 entries in one hold).  What keeps
+    the blob exact where the pool stands still, and consistent where it does not:
+
+    - an entry is in it only if it was put no later than the pool's seq at the first hold (the blob's
+      "seq"): one put again meanwhile is newer, and apply gives it its own state, as a put during the fill;
+    - the clocks, queue 0's target, auto's words and the ghost rings are read in the last hold, after every
+      chunk: each copied qseq is at most that clock, each LFU epoch at most that epoch (ages are taken
+      against it);
+    - an entry copied, then evicted before the last hold, is a ghost in the rings read there: its row is
+      dropped, so that no key is both an entry and a ghost of the blob (the rings' invariant).
+    """
     policy = core.policy
-    fields: list[tuple[str, np.ndarray]] = [
-        (name, np.array([h[col]], FIELDS[name][0]))
-        for name, col in (("seq", "seq"), ("ops", "ops"), ("lfuepoch", "lfu_epoch"), ("hits", "hits"))
-    ]
-    cols = core.columns
-    sealed = np.flatnonzero(cols["state"] == SEALED)
-    if policy == "lfu":
-        age = np.minimum(int(h["lfu_epoch"]) - cols["lfu_epoch"][sealed].astype(np.int64), MAX_LFU_AGE)
-        fields += [("hash", cols["key_hash"][sealed]), ("lfuage", np.maximum(age, 0))]
     q = core.queues
-    if q is not None:
-        qh = q.header[0]
-        fields += [("hash", cols["key_hash"][sealed]), ("queue", q.cols["queue"][sealed]),
-                   ("freq", q.cols["freq"][sealed]), ("qseq", q.cols["qseq"][sealed])]
-        fields += [(name, np.array([qh[col]], FIELDS[name][0])) for name, col in (
-            ("qclock", "q_seq"), ("qtarget", "q_target"), ("qregime", "q_regime"), ("qghost", "q_ghost_rate"),
-            ("qhitrate", "q_hit_rate"), ("qhitseen", "q_hits_seen"))]
-        for r, ring in enumerate(q.ghosts):
-            fields.append((f"ghosts{r}", _window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"]))))
+    per_entry = policy == "lfu" or q is not None
+
+    def first() -> tuple[int, int]:
+        return int(core.fields.seq[0]), core.columns["state"].size
+
+    seq, n_slots = core.locked(first)
+    names = (["lfu_epoch"] if policy == "lfu" else []) + (["queue", "freq", "qseq"] if q is not None else [])
+    parts: list[dict[str, np.ndarray]] = []
+    if per_entry:
+        for start in range(0, n_slots, CHUNK_SLOTS):
+            parts.append(core.locked(_chunk, core, start, min(n_slots, start + CHUNK_SLOTS), seq, names))
+
+    def last() -> tuple[dict[str, Any], list[np.ndarray]]:
+        h = core.header[0]
+        words = {name: h[col].item() for name, col in (("ops", "ops"), ("lfuepoch", "lfu_epoch"), ("hits", "hits"))}
+        rings = []
+        if q is not None:
+            qh = q.header[0]
+            words.update({name: qh[col].item() for name, col in (
+                ("qclock", "q_seq"), ("qtarget", "q_target"), ("qregime", "q_regime"), ("qghost", "q_ghost_rate"),
+                ("qhitrate", "q_hit_rate"), ("qhitseen", "q_hits_seen"))})
+            rings = [_window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])) for r, ring in enumerate(q.ghosts)]
+        return words, rings
+
+    words, rings = core.locked(last)
+    fields: list[tuple[str, np.ndarray]] = [(name, np.array([seq if name == "seq" else words[name]], FIELDS[name][0]))
+                                            for name in ("seq", "ops", "lfuepoch", "hits")]
+    if per_entry:
+        cols = {name: np.concatenate([p[name] for p in parts]) for name in ["hash", *names]}
+        if rings:  # copied, then evicted before the last hold: a ghost now, not an entry
+            ghosts = np.sort(np.concatenate(rings))
+            if ghosts.size and cols["hash"].size:
+                at = np.minimum(np.searchsorted(ghosts, cols["hash"]), ghosts.size - 1)
+                keep = ghosts[at] != cols["hash"]
+                cols = {name: v[keep] for name, v in cols.items()}
+        fields.append(("hash", cols["hash"]))
+        if policy == "lfu":
+            age = np.minimum(int(words["lfuepoch"]) - cols["lfu_epoch"].astype(np.int64), MAX_LFU_AGE)
+            fields.append(("lfuage", np.maximum(age, 0)))
+        if q is not None:
+            fields += [("queue", cols["queue"]), ("freq", cols["freq"]), ("qseq", cols["qseq"])]
+            fields += [(name, np.array([words[name]], FIELDS[name][0]))
+                       for name in ("qclock", "qtarget", "qregime", "qghost", "qhitrate", "qhitseen")]
+            fields += [(f"ghosts{r}", window) for r, window in enumerate(rings)]
     return _pack(POLICY_IDS.index(policy), fields)
+
+
+def _chunk(core: "Core", start: int, stop: int, seq: int, names: list[str]) -> dict[str, np.ndarray]:
+    """Lock held: the key hash and the per-entry policy columns `names` of the sealed slots in [start, stop)
+    put no later than `seq`."""
+    cols = core.columns
+    sel = start + np.flatnonzero((cols["state"][start:stop] == SEALED) & (cols["insert_seq"][start:stop] <= np.uint64(seq)))
+    out = {"hash": cols["key_hash"][sel]}
+    for name in names:
+        out[name] = (cols[name] if name == "lfu_epoch" else core.queues.cols[name])[sel]
+    return out
 
 
 def _window(hashes: np.ndarray, head: int, tail: int) -> np.ndarray:
@@ -340,4 +392,4 @@ def _write_queues(core: "Core", fields: dict[str, np.ndarray], plan: dict[str, A
     return total
 
 
-__all__ = ["capture", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION"]
+__all__ = ["capture", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION", "CHUNK_SLOTS"]

@@ -368,10 +368,11 @@ def pool_config(core: Core) -> dict[str, Any]:
 
 
 def policy_blob(core: Core) -> bytes:
-    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section: policy_state.py's
-    blob, taken in one lock hold of its own once the entries are listed; it is keyed by the keys' hashes,
-    so an entry put or evicted between the two holds is simply not matched at the restore)."""
-    return core.locked(policy_state.capture, core)
+    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section, a self-contained
+    file's bytes before its records: policy_state.py's blob, taken in short lock holds of its own beside
+    the entries' listing; it is keyed by the keys' hashes, so an entry put or evicted between the two is
+    simply not matched at the restore)."""
+    return policy_state.capture(core)
 
 
 def _file_head(core: Core, configuration, now: float, version: int, sections_at: tuple[int, int] | None = None,

@@ -276,8 +276,8 @@ def test_the_blob_is_laid_out_as_documented(make_pool):
     assert (policy_state.HEAD.size, policy_state.ENTRY.size, policy_state.TRAILER.size) == (24, 24, 8)
     a = make_pool(N * BS, block_size=BS, max_entries=N, policy="auto")
     replay(a, "auto", loop_keys(N, 3))
-    blob = a.core.locked(policy_state.capture, a.core)
-    assert blob == a.core.locked(policy_state.capture, a.core)
+    blob = policy_state.capture(a.core)
+    assert blob == policy_state.capture(a.core)
     magic, version, pid, n_fields, reserved, total = struct.unpack_from("<4sHHIIQ", blob, 0)
     assert (magic, version, pid, reserved, total) == (b"CCPS", 1, 8, 0, len(blob))
     assert struct.unpack_from("<Q", blob, total - 8)[0] == xxhash.xxh3_64_intdigest(blob[:-8])
@@ -498,3 +498,72 @@ def test_older_readers_refuse_a_version_5_file_by_its_version(make_pool, tmp_pat
     monkeypatch.setattr(snapfile, "READS", (1, 2, 3, 4))
     with pytest.raises(SnapshotCorrupt, match="format version 5; this cortex_cache reads versions 1, 2, 3, 4"):
         snapfile.Snapshot(tmp_path / "a.ccsnap")
+
+
+# ---------------------------------------------------------------- capture in short lock holds
+
+
+@pytest.mark.parametrize("scenario", ["lfu", "s3fifo", "arc", "auto-loop", "auto-frequency"])
+def test_the_blob_taken_in_chunks_is_the_blob_taken_at_once(make_pool, monkeypatch, scenario):
+    """capture copies the per-entry state CHUNK_SLOTS slots per lock hold: on a pool nobody changes meanwhile
+    the blob is byte for byte the one a single hold gives (so the replay tests above hold for it too)."""
+    policy, opts, first, _, _ = SCENARIOS[scenario]
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
+    replay(a, policy, first)
+    whole = policy_state.capture(a.core)
+    holds = []
+    plain = a.core.locked
+    monkeypatch.setattr(a.core, "locked", lambda fn, *args: holds.append(fn) or plain(fn, *args))
+    monkeypatch.setattr(policy_state, "CHUNK_SLOTS", 7)
+    assert policy_state.capture(a.core) == whole
+    assert holds.count(policy_state._chunk) == -(-a.core.columns["state"].size // 7) > 1
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "auto"])
+def test_puts_between_the_holds_leave_a_consistent_blob(make_pool, restored, snapshot_dir, monkeypatch, policy):
+    """Another writer between capture's holds (puts of new keys that evict, reads): the blob holds no entry
+    put after its first hold, no key both as an entry and as a ghost, no qseq past its clock; laid over a
+    restore of the pool it gives a pool that checks out, whose rings hold no key of the pool."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy)
+    replay(a, policy, _halves("mixed")[0])
+    for k in range(5):
+        a.put(b"unread-%d" % k, b"v" * 16)  # in queue 0, never read: the first a put evicts into a ring
+    a.persist()
+    chunk = policy_state._chunk
+    extra = iter(range(1 << 40, (1 << 40) + 10_000))
+    plain = a.core.locked
+    gaps: list[int] = []
+
+    chunks = -(-a.core.columns["state"].size // 16)
+
+    def between(fn, *args):  # after each chunk's hold, before the next: the other writer's turn
+        got = plain(fn, *args)
+        if fn is chunk:
+            gaps.append(1)
+            # After the last chunk: 15 puts (queue 0's unread entries evicted into its ghosts), every
+            # entry copied already.
+            for _ in range(15 if len(gaps) == chunks else 2):
+                a.put(b"fresh-%d" % next(extra), b"v" * 16)
+            for k in a.keys()[:3]:
+                a.get(k)
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(policy_state, "CHUNK_SLOTS", 16)
+        m.setattr(a.core, "locked", between)
+        blob = policy_state.capture(a.core)
+    _, fields = policy_state.parse(blob)
+    ghosts = np.concatenate([fields["ghosts0"], fields["ghosts1"]])
+    unread = [xxhash.xxh3_64_intdigest(b"unread-%d" % k) for k in range(5)]
+    assert np.isin(unread, ghosts).all(), "no entry copied, then evicted: the test missed its point"
+    assert not np.isin(fields["hash"][fields["hash"] != 0], ghosts[ghosts != 0]).any()
+    assert int(fields["qseq"].max()) <= int(fields["qclock"][0])
+    fresh = {xxhash.xxh3_64_intdigest(b"fresh-%d" % k) for k in range(1 << 40, (1 << 40) + 10_000)}
+    assert not fresh & set(fields["hash"].tolist())
+    b = Pool.restore(latest_path(a.name), name=f"{a.name}-r")
+    restored.append(b)
+    report = b.core.locked(policy_state.apply, b.core, blob)
+    assert report["applied"] and b.verify()["ok"]
+    per, rings, _ = queue_state(b)
+    in_pool = {xxhash.xxh3_64_intdigest(k) for k in per}
+    assert not in_pool & {h for ring in rings for h in ring if h}
