@@ -567,3 +567,40 @@ def test_puts_between_the_holds_leave_a_consistent_blob(make_pool, restored, sna
     per, rings, _ = queue_state(b)
     in_pool = {xxhash.xxh3_64_intdigest(k) for k in per}
     assert not in_pool & {h for ring in rings for h in ring if h}
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_apply_prepared_before_its_hold_gives_what_apply_alone_gives(make_pool, restored, snapshot_dir, monkeypatch,
+                                                                       stale):
+    """prepare matches the blob to the slots without the lock (the fill does it before the hold that ends
+    it); apply uses that match only if the slots are still those.  Either way the pool ends as apply alone
+    leaves it -- with a put between prepare and apply (stale), apply matches again in its hold."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N * 2, policy="auto")
+    replay(a, "auto", loop_keys(N, 4))
+    blob = policy_state.capture(a.core)
+    a.persist()
+    states = []
+    for k in range(2):
+        b = Pool.restore(latest_path(a.name), name=f"{a.name}-{k}")
+        restored.append(b)
+        ready = None
+        if k and stale:
+            ready = policy_state.prepare(b.core, blob)
+        b.put(b"raced", b"v")  # a put while the fill ran (stale: after the match was made, a slot more)
+        if k and not stale:
+            ready = policy_state.prepare(b.core, blob)
+        matches = []
+        match = policy_state._match
+        monkeypatch.setattr(policy_state, "_match", lambda *x: matches.append(1) or match(*x))
+        report = b.core.locked(policy_state.apply, b.core, blob, ready)
+        monkeypatch.setattr(policy_state, "_match", match)
+        assert report["applied"] and len(matches) == (0 if k and not stale else 1)
+        states.append((queue_state(b), report))
+    assert states[0] == states[1]
+
+
+def test_a_prepared_blob_that_is_ignored_says_why(make_pool):
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy="arc")
+    ready = policy_state.prepare(a.core, b"CCPS")
+    report = a.core.locked(policy_state.apply, a.core, b"CCPS", ready)
+    assert not report["applied"] and "too short" in report["note"]
