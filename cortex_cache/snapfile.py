@@ -74,6 +74,7 @@ import numpy as np
 import xxhash
 
 from . import config, manifest, packs, safefs
+from .copyhash import gather_hash
 from .core import GUARD
 from .errors import (
     OUT_OF_FILES,
@@ -113,6 +114,7 @@ POLICY_AT = struct.Struct("<Q")  # version 5, at byte POLICY_AT_OFFSET of the fi
 POLICY_AT_OFFSET = 204
 assert FILE_HEAD.size + HEAD_CHECK.size == 320 and REC_HEAD.size + REC_CHECK.size == 104 and TRAILER.size == 32
 
+VERIFY_BYTES = 8 << 20  # values read and checked per call by verify (version 4)
 COUNTERS = ("seq", "hits", "misses", "puts", "deletes", "evictions", "expirations", "bytes_evicted")
 _STAMP_RE = r"\d{8}T\d{6}\.\d{6}Z"
 
@@ -498,6 +500,10 @@ class Snapshot:
 
     def verify(self) -> None:
         try:
+            if self.v4 is not None:
+                self.verify_manifest()
+                self._verify_v4_values()
+                return
             if self.header.version in MANIFESTS:
                 self.verify_manifest()
                 for _ in self.records(verify=True):  # every value read from its pack and checked
@@ -511,6 +517,41 @@ class Snapshot:
             self.check_trailer(sum(1 for _ in self.records(verify=True, values=False)), None)
         finally:
             self.check_whole()  # zeros read from a file cut short: say that, not what they looked like
+
+    def _verify_v4_values(self) -> None:
+        """Version 4: every value read from its pack and checked against its checksum, a pack at a time in
+        the order of its bytes, thousands of values per call (gather_hash: C), no Python per entry."""
+        c = self.v4.cols
+        pack = c["pack"].astype(np.int64)
+        buf = mmap.mmap(-1, VERIFY_BYTES)
+        try:
+            for index in np.unique(pack).tolist():
+                reader = self._pack(index)
+                sel = np.flatnonzero(pack == index)
+                sel = sel[np.argsort(c["offset"][sel], kind="stable")]
+                offs, lens = c["offset"][sel].astype(np.uint64), c["length"][sel].astype(np.uint64)
+                size = np.uint64(reader.ref.size)
+                bad = (offs < np.uint64(packs.HEAD_SIZE)) | (offs > size) | (lens > size - np.minimum(offs, size))
+                if bad.any():
+                    k = int(np.argmax(bad))
+                    raise reader.corrupt(self.path, f"no value of {int(lens[k])} bytes at byte {int(offs[k])}")
+                ends = np.cumsum(lens.astype(np.int64))
+                k = 0
+                while k < sel.size:
+                    start = int(ends[k - 1]) if k else 0
+                    stop = max(k + 1, int(np.searchsorted(ends, start + VERIFY_BYTES, side="right")))
+                    if int(ends[stop - 1]) - start > len(buf):  # one value larger than the buffer
+                        buf.close()
+                        buf = mmap.mmap(-1, int(ends[stop - 1]) - start)
+                    got = np.zeros(stop - k, np.uint64)
+                    gather_hash(buf, reader.mv, offs[k:stop], lens[k:stop], got)
+                    wrong = got != c["checksum"][sel[k:stop]]
+                    if wrong.any():
+                        at = int(offs[k + int(np.argmax(wrong))])
+                        raise reader.corrupt(self.path, f"the value at byte {at} fails its checksum")
+                    k = stop
+        finally:
+            buf.close()
 
     def check_trailer(self, count: int, hasher: Any | None) -> None:
         """Compare what a full pass over the records found with the trailer."""
@@ -600,23 +641,28 @@ class Snapshot:
             yield Record(key, r["flags"], value, r["created"], r["last_access"], r["expiry"], r["insert_seq"],
                          r["access_seq"], r["access_count"], r["priority"], r["checksum"])
 
-    def extents(self) -> list[tuple[str, int, int]]:
-        """Versions 3, 4: (pack name, offset, bytes) of every value record this snapshot refers to in its packs
-        (version 4: the value's bytes alone)."""
+    def extents(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """Versions 3, 4: every value record this snapshot refers to in its packs, as arrays: (the pack names,
+        and per record its pack -- an index into those names -- offset and bytes; version 4: the value's
+        bytes alone).  Version 4 reads its columns as they are (no per-entry Python: 1,000,000 entries in
+        milliseconds); version 3 walks its records."""
+        names = [r.name for r in self.pack_refs]
         if self.v4 is not None:
             c = self.v4.cols
-            names = [r.name for r in self.pack_refs]
             if self.v4.n and int(c["pack"].max()) >= len(names):
                 raise self._corrupt("an entry names a pack beyond the table")
-            return [(names[k], o, n) for k, o, n in zip(c["pack"].tolist(), c["offset"].tolist(), c["length"].tolist())]
-        return [(pack.name, off, packs.REC_SIZE + len(ref.key) + ref.length) for ref, pack, off in self.references()]
+            return (names, c["pack"].astype(np.int64), c["offset"].astype(np.uint64),
+                    c["length"].astype(np.uint64))
+        rows = [(index, off, packs.REC_SIZE + len(ref.key) + ref.length)
+                for ref, _pack, off in self.references() for index in (ref.pack,)]
+        got = np.array(rows, np.uint64).reshape(-1, 3)
+        return names, got[:, 0].astype(np.int64), got[:, 1], got[:, 2]
 
     def shared_bytes(self) -> dict[str, int]:
         """Versions 3, 4: the record bytes this snapshot refers to in each pack (by pack name)."""
-        used: dict[str, int] = {}
-        for name, _off, n in self.extents():
-            used[name] = used.get(name, 0) + n
-        return used
+        names, pack, _off, n = self.extents()
+        per = np.bincount(pack, weights=n, minlength=len(names)) if n.size else np.zeros(len(names))
+        return {name: int(per[k]) for k, name in enumerate(names) if per[k]}
 
 
 def followed(path: str) -> Snapshot:

@@ -10,6 +10,7 @@ import signal
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cortex_cache import Pool, SnapshotCorrupt, UsageError
@@ -444,3 +445,30 @@ def test_retention_keeps_what_the_latest_name_reaches_when_it_cannot_be_pointed_
     assert snap.latest_path(p.name, snapshot_dir).stat().st_ino == inode  # ... and NAME.ccsnap names the old
     with snap.Snapshot(snap.latest_path(p.name, snapshot_dir)):  # its packs were kept for it
         pass
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_verify_checks_every_value_a_batch_at_a_time(make_pool, snapshot_dir, monkeypatch, which):
+    """Snapshot.verify (snapshots --verify, restore --replace) reads a version 4 snapshot's values a batch of
+    VERIFY_BYTES at a time, in each pack's order, with one value larger than a batch: a byte flipped in any
+    of them is found, and named by where it is in its pack."""
+    from cortex_cache import snapfile
+
+    p = make_pool("8M", block_size="4K")
+    values = _values(12, 0, 9_000)
+    values["big"] = make_value(99, 0, 70_000)
+    _put_all(p, values)
+    path = snap.persist(p).path
+    monkeypatch.setattr(snapfile, "VERIFY_BYTES", 20_000)
+    with snap.Snapshot(path, verify=False) as s:
+        s.verify()
+        c = s.v4.cols
+        order = np.argsort(c["offset"])
+        at = int(c["offset"][order[{"first": 0, "middle": len(order) // 2, "last": -1}[which]]])
+    pack = _pack_of(path)
+    data = bytearray(pack.read_bytes())
+    data[at + 3] ^= 1
+    pack.write_bytes(bytes(data))
+    with snap.Snapshot(path, verify=False) as s, \
+            pytest.raises(SnapshotCorrupt, match=f"the value at byte {at} fails its checksum"):
+        s.verify()
