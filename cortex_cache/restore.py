@@ -512,7 +512,7 @@ def _restored_mode(snap: "Snapshot", mode: int) -> int:
     if wider:
         raise PermissionDenied(
             f"mode {mode:04o} would let more users read pool data than snapshot {str(snap.path)!r} "
-            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~(wider | wider >> 1):04o} or narrower"
+            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~(wider | wider >> 1) & 0o666:04o} or narrower"
         )
     return mode
 
