@@ -4,11 +4,15 @@
   it now says that a restore fills the pool, and that --force stops the fill too (which it does).
 - `restore --mode 0777` of a 0600 snapshot suggested `--mode 0711`: execute bits mean nothing to a pool, so
   the suggestion is the read and write bits it may have.
+- `persist --output -` wrote a file named "-" and `restore --input -` read one, where `get -o -` and `put -`
+  mean the standard streams: refused in one line (exit 2), `./-` names such a file.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from cortex_cache import Pool
 from cortex_cache import persist as snap
@@ -62,3 +66,25 @@ def test_a_mode_wider_than_the_snapshot_suggests_read_and_write_bits_only(make_p
     err = one_line(cli("cache", "restore", pool_name, "--input", str(path), "--mode", "0777"), 77)
     assert "give --mode 0600 or narrower" in err
     assert not Pool.exists(pool_name)
+
+
+def test_a_dash_for_a_snapshot_file_is_refused_not_taken_as_a_file_named_dash(make_pool, tmp_path, pool_name):
+    """`get -o -` writes stdout and `put -` reads stdin; `persist --output -` wrote a file named "-" in the
+    current directory and `restore --input -` read one: both are one line, exit 2, nothing made."""
+    p = make_pool("1M")
+    p.put("k", b"v")
+    (tmp_path / "sub").mkdir()
+    here = tmp_path / "sub"
+
+    def cli_in(*args: str):  # the CLI run in `here`, where a file named "-" would land
+        return subprocess.run([sys.executable, "-m", "cortex_cache", *args], capture_output=True, cwd=here,
+                              timeout=60)
+
+    r = cli_in("cache", "persist", p.name, "--output", "-")
+    assert "stdout" in one_line(r, 2) and not os.listdir(tmp_path / "sub")
+    snap.persist(p, tmp_path / "sub" / "-")
+    r = cli_in("cache", "restore", pool_name, "--input", "-")
+    assert "stdin" in one_line(r, 2) and not Pool.exists(pool_name)
+    r = cli_in("cache", "restore", pool_name, "--input", "./-")  # the way to name it
+    assert r.returncode == 0, r.stderr
+    Pool.unlink(pool_name)
