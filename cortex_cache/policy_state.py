@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import xxhash
 
+from .chains import build_chains
 from .layout import SEALED
 from .policy_names import POLICY_IDS
 from .queues import AUTO_ADAPTIVE, AUTO_LOOP, MAX_FREQ
@@ -255,14 +256,16 @@ class Prepared(NamedTuple):
     iseq: np.ndarray
     where: np.ndarray
     rows: np.ndarray
+    rings: Any = None  # queue policies: (the rings' words and windows read, what _ring_arrays built of them)
 
 
 def prepare(core: "Core", blob: bytes) -> Prepared:
-    """Lock not held: parse `blob` and match its entries to the pool's sealed slots (two sorts of a million
-    hashes: 0.2 s of apply's 0.3-0.4 s hold at 1,000,000 entries).  The slots are read without the lock,
-    so apply checks in its hold that they are still the ones matched -- the same sealed slots, with the
-    same key hashes and insert sequence numbers -- and matches again there if anything moved: a put that
-    raced the end of the fill costs the hold its old length, never a wrong match."""
+    """Lock not held: parse `blob`, match its entries to the pool's sealed slots (two sorts of a million
+    hashes: 0.2 s of apply's 0.3-0.4 s hold at 1,000,000 entries) and, for the queue policies, build the
+    ghost rings with their hash chains (most of the rest).  The slots and rings are read without the lock,
+    so apply checks in its hold that they are still what was read -- the same sealed slots, with the same
+    key hashes and insert sequence numbers; the rings' words and windows -- and redoes there what moved: a
+    put that raced the end of the fill costs the hold its old length, never a wrong state."""
     empty = np.zeros(0, np.int64)
     try:
         parsed: tuple[str, dict[str, np.ndarray]] | str = parse(blob)
@@ -273,8 +276,18 @@ def prepare(core: "Core", blob: bytes) -> Prepared:
     cols = core.columns
     sealed = np.flatnonzero(cols["state"] == SEALED)
     hashes, iseq = cols["key_hash"][sealed], cols["insert_seq"][sealed]  # copies
-    where, rows = _match(hashes, parsed[1].get("hash", np.zeros(0, np.uint64)))
-    return Prepared(parsed, sealed, hashes, iseq, where, rows)
+    fields = parsed[1]
+    where, rows = _match(hashes, fields["hash"])
+    rings = None
+    q = core.queues
+    if q is not None and parsed[0] == core.policy and "seq" in fields and fields["seq"].size == 1:
+        # The ghost rings too (their hash chains: most of what is left of the hold), from the entries put
+        # while the fill ran -- those the blob does not give a state -- and the rings read now.
+        restored = np.zeros(sealed.size, bool)
+        restored[where[iseq[where] <= fields["seq"][0]]] = True
+        later = _later(q)
+        rings = (later, _ring_arrays(q, fields, hashes[~restored], [w for _, w in later]))
+    return Prepared(parsed, sealed, hashes, iseq, where, rows, rings)
 
 
 def apply(core: "Core", blob: bytes, prepared: Prepared | None = None) -> dict[str, Any]:
@@ -308,6 +321,7 @@ def _plan(core: "Core", fields: dict[str, np.ndarray], prepared: Prepared | None
             np.array_equal(cols["key_hash"][sealed], prepared.hashes) and \
             np.array_equal(cols["insert_seq"][sealed], prepared.iseq):
         where, rows = prepared.where, prepared.rows  # the slots matched are still those
+        plan["rings"] = prepared.rings  # (checked against the rings themselves where they are laid)
     else:
         where, rows = _match(cols["key_hash"][sealed], fields.get("hash", np.zeros(0, np.uint64)))
     restored = cols["insert_seq"][sealed[where]] <= np.uint64(seq)  # not put again while the fill ran
@@ -412,26 +426,61 @@ def _write_queues(core: "Core", fields: dict[str, np.ndarray], plan: dict[str, A
     since = max(0, hits_now - max(int(qh["q_hits_seen"]), plan["hits"]))
     fresh = max(0, plan["hits"] - plan["hitseen"]) + since
     qh["q_hits_seen"] = max(0, hits_now - fresh)
-    # A ghost of the blob whose key is in the pool again (put while the fill ran) or was lost again since
-    # (a ghost of the fill's own rings, newer) is forgotten there: its place becomes a hole, so every other
-    # ghost keeps its depth.  (The blob's rings, like every ring, hold each key once and no key in the pool.)
-    later = [_window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])) for r, ring in enumerate(q.ghosts)]
-    gone = np.sort(np.concatenate([cols["key_hash"][others], *later]))
+    # The rings, from the blob's and what the fill's own rings took meanwhile: built by prepare before the
+    # hold if nothing moved since (the same slots matched, the rings' words and windows the same), else here.
+    later = _later(q)
+    ready = plan.get("rings")
+    if ready is None or any(a[0] != b[0] or not np.array_equal(a[1], b[1]) for a, b in zip(ready[0], later)):
+        ready = (later, _ring_arrays(q, fields, cols["key_hash"][others], [w for _, w in later]))
     total = 0
+    for r, (ring, built) in enumerate(zip(q.ghosts, ready[1])):
+        if built is None:
+            continue
+        hashes, buckets, nxt, size = built
+        ring.hashes[:] = hashes
+        ring.buckets_arr[:] = buckets
+        ring.nxt_arr[:] = nxt
+        qh[f"g{r}_head"], qh[f"g{r}_tail"], qh[f"g{r}_live"] = size, 0, int(np.count_nonzero(hashes))
+        total += int(qh[f"g{r}_live"])
+    return total
+
+
+def _later(q: Any) -> list[tuple[tuple[int, int], np.ndarray]]:
+    """Each ring's (head, tail) and window (_window): what the fill's own rings hold now."""
+    qh = q.header[0]
+    out = []
+    for r, ring in enumerate(q.ghosts):
+        head, tail = int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])
+        out.append(((head, tail), _window(ring.hashes, head, tail)))
+    return out
+
+
+def _ring_arrays(q: Any, fields: dict[str, np.ndarray], in_pool: np.ndarray, later: list[np.ndarray]) -> list[Any]:
+    """Per ring, what it becomes (None: a ring of no places): (its places, bucket heads, links, window size),
+    built aside, as Ghosts.repair would build them from the window laid at places 0...
+
+    A ghost of the blob whose key is in the pool again (`in_pool`: put while the fill ran) or was lost
+    again since (in `later`, a window of the fill's own rings: newer) is forgotten there: its place becomes
+    a hole, so every other ghost keeps its depth.  (The blob's rings, like every ring, hold each key once
+    and no key in the pool.)"""
+    gone = np.sort(np.concatenate([in_pool, *later]))
+    out: list[Any] = []
     for r, ring in enumerate(q.ghosts):
         if not ring.n:
+            out.append(None)
             continue
         window = fields.get(f"ghosts{r}", np.zeros(0, np.uint64)).copy()
         if gone.size and window.size:
             pos = np.minimum(np.searchsorted(gone, window), gone.size - 1)
             window[gone[pos] == window] = 0
         window = np.concatenate([window, later[r]])[-ring.n:]
-        ring.hashes[:] = 0
-        ring.hashes[: window.size] = window
-        qh[f"g{r}_head"], qh[f"g{r}_tail"] = window.size, 0
-        ring.repair(True)  # its chains and count, from the places
-        total += int(qh[f"g{r}_live"])
-    return total
+        hashes = np.zeros(ring.n, ring.hashes.dtype)
+        hashes[: window.size] = window
+        members = np.flatnonzero(hashes)
+        buckets, nxt = build_chains(members, hashes[members], ring.buckets_arr.size - 1, ring.buckets_arr.size,
+                                    ring.n, np.empty(0, np.int64))
+        out.append((hashes, buckets, nxt, window.size))
+    return out
 
 
 __all__ = ["capture", "prepare", "Prepared", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION", "CHUNK_SLOTS"]
