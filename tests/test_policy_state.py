@@ -148,6 +148,19 @@ def queue_state(p: Pool) -> dict:
     return core.locked(grab)
 
 
+
+def first_phase(make_pool, scenario: str) -> tuple[Pool, str, list[int]]:
+    """A pool of SCENARIOS[scenario] that has run its first phase (evicting, in the regime it names): the
+    pool, its policy, the next phase's keys."""
+    policy, opts, first, then, want_regime = SCENARIOS[scenario]
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
+    replay(a, policy, first)
+    assert a.stats()["evictions"] > 0
+    if want_regime:
+        assert regime(a) == want_regime, "the workload missed the regime: the test missed its point"
+    return a, policy, then
+
+
 RESTORE_IN_CHILD = """
 import json, sys
 from benchmarks import restart
@@ -175,12 +188,7 @@ def test_a_restored_pool_evicts_as_the_pool_that_never_stopped(make_pool, restor
     """Through the background fill, restored and given its state in another process: every request of
     the next phase hits or misses as in the pool that never stopped, and both end with the same keys
     (and, for the queue policies, the same queues, read counts, places, ghosts and learnt words)."""
-    policy, opts, first, then, want_regime = SCENARIOS[scenario]
-    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
-    replay(a, policy, first)
-    assert a.stats()["evictions"] > 0
-    if want_regime:
-        assert regime(a) == want_regime, "the workload missed the regime: the test missed its point"
+    a, policy, then = first_phase(make_pool, scenario)
     _, blob = restart.persist(a)
     (tmp_path / "state").write_bytes(blob)
     name = f"{a.name}-r"
@@ -401,12 +409,7 @@ def test_a_pool_restored_from_a_self_contained_file_evicts_as_the_pool_that_neve
     """`persist --output` (version 5) carries the policy state itself: persisted and restored by the CLI,
     each in a process of its own, with no blob handed over, the restored pool answers the next phase as
     the pool that never stopped, and ends with the same keys (and queues, ghosts and learnt words)."""
-    policy, opts, first, then, want_regime = SCENARIOS[scenario]
-    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
-    replay(a, policy, first)
-    assert a.stats()["evictions"] > 0
-    if want_regime:
-        assert regime(a) == want_regime, "the workload missed the regime: the test missed its point"
+    a, policy, then = first_phase(make_pool, scenario)
     path = tmp_path / "a.ccsnap"
     r = cli("cache", "persist", a.name, "--output", str(path))
     assert r.returncode == 0, r.stderr.decode()
