@@ -2,11 +2,11 @@
 bench_policies.
 
 A snapshot carries the policy state itself: persist writes it into the version 4 manifest's "policy"
-section (snapshot.policy_blob), a self-contained file (`persist --output`, version 5) before its
+section (snapshot.policy_blob), a self-contained file (`persist --output`, version 6) before its
 records, and the restore lays it back in the lock hold where it ends (fill._finish, restore._end_restore;
 its report says what it did, as restore's report["policy_state"]).  `persist(..., state=False)` writes a
 snapshot without it (empty, as an older snapshot's), for the contrast.  A self-contained file of version
-2 or 1 (written before version 5) has none: for those, and only those, `restore` lays the blob captured
+2 or 1 (written before version 6) has none: for those, and only those, `restore` lays the blob captured
 by `persist` over the restored pool itself.
 """
 

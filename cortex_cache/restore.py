@@ -661,7 +661,7 @@ def _fill_pool(pool: "PoolHandle", snap: Snapshot, counters, progress, hasher) -
                 f"of which a pool of {st['size_bytes']} bytes and {st['max_entries']} entries keeps "
                 f"{st['entries']}; nothing was changed"
             )
-        # The policy state the snapshot carries (versions 4 and 5), laid over the entries in the hold that
+        # The policy state the snapshot carries (versions 4 and 6), laid over the entries in the hold that
         # ends the restore, as a fill's end does (fill._finish): before the pool is published.
         state = snap.policy_state() if counters is not None else None
         applied = core.locked(_end_restore, core, counters, state)

@@ -5,13 +5,13 @@ Version 4, the manifest persist writes into the snapshot directory now, is laid
 out in manifest.py (its columns, key blob, lookup table and sections); the older
 versions, still read and restored::
 
-Snapshot format, version 5: the self-contained file `persist --output` writes (versions 2 and 1 are still
-read: version 5 is version 2 with the policy state between the configuration block and the records; a
+Snapshot format, version 6: the self-contained file `persist --output` writes (versions 2 and 1 are still
+read: version 6 is version 2 with the policy state between the configuration block and the records; a
 reader of versions 1-4 refuses it by its version number).  All integers little-endian::
 
     file header  FILE_HEAD (320 bytes)
       0   8s  magic b"CRTXSNAP"
-      8   u32 version (5; 2 has no policy state, 1 no configuration block either)
+      8   u32 version (6; 2 has no policy state, 1 no configuration block either)
       12  u32 header size (320)
       16  f64 created (wall clock of the persist)
       24  u64 pool data size      32  u64 block size     40  u64 max entries
@@ -20,13 +20,13 @@ reader of versions 1-4 refuses it by its version number).  All integers little-e
       72  64s pool name (NUL padded)
       136 u64 x 8 counters: seq, hits, misses, puts, deletes, evictions, expirations, bytes evicted
       200 u32 configuration block length (versions 2, 5; 0 in version 1)
-      204 u64 policy state length (version 5; 0: none.  Version 4: where its section table is)
+      204 u64 policy state length (version 6; 0: none.  Version 4: where its section table is)
       212 100 bytes reserved (zero)
       312 u64 xxh3_64 of bytes 0..311
-    configuration block (versions 2, 5): that many bytes of UTF-8 JSON, the rest of
+    configuration block (versions 2, 6): that many bytes of UTF-8 JSON, the rest of
       the pool's configuration (config.encode: reserve, keep, disk tier, remote
       tier), covered by the file checksum
-    policy state (version 5): that many bytes, policy_state.py's blob (its own
+    policy state (version 6): that many bytes, policy_state.py's blob (its own
       layout and xxh3_64), covered by the file checksum too: a blob that fails its
       own checks in a file that passes (written so) costs the restored pool its
       policy state (restore ignores it and says why), never its entries
@@ -91,13 +91,13 @@ from .policy_names import POLICY_IDS
 from .units import plural
 
 MAGIC = b"CRTXSNAP"
-VERSION = 5  # a self-contained file (persist --output): version 2 and the policy state
-PLAIN = 2  # the self-contained file before version 5: no policy state
+VERSION = 6  # a self-contained file (persist --output): version 2 and the policy state (5: snapdelta's)
+PLAIN = 2  # the self-contained file before version 6: no policy state
 SELF_CONTAINED = (1, PLAIN, VERSION)
 MANIFEST_VERSION = manifest.VERSION  # an incremental snapshot in the snapshot directory (4), its values in packs
 LEGACY_MANIFEST = 3  # the incremental snapshot before version 4: records one after another
 MANIFESTS = (LEGACY_MANIFEST, MANIFEST_VERSION)
-READS = (1, 2, 3, 4, 5)  # versions this code restores
+READS = (1, 2, 3, 4, VERSION)  # versions this code restores
 REC_MAGIC = b"CREC"
 MAN_MAGIC = b"CMRC"
 END_MAGIC = b"CRTXEND\0"
@@ -110,7 +110,7 @@ REC_CHECK = struct.Struct("<Q")
 TRAILER = struct.Struct("<8sQQQ")
 PACK_TABLE = struct.Struct("<II")
 PACK_ENTRY = struct.Struct("<QQI4x")
-POLICY_AT = struct.Struct("<Q")  # version 5, at byte POLICY_AT_OFFSET of the file header: the policy state's length
+POLICY_AT = struct.Struct("<Q")  # version 6, at byte POLICY_AT_OFFSET of the file header: the policy state's length
 POLICY_AT_OFFSET = 204
 assert FILE_HEAD.size + HEAD_CHECK.size == 320 and REC_HEAD.size + REC_CHECK.size == 104 and TRAILER.size == 32
 
@@ -304,7 +304,7 @@ class Snapshot:
             self.records_off += config_len
         elif config_len:
             raise self._corrupt("header checksum mismatch")
-        self.policy_at = (self.records_off, 0)  # (offset, length) of the policy state (version 5)
+        self.policy_at = (self.records_off, 0)  # (offset, length) of the policy state (version 6)
         if version == VERSION:
             (state_len,) = POLICY_AT.unpack_from(mv, POLICY_AT_OFFSET)
             if state_len > self.size - self.records_off - TRAILER.size:
@@ -344,7 +344,7 @@ class Snapshot:
 
     def policy_state(self) -> bytes | None:
         """The pool's policy state (policy_state.py's blob) as this snapshot carries it: version 4, its
-        "policy" section (checksum checked: SnapshotCorrupt); version 5, the bytes after the configuration
+        "policy" section (checksum checked: SnapshotCorrupt); version 6, the bytes after the configuration
         block (covered by the file checksum; the blob checks itself again when applied); None when it has
         none (older versions, or empty)."""
         if self.v4 is not None:
@@ -358,7 +358,7 @@ class Snapshot:
         return out or None
 
     def _digest(self) -> int:
-        """The xxh3_64 the trailer holds for a file of records (versions 1, 2, 3, 5): every byte before it."""
+        """The xxh3_64 the trailer holds for a file of records (versions 1, 2, 3, 6): every byte before it."""
         return xxhash.xxh3_64_intdigest(self._mv[: self.size - TRAILER.size])
 
     def section(self, name: str) -> memoryview | None:

@@ -378,7 +378,7 @@ def policy_blob(core: Core) -> bytes:
 def _file_head(core: Core, configuration, now: float, version: int, sections_at: tuple[int, int] | None = None,
                policy_len: int = 0) -> tuple[bytes, bytes]:
     """The file header (with its checksum) and the configuration block of a snapshot of `core`'s pool; for
-    version 4 the header says where its section table is (`sections_at`: offset, count), for version 5 how
+    version 4 the header says where its section table is (`sections_at`: offset, count), for version 6 how
     long its policy state is (`policy_len`)."""
     cfg = core.locked(pool_config, core)
     block = config.encode({**core.locked(configuration), "created": float(core.header[0]["created"])})
@@ -463,7 +463,7 @@ def _live_good(core: Core, progress, write_values: Callable[[capture.Gathered], 
 
 
 def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
-    """Write a self-contained snapshot (version 5) to `f`; return (entries, value bytes, skipped).  A record
+    """Write a self-contained snapshot (version 6) to `f`; return (entries, value bytes, skipped).  A record
     per entry, packed here (a self-contained file is not the hot path: the snapshot directory's is).  The
     policy state goes before the records (snapfile.py): it is taken just before the entries are listed, keyed by the keys' hashes, so an entry put or evicted between is simply not
     matched at the restore (as the manifest's, taken just after)."""

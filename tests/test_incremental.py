@@ -164,7 +164,7 @@ def test_full_writes_everything_and_output_writes_one_whole_file(make_pool, snap
     whole = snap.persist(p, tmp_path / "whole.ccsnap")
     assert not whole.incremental and whole.written is None
     with snap.Snapshot(whole.path) as s:
-        assert s.header.version == snap.VERSION == 5 and s.pack_refs == []
+        assert s.header.version == snap.VERSION == 6 and s.pack_refs == []
     name = p.name
     p.close()
     Pool.unlink(name)

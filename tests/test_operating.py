@@ -130,7 +130,7 @@ def _as_version_1(path: Path) -> None:
     """Rewrite a snapshot as the version 1 format wrote it (no configuration block, no policy state)."""
     data = bytearray(path.read_bytes())
     (clen,) = struct.unpack_from("<I", data, 200)
-    (slen,) = struct.unpack_from("<Q", data, 204)  # version 5's policy state, after the configuration block
+    (slen,) = struct.unpack_from("<Q", data, 204)  # version 6's policy state, after the configuration block
     del data[320 : 320 + clen + slen]
     struct.pack_into("<I", data, 8, 1)
     struct.pack_into("<I", data, 200, 0)

@@ -9,7 +9,7 @@ the fill ran, and blobs that are absent, damaged, of another version or of anoth
 saying why, the pool as the restore left it).
 
 The snapshot carries the blob itself (the version 4 manifest's "policy" section, the bytes before a
-version 5 file's records); benchmarks/restart.py restores with it, or without for the contrast.
+version 6 file's records); benchmarks/restart.py restores with it, or without for the contrast.
 """
 
 from __future__ import annotations
@@ -406,7 +406,7 @@ def _restore_cli(path, name: str) -> dict:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_pool_restored_from_a_self_contained_file_evicts_as_the_pool_that_never_stopped(
         make_pool, restored, tmp_path, scenario):
-    """`persist --output` (version 5) carries the policy state itself: persisted and restored by the CLI,
+    """`persist --output` (version 6) carries the policy state itself: persisted and restored by the CLI,
     each in a process of its own, with no blob handed over, the restored pool answers the next phase as
     the pool that never stopped, and ends with the same keys (and queues, ghosts and learnt words)."""
     a, policy, then = first_phase(make_pool, scenario)
@@ -414,7 +414,7 @@ def test_a_pool_restored_from_a_self_contained_file_evicts_as_the_pool_that_neve
     r = cli("cache", "persist", a.name, "--output", str(path))
     assert r.returncode == 0, r.stderr.decode()
     with snapfile.Snapshot(path) as s:
-        assert s.header.version == snapfile.VERSION == 5 and s.policy_state()
+        assert s.header.version == snapfile.VERSION == 6 and s.policy_state()
     report = _restore_cli(path, f"{a.name}-r")
     b = Pool.open(f"{a.name}-r")
     restored.append(b)
@@ -427,7 +427,7 @@ def test_a_pool_restored_from_a_self_contained_file_evicts_as_the_pool_that_neve
 
 
 def _as_version_2(path, out) -> None:
-    """The file `persist --output` wrote before version 5, made from a version 5 one: the same header with
+    """The file `persist --output` wrote before version 6, made from a version 6 one: the same header with
     version 2 and no policy state length, no policy state, the trailer's checksum over what is left."""
     raw = path.read_bytes()
     (config_len,) = struct.unpack_from("<I", raw, 200)
@@ -443,7 +443,7 @@ def _as_version_2(path, out) -> None:
 
 
 def test_a_self_contained_file_of_version_2_still_restores(make_pool, restored, tmp_path):
-    """A file written before version 5 (no policy state): it restores, every entry, with no state applied
+    """A file written before version 6 (no policy state): it restores, every entry, with no state applied
     (report None), as before; and the same file with the state restores it."""
     a = make_pool(N * BS, block_size=BS, max_entries=N, policy="s3fifo")
     replay(a, "s3fifo", _halves("mixed")[0])
@@ -465,7 +465,7 @@ def test_a_self_contained_file_of_version_2_still_restores(make_pool, restored, 
 @pytest.mark.parametrize("where", ["middle", "head", "last byte"])
 def test_a_damaged_policy_state_in_a_self_contained_file_is_ignored_with_a_note(make_pool, restored, tmp_path,
                                                                                 where):
-    """A version 5 file whose policy state fails its own checks though the file passes its checksum (written
+    """A version 6 file whose policy state fails its own checks though the file passes its checksum (written
     so): the restored pool gets every entry and no state (the report and one warning say why).  A byte
     flipped after the file was written fails the file's checksum: refused whole, as any other byte."""
     a = make_pool(N * BS, block_size=BS, max_entries=N, policy="auto")
@@ -492,14 +492,14 @@ def test_a_damaged_policy_state_in_a_self_contained_file_is_ignored_with_a_note(
     assert sorted(b.keys()) == sorted(a.keys()) and b.verify()["ok"]
 
 
-def test_older_readers_refuse_a_version_5_file_by_its_version(make_pool, tmp_path, monkeypatch):
-    """A reader of versions 1-4 (this one with version 5 taken out of what it reads) refuses the file with
+def test_older_readers_refuse_a_version_6_file_by_its_version(make_pool, tmp_path, monkeypatch):
+    """A reader of versions 1-4 (this one with version 6 taken out of what it reads) refuses the file with
     the usual one line naming its version: never reads the policy state as records."""
     a = make_pool(N * BS, block_size=BS, max_entries=N, policy="arc")
     replay(a, "arc", _halves("short-reuse")[0])
     a.persist(tmp_path / "a.ccsnap")
     monkeypatch.setattr(snapfile, "READS", (1, 2, 3, 4))
-    with pytest.raises(SnapshotCorrupt, match="format version 5; this cortex_cache reads versions 1, 2, 3, 4"):
+    with pytest.raises(SnapshotCorrupt, match="format version 6; this cortex_cache reads versions 1, 2, 3, 4"):
         snapfile.Snapshot(tmp_path / "a.ccsnap")
 
 
