@@ -16,9 +16,10 @@ snapshot's order: the restored pool lays its entries out as it likes.
 
 `capture` takes short lock holds of its own (CHUNK_SLOTS slots each).  `apply` runs once the restore's
 entries are in (lock held): at the end of a foreground restore, or in the lock hold where a background fill
-ends, after `prepare` matched the blob to the slots outside it (docs/design.md, "Lock holds").  Entries put while the fill ran (their insert_seq is past the
-snapshot's seq) keep their state and stay newer than every restored one in their queue; a restored entry
-read meanwhile keeps those reads (its freq, its promotion).  A blob that is damaged, of another version or
+ends, after `prepare` matched the blob to the slots and built the ghost rings outside it (docs/design.md,
+"Lock holds").  Entries put while the fill ran (their insert_seq is past the snapshot's seq) keep their
+state and stay newer than every restored one in their queue; a restored entry read meanwhile keeps those
+reads (its freq, its promotion).  A blob that is damaged, of another version or
 of another policy is ignored, and the report says why: the restore stands, as without the blob.
 
 Bytes (little-endian; docs/design.md, "Policy state")::

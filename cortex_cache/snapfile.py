@@ -522,12 +522,16 @@ class Snapshot:
         """Version 4: every value read from its pack and checked against its checksum, a pack at a time in
         the order of its bytes, thousands of values per call (gather_hash: C), no Python per entry."""
         c = self.v4.cols
-        pack = c["pack"].astype(np.int64)
+        held = np.arange(self.v4.n)
+        gone = getattr(self.v4, "dropped_mask", None)  # entries a reader has but does not hold (records skips them)
+        if gone is not None:
+            held = np.flatnonzero(~gone())
+        pack = c["pack"][held].astype(np.int64)
         buf = mmap.mmap(-1, VERIFY_BYTES)
         try:
             for index in np.unique(pack).tolist():
                 reader = self._pack(index)
-                sel = np.flatnonzero(pack == index)
+                sel = held[pack == index]
                 sel = sel[np.argsort(c["offset"][sel], kind="stable")]
                 offs, lens = c["offset"][sel].astype(np.uint64), c["length"][sel].astype(np.uint64)
                 size = np.uint64(reader.ref.size)

@@ -465,8 +465,9 @@ def _live_good(core: Core, progress, write_values: Callable[[capture.Gathered], 
 def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
     """Write a self-contained snapshot (version 6) to `f`; return (entries, value bytes, skipped).  A record
     per entry, packed here (a self-contained file is not the hot path: the snapshot directory's is).  The
-    policy state goes before the records (snapfile.py): it is taken just before the entries are listed, keyed by the keys' hashes, so an entry put or evicted between is simply not
-    matched at the restore (as the manifest's, taken just after)."""
+    policy state goes before the records (snapfile.py): it is taken just before the entries are listed,
+    keyed by the keys' hashes, so an entry put or evicted between is simply not matched at the restore (as
+    the manifest's, taken just after)."""
     file_hash = xxhash.xxh3_64()
 
     def out(data) -> None:
