@@ -2,11 +2,12 @@
 bench_policies.
 
 A snapshot carries the policy state itself: persist writes it into the version 4 manifest's "policy"
-section (snapshot.policy_blob) and the fill lays it back in the lock hold where it ends
-(fill._finish; its report says what it did, as restore's report["policy_state"]).  `persist(...,
-state=False)` writes a snapshot without it (the section empty, as an older snapshot's), for the
-contrast.  A self-contained file (`persist --output`, format 2) has no sections: for those, and only
-those, `restore` lays the blob captured by `persist` over the restored pool itself.
+section (snapshot.policy_blob), a self-contained file (`persist --output`, version 6) before its
+records, and the restore lays it back in the lock hold where it ends (fill._finish, restore._end_restore;
+its report says what it did, as restore's report["policy_state"]).  `persist(..., state=False)` writes a
+snapshot without it (empty, as an older snapshot's), for the contrast.  A self-contained file of version
+2 or 1 (written before version 6) has none: for those, and only those, `restore` lays the blob captured
+by `persist` over the restored pool itself.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cortex_cache.persist import restore as _restore
 def persist(pool: Pool, path: str | os.PathLike | None = None, state: bool = True) -> tuple[Any, bytes | None]:
     """Persist `pool` (to `path`, or the snapshot directory): (the snapshot's path, the policy state blob for
     a self-contained file, None without `state`)."""
-    blob = pool.core.locked(policy_state.capture, pool.core) if state else None
+    blob = policy_state.capture(pool.core) if state else None
     if state:
         return pool.persist(path), blob
     keep = snapshot.policy_blob
@@ -35,7 +36,7 @@ def persist(pool: Pool, path: str | os.PathLike | None = None, state: bool = Tru
 def restore(blob: bytes | None, path: str | os.PathLike | None = None, name: str | None = None,
             progress: Callable[[int, int], None] | None = None) -> tuple[Pool, dict | None]:
     """Restore a pool as Pool.restore does: (pool, what laying its policy state did: None without one).  The
-    snapshot's own section is used; `blob` only for a self-contained file, which has none."""
+    snapshot's own state is used; `blob` only for a self-contained file of version 2 or 1, which has none."""
     pool, report = _restore(path, name=name, progress=progress)
     assert pool is not None
     got = report.get("policy_state")
@@ -48,4 +49,4 @@ def _self_contained(path: str | os.PathLike | None) -> bool:
     if path is None:
         return False
     with snapshot.Snapshot(path, verify=False, private=True) as snap:
-        return snap.header.version < 3
+        return snap.header.version in (1, snapshot.PLAIN)

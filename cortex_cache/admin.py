@@ -185,7 +185,7 @@ def delete_pool(name: str, force: bool = False, disk_path: str | None = None) ->
     if (users or on_old) and not force:
         also = f"{', ' if users else ''}and on a copy it replaced by pid {', '.join(map(str, on_old))}" if on_old else ""
         raise PoolBusy(f"pool {name!r} is in use{' by pid ' + ', '.join(map(str, users)) if users else ''}"
-                       f"{also}; use --force to delete it anyway")
+                       f"{also}{_filling_note(name)}; use --force to delete it anyway")
     tier = disk_tier_of(name)
     removed = force and tier is not None
     with interrupts.commit():
@@ -193,6 +193,20 @@ def delete_pool(name: str, force: bool = False, disk_path: str | None = None) ->
             DiskLog.destroy(tier)  # type: ignore[arg-type]
         unlink_marked(name)  # marked in the lock hold that unlinks: processes attached learn it is gone
     return Deleted(squatter=None, disk_tier=tier, tier_removed=removed)
+
+
+def _filling_note(name: str) -> str:
+    """For a delete refused because the pool is in use: say if one of its users is the process filling it
+    from a snapshot (restore --background's: its pid means nothing to whoever asks), which --force stops."""
+    from .fill import filler_alive
+
+    try:
+        with Pool.open(name) as p:
+            if filler_alive(p.core):
+                return " (a restore is filling it from its snapshot: --force stops the fill too)"
+    except CortexCacheError:
+        pass
+    return ""
 
 
 def _orphan_at(name: str, path: str) -> str:

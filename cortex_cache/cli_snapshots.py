@@ -51,6 +51,9 @@ def persist(
     if force and output is None:
         raise UsageError("--force replaces the file --output names; there is none (the snapshot directory's "
                          "snapshots are never replaced)")
+    if output == "-":  # elsewhere (get -o -, put -) the standard streams: never a file named "-" by surprise
+        raise UsageError("--output - would be stdout, and a snapshot is written to a file and renamed into place: "
+                         "give a file name (./- for a file named '-')")
     if output is not None:
         from . import safefs
 
@@ -115,6 +118,9 @@ def restore(
     """
     from . import persist as snap
 
+    if input_ == "-":  # elsewhere (put -) stdin: never a file named "-" by surprise
+        raise UsageError("--input - would be stdin, and a snapshot is read from a file it maps: give a file name "
+                         "(./- for a file named '-')")
     if input_ is not None and os.path.isdir(input_):
         # Opening a directory read-only succeeds; say what is wrong before the reader tries to map it.
         raise UsageError(f"{input_!r} is a directory, not a snapshot")
@@ -158,6 +164,9 @@ def restore(
         print_json(report)
     else:
         say_restored(report)
+        state = report.get("policy_state")
+        if state and not state["applied"]:  # the entries are all there; only the policy's order starts anew
+            warn(f"policy state not restored ({state['note']}): the pool evicts as a freshly filled one would")
         left = report.get("not_attached")
         if left:
             what = ", ".join(

@@ -568,8 +568,10 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
                 report["ended"] = "stopped"
                 break
         prepare.finish()
+        # The blob parsed and matched to the slots before the hold (apply checks the match there).
+        ready = policy_state.prepare(core, policy) if policy else None
         report["policy_state"] = core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED,
-                                             policy)
+                                             policy, ready)
     except _Ended:
         report["ended"] = "stopped"
         prepare.finish()
@@ -730,13 +732,15 @@ def _seal_batch(core: "Core", batch: list[Item], slots: list[Any], checks: list[
     report["bytes"] += nbytes
 
 
-def _finish(core: "Core", gen: int, end: int, policy: bytes | None = None) -> dict[str, Any] | None:
-    """Lock held: end the fill; lay the snapshot's policy state (if it has one) over what the fill loaded,
-    in the same hold, so that no put sees the entries without it.  Returns policy_state.apply's report."""
+def _finish(core: "Core", gen: int, end: int, policy: bytes | None = None,
+            ready: "policy_state.Prepared | None" = None) -> dict[str, Any] | None:
+    """Lock held: end the fill; lay the snapshot's policy state (if it has one; `ready`: its prepare) over
+    what the fill loaded, in the same hold, so that no put sees the entries without it.  Returns
+    policy_state.apply's report."""
     h = core.header[0]
     if int(h["fill_gen"]) != gen or int(h["fill_state"]) != FILL_RUNNING:
         raise _Ended
-    applied = policy_state.apply(core, policy) if policy else None
+    applied = policy_state.apply(core, policy, ready) if policy else None
     h["fill_state"] = end
     h["fill_ended"] = time.time()
     return applied

@@ -14,10 +14,12 @@ entries by `apply`, so that a restored pool evicts as the pool that never stoppe
 Entries are keyed by their key's stored hash (xxh3_64, the slot's key_hash), never by slot or by the
 snapshot's order: the restored pool lays its entries out as it likes.
 
-`apply` runs once the restore's entries are in (lock held): at the end of a foreground restore, or in the
-lock hold where a background fill ends.  Entries put while the fill ran (their insert_seq is past the
-snapshot's seq) keep their state and stay newer than every restored one in their queue; a restored entry
-read meanwhile keeps those reads (its freq, its promotion).  A blob that is damaged, of another version or
+`capture` takes short lock holds of its own (CHUNK_SLOTS slots each).  `apply` runs once the restore's
+entries are in (lock held): at the end of a foreground restore, or in the lock hold where a background fill
+ends, after `prepare` matched the blob to the slots and built the ghost rings outside it (docs/design.md,
+"Lock holds").  Entries put while the fill ran (their insert_seq is past the snapshot's seq) keep their
+state and stay newer than every restored one in their queue; a restored entry read meanwhile keeps those
+reads (its freq, its promotion).  A blob that is damaged, of another version or
 of another policy is ignored, and the report says why: the restore stands, as without the blob.
 
 Bytes (little-endian; docs/design.md, "Policy state")::
@@ -40,11 +42,12 @@ version may add fields without a new version number.
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import xxhash
 
+from .chains import build_chains
 from .layout import SEALED
 from .policy_names import POLICY_IDS
 from .queues import AUTO_ADAPTIVE, AUTO_LOOP, MAX_FREQ
@@ -90,30 +93,82 @@ class Ignored(Exception):
 # ---------------------------------------------------------------- capture
 
 
+CHUNK_SLOTS = 1 << 16  # slots whose per-entry state one lock hold of capture copies (about 1 ms at 1M)
+
+
 def capture(core: "Core") -> bytes:
-    """The policy state of `core`'s pool as a blob (lock held: the hold in which persist lists the entries)."""
-    h = core.header[0]
+    """The policy state of `core`'s pool as a blob, taken in short lock holds (not held by the caller).
+
+    The per-entry columns are copied CHUNK_SLOTS slots per hold, like persist's listing (capture.py), so a
+    writer waits a millisecond, not the whole copy (6-64 ms at 1,000,000 entries in one hold).  What keeps
+    the blob exact where the pool stands still, and consistent where it does not:
+
+    - an entry is in it only if it was put no later than the pool's seq at the first hold (the blob's
+      "seq"): one put again meanwhile is newer, and apply gives it its own state, as a put during the fill;
+    - the clocks, queue 0's target, auto's words and the ghost rings are read in the last hold, after every
+      chunk: each copied qseq is at most that clock, each LFU epoch at most that epoch (ages are taken
+      against it);
+    - an entry copied, then evicted before the last hold, is a ghost in the rings read there: its row is
+      dropped, so that no key is both an entry and a ghost of the blob (the rings' invariant).
+    """
     policy = core.policy
-    fields: list[tuple[str, np.ndarray]] = [
-        (name, np.array([h[col]], FIELDS[name][0]))
-        for name, col in (("seq", "seq"), ("ops", "ops"), ("lfuepoch", "lfu_epoch"), ("hits", "hits"))
-    ]
-    cols = core.columns
-    sealed = np.flatnonzero(cols["state"] == SEALED)
-    if policy == "lfu":
-        age = np.minimum(int(h["lfu_epoch"]) - cols["lfu_epoch"][sealed].astype(np.int64), MAX_LFU_AGE)
-        fields += [("hash", cols["key_hash"][sealed]), ("lfuage", np.maximum(age, 0))]
     q = core.queues
-    if q is not None:
-        qh = q.header[0]
-        fields += [("hash", cols["key_hash"][sealed]), ("queue", q.cols["queue"][sealed]),
-                   ("freq", q.cols["freq"][sealed]), ("qseq", q.cols["qseq"][sealed])]
-        fields += [(name, np.array([qh[col]], FIELDS[name][0])) for name, col in (
-            ("qclock", "q_seq"), ("qtarget", "q_target"), ("qregime", "q_regime"), ("qghost", "q_ghost_rate"),
-            ("qhitrate", "q_hit_rate"), ("qhitseen", "q_hits_seen"))]
-        for r, ring in enumerate(q.ghosts):
-            fields.append((f"ghosts{r}", _window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"]))))
+    per_entry = policy == "lfu" or q is not None
+
+    def first() -> tuple[int, int]:
+        return int(core.fields.seq[0]), core.columns["state"].size
+
+    seq, n_slots = core.locked(first)
+    names = (["lfu_epoch"] if policy == "lfu" else []) + (["queue", "freq", "qseq"] if q is not None else [])
+    parts: list[dict[str, np.ndarray]] = []
+    if per_entry:
+        for start in range(0, n_slots, CHUNK_SLOTS):
+            parts.append(core.locked(_chunk, core, start, min(n_slots, start + CHUNK_SLOTS), seq, names))
+
+    def last() -> tuple[dict[str, Any], list[np.ndarray]]:
+        h = core.header[0]
+        words = {name: h[col].item() for name, col in (("ops", "ops"), ("lfuepoch", "lfu_epoch"), ("hits", "hits"))}
+        rings = []
+        if q is not None:
+            qh = q.header[0]
+            words.update({name: qh[col].item() for name, col in (
+                ("qclock", "q_seq"), ("qtarget", "q_target"), ("qregime", "q_regime"), ("qghost", "q_ghost_rate"),
+                ("qhitrate", "q_hit_rate"), ("qhitseen", "q_hits_seen"))})
+            rings = [_window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])) for r, ring in enumerate(q.ghosts)]
+        return words, rings
+
+    words, rings = core.locked(last)
+    fields: list[tuple[str, np.ndarray]] = [(name, np.array([seq if name == "seq" else words[name]], FIELDS[name][0]))
+                                            for name in ("seq", "ops", "lfuepoch", "hits")]
+    if per_entry:
+        cols = {name: np.concatenate([p[name] for p in parts]) for name in ["hash", *names]}
+        if rings:  # copied, then evicted before the last hold: a ghost now, not an entry
+            ghosts = np.sort(np.concatenate(rings))
+            if ghosts.size and cols["hash"].size:
+                at = np.minimum(np.searchsorted(ghosts, cols["hash"]), ghosts.size - 1)
+                keep = ghosts[at] != cols["hash"]
+                cols = {name: v[keep] for name, v in cols.items()}
+        fields.append(("hash", cols["hash"]))
+        if policy == "lfu":
+            age = np.minimum(int(words["lfuepoch"]) - cols["lfu_epoch"].astype(np.int64), MAX_LFU_AGE)
+            fields.append(("lfuage", np.maximum(age, 0)))
+        if q is not None:
+            fields += [("queue", cols["queue"]), ("freq", cols["freq"]), ("qseq", cols["qseq"])]
+            fields += [(name, np.array([words[name]], FIELDS[name][0]))
+                       for name in ("qclock", "qtarget", "qregime", "qghost", "qhitrate", "qhitseen")]
+            fields += [(f"ghosts{r}", window) for r, window in enumerate(rings)]
     return _pack(POLICY_IDS.index(policy), fields)
+
+
+def _chunk(core: "Core", start: int, stop: int, seq: int, names: list[str]) -> dict[str, np.ndarray]:
+    """Lock held: the key hash and the per-entry policy columns `names` of the sealed slots in [start, stop)
+    put no later than `seq`."""
+    cols = core.columns
+    sel = start + np.flatnonzero((cols["state"][start:stop] == SEALED) & (cols["insert_seq"][start:stop] <= np.uint64(seq)))
+    out = {"hash": cols["key_hash"][sel]}
+    for name in names:
+        out[name] = (cols[name] if name == "lfu_epoch" else core.queues.cols[name])[sel]
+    return out
 
 
 def _window(hashes: np.ndarray, head: int, tail: int) -> np.ndarray:
@@ -192,30 +247,84 @@ def _scalar(fields: dict[str, np.ndarray], name: str, default: Any = None) -> An
 # ---------------------------------------------------------------- apply
 
 
-def apply(core: "Core", blob: bytes) -> dict[str, Any]:
-    """Lay the policy state `blob` (capture's) over `core`'s restored entries (lock held).
+class Prepared(NamedTuple):
+    """apply's costly half, done before its lock hold (`prepare`): the blob parsed (or why it is ignored)
+    and its entries matched to the pool's sealed slots as they were read without the lock."""
+
+    parsed: tuple[str, dict[str, np.ndarray]] | str
+    sealed: np.ndarray
+    hashes: np.ndarray
+    iseq: np.ndarray
+    where: np.ndarray
+    rows: np.ndarray
+    rings: Any = None  # queue policies: (the rings' words and windows read, what _ring_arrays built of them)
+
+
+def prepare(core: "Core", blob: bytes) -> Prepared:
+    """Lock not held: parse `blob`, match its entries to the pool's sealed slots (two sorts of a million
+    hashes: 0.2 s of apply's 0.3-0.4 s hold at 1,000,000 entries) and, for the queue policies, build the
+    ghost rings with their hash chains (most of the rest).  The slots and rings are read without the lock,
+    so apply checks in its hold that they are still what was read -- the same sealed slots, with the same
+    key hashes and insert sequence numbers; the rings' words and windows -- and redoes there what moved: a
+    put that raced the end of the fill costs the hold its old length, never a wrong state."""
+    empty = np.zeros(0, np.int64)
+    try:
+        parsed: tuple[str, dict[str, np.ndarray]] | str = parse(blob)
+    except Ignored as e:
+        return Prepared(str(e), empty, empty, empty, empty, empty)
+    if "hash" not in parsed[1]:  # no per-entry state (lru, fifo, ...): nothing to match
+        return Prepared(parsed, empty, empty, empty, empty, empty)
+    cols = core.columns
+    sealed = np.flatnonzero(cols["state"] == SEALED)
+    hashes, iseq = cols["key_hash"][sealed], cols["insert_seq"][sealed]  # copies
+    fields = parsed[1]
+    where, rows = _match(hashes, fields["hash"])
+    rings = None
+    q = core.queues
+    if q is not None and parsed[0] == core.policy and "seq" in fields and fields["seq"].size == 1:
+        # The ghost rings too (their hash chains: most of what is left of the hold), from the entries put
+        # while the fill ran -- those the blob does not give a state -- and the rings read now.
+        restored = np.zeros(sealed.size, bool)
+        restored[where[iseq[where] <= fields["seq"][0]]] = True
+        later = _later(q)
+        rings = (later, _ring_arrays(q, fields, hashes[~restored], [w for _, w in later]))
+    return Prepared(parsed, sealed, hashes, iseq, where, rows, rings)
+
+
+def apply(core: "Core", blob: bytes, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Lay the policy state `blob` (capture's) over `core`'s restored entries (lock held); `prepared`:
+    `prepare(core, blob)`'s, done before the hold (what it matched is checked here, and redone if stale).
 
     Returns a report: "applied" (bool), "entries" (restored entries given their state), "ghosts" (ghosts
     remembered again) and "note": None, or why the blob was ignored (damaged, another version or
     policy, values out of range): then nothing was changed, and the pool stays as the restore left it."""
     try:
-        policy, fields = parse(blob)
+        parsed = parse(blob) if prepared is None else prepared.parsed
+        if isinstance(parsed, str):
+            raise Ignored(parsed)
+        policy, fields = parsed
         if policy != core.policy:
             raise Ignored(f"policy state is {policy}'s, and the pool's policy is {core.policy}")
-        plan = _plan(core, fields)
+        plan = _plan(core, fields, prepared)
     except Ignored as e:
         return {"applied": False, "entries": 0, "ghosts": 0, "note": str(e)}
     return {"applied": True, **_write(core, fields, plan), "note": None}
 
 
-def _plan(core: "Core", fields: dict[str, np.ndarray]) -> dict[str, Any]:
+def _plan(core: "Core", fields: dict[str, np.ndarray], prepared: Prepared | None = None) -> dict[str, Any]:
     """Everything apply checks before it changes anything: matched slots and their rows, scalars in range."""
     cols = core.columns
     sealed = np.flatnonzero(cols["state"] == SEALED)
     seq = _scalar(fields, "seq")
     plan: dict[str, Any] = {"seq": seq, "ops": _scalar(fields, "ops"), "epoch": _scalar(fields, "lfuepoch"),
                             "hits": _scalar(fields, "hits")}
-    where, rows = _match(cols["key_hash"][sealed], fields.get("hash", np.zeros(0, np.uint64)))
+    if prepared is not None and "hash" in fields and np.array_equal(sealed, prepared.sealed) and \
+            np.array_equal(cols["key_hash"][sealed], prepared.hashes) and \
+            np.array_equal(cols["insert_seq"][sealed], prepared.iseq):
+        where, rows = prepared.where, prepared.rows  # the slots matched are still those
+        plan["rings"] = prepared.rings  # (checked against the rings themselves where they are laid)
+    else:
+        where, rows = _match(cols["key_hash"][sealed], fields.get("hash", np.zeros(0, np.uint64)))
     restored = cols["insert_seq"][sealed[where]] <= np.uint64(seq)  # not put again while the fill ran
     where, rows = where[restored], rows[restored]
     others = np.ones(sealed.size, bool)
@@ -318,26 +427,61 @@ def _write_queues(core: "Core", fields: dict[str, np.ndarray], plan: dict[str, A
     since = max(0, hits_now - max(int(qh["q_hits_seen"]), plan["hits"]))
     fresh = max(0, plan["hits"] - plan["hitseen"]) + since
     qh["q_hits_seen"] = max(0, hits_now - fresh)
-    # A ghost of the blob whose key is in the pool again (put while the fill ran) or was lost again since
-    # (a ghost of the fill's own rings, newer) is forgotten there: its place becomes a hole, so every other
-    # ghost keeps its depth.  (The blob's rings, like every ring, hold each key once and no key in the pool.)
-    later = [_window(ring.hashes, int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])) for r, ring in enumerate(q.ghosts)]
-    gone = np.sort(np.concatenate([cols["key_hash"][others], *later]))
+    # The rings, from the blob's and what the fill's own rings took meanwhile: built by prepare before the
+    # hold if nothing moved since (the same slots matched, the rings' words and windows the same), else here.
+    later = _later(q)
+    ready = plan.get("rings")
+    if ready is None or any(a[0] != b[0] or not np.array_equal(a[1], b[1]) for a, b in zip(ready[0], later)):
+        ready = (later, _ring_arrays(q, fields, cols["key_hash"][others], [w for _, w in later]))
     total = 0
+    for r, (ring, built) in enumerate(zip(q.ghosts, ready[1])):
+        if built is None:
+            continue
+        hashes, buckets, nxt, size = built
+        ring.hashes[:] = hashes
+        ring.buckets_arr[:] = buckets
+        ring.nxt_arr[:] = nxt
+        qh[f"g{r}_head"], qh[f"g{r}_tail"], qh[f"g{r}_live"] = size, 0, int(np.count_nonzero(hashes))
+        total += int(qh[f"g{r}_live"])
+    return total
+
+
+def _later(q: Any) -> list[tuple[tuple[int, int], np.ndarray]]:
+    """Each ring's (head, tail) and window (_window): what the fill's own rings hold now."""
+    qh = q.header[0]
+    out = []
+    for r, ring in enumerate(q.ghosts):
+        head, tail = int(qh[f"g{r}_head"]), int(qh[f"g{r}_tail"])
+        out.append(((head, tail), _window(ring.hashes, head, tail)))
+    return out
+
+
+def _ring_arrays(q: Any, fields: dict[str, np.ndarray], in_pool: np.ndarray, later: list[np.ndarray]) -> list[Any]:
+    """Per ring, what it becomes (None: a ring of no places): (its places, bucket heads, links, window size),
+    built aside, as Ghosts.repair would build them from the window laid at places 0...
+
+    A ghost of the blob whose key is in the pool again (`in_pool`: put while the fill ran) or was lost
+    again since (in `later`, a window of the fill's own rings: newer) is forgotten there: its place becomes
+    a hole, so every other ghost keeps its depth.  (The blob's rings, like every ring, hold each key once
+    and no key in the pool.)"""
+    gone = np.sort(np.concatenate([in_pool, *later]))
+    out: list[Any] = []
     for r, ring in enumerate(q.ghosts):
         if not ring.n:
+            out.append(None)
             continue
         window = fields.get(f"ghosts{r}", np.zeros(0, np.uint64)).copy()
         if gone.size and window.size:
             pos = np.minimum(np.searchsorted(gone, window), gone.size - 1)
             window[gone[pos] == window] = 0
         window = np.concatenate([window, later[r]])[-ring.n:]
-        ring.hashes[:] = 0
-        ring.hashes[: window.size] = window
-        qh[f"g{r}_head"], qh[f"g{r}_tail"] = window.size, 0
-        ring.repair(True)  # its chains and count, from the places
-        total += int(qh[f"g{r}_live"])
-    return total
+        hashes = np.zeros(ring.n, ring.hashes.dtype)
+        hashes[: window.size] = window
+        members = np.flatnonzero(hashes)
+        buckets, nxt = build_chains(members, hashes[members], ring.buckets_arr.size - 1, ring.buckets_arr.size,
+                                    ring.n, np.empty(0, np.int64))
+        out.append((hashes, buckets, nxt, window.size))
+    return out
 
 
-__all__ = ["capture", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION"]
+__all__ = ["capture", "prepare", "Prepared", "apply", "parse", "Ignored", "FIELDS", "MAGIC", "VERSION", "CHUNK_SLOTS"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import xxhash
 
-from . import fill, interrupts, procs, safefs, segment
+from . import fill, interrupts, policy_state, procs, safefs, segment
 from .core import Core
 from .errors import (
     CortexCacheError,
@@ -512,7 +512,7 @@ def _restored_mode(snap: "Snapshot", mode: int) -> int:
     if wider:
         raise PermissionDenied(
             f"mode {mode:04o} would let more users read pool data than snapshot {str(snap.path)!r} "
-            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~(wider | wider >> 1):04o} or narrower"
+            f"(mode {snap.file_mode:04o}) does: give --mode {mode & ~(wider | wider >> 1) & 0o666:04o} or narrower"
         )
     return mode
 
@@ -661,13 +661,22 @@ def _fill_pool(pool: "PoolHandle", snap: Snapshot, counters, progress, hasher) -
                 f"of which a pool of {st['size_bytes']} bytes and {st['max_entries']} entries keeps "
                 f"{st['entries']}; nothing was changed"
             )
-        core.locked(restore_end, core, counters)
+        # The policy state the snapshot carries (versions 4 and 6), laid over the entries in the hold that
+        # ends the restore, as a fill's end does (fill._finish): before the pool is published.
+        state = snap.policy_state() if counters is not None else None
+        applied = core.locked(_end_restore, core, counters, state)
         end = core.clock()
         ran_out = [n for expiry, n in expiring if expiry <= end]
         return {"entries": restored - len(ran_out), "bytes": nbytes - sum(ran_out),
-                "expired_skipped": expired + len(ran_out)}
+                "expired_skipped": expired + len(ran_out), "policy_state": applied}
     finally:
         lock.release()
+
+
+def _end_restore(core: Core, counters: dict[str, int] | None, state: bytes | None) -> dict[str, Any] | None:
+    """Lock held: the counters, then the policy state (policy_state.apply's report; None without one)."""
+    restore_end(core, counters)
+    return policy_state.apply(core, state) if state else None
 
 
 __all__ = ["restore", "resize", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]

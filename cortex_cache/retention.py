@@ -12,9 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import config, fill, packs, snapdelta, snapplaces
 from .core import Core
-from .errors import CortexCacheError, PersistBusy, SnapshotCorrupt, SnapshotNotFound, UsageError
+from .errors import CortexCacheError, PersistBusy, SnapshotCorrupt, SnapshotNotFound, StorageIOError, UsageError
 from .lock import PERSIST_BYTE, RecordLock
 from .snapfile import DELTA_VERSION, MANIFESTS, Snapshot, followed
 from .snapplaces import checked_snapshot_dir, fsync_dir, latest_path, namespaced, snapshot_dir, snapshots_of
@@ -54,10 +56,12 @@ def snapshots_and_space(name: str, directory: Path | None = None,
     except OSError:
         latest_ino = None
     rows: list[dict[str, Any]] = []
-    refs: list[set[tuple[str, int, int]]] = []  # per row: (pack, offset, record bytes) it refers to
+    # Per row: the pack records it refers to, as (keys, record bytes) arrays (_extent_keys), each record once.
+    refs: list[tuple[np.ndarray, np.ndarray]] = []
+    pack_ids: dict[str, int] = {}  # every pack name seen, numbered
     for path in snapshots_of(name, directory):
         row: dict[str, Any] = {"path": str(path)}
-        mine: set[tuple[str, int, int]] = set()
+        mine = _NO_EXTENTS
         try:
             st = path.stat()
             row["bytes"] = st.st_size
@@ -68,7 +72,7 @@ def snapshots_and_space(name: str, directory: Path | None = None,
                            size_bytes=h.size, policy=h.policy,
                            configuration=config.redacted(h.config) if h.config else None)
                 if h.version in MANIFESTS:
-                    mine.update(snap.extents())
+                    mine = _extent_keys(snap, pack_ids)
                 if verify:
                     snap.verify()
                     row["verified"] = True
@@ -78,22 +82,41 @@ def snapshots_and_space(name: str, directory: Path | None = None,
             row["error"] = str(e)
         rows.append(row)
         refs.append(mine)
-    counts: dict[tuple[str, int, int], int] = {}
-    for mine in refs:
-        for r in mine:
-            counts[r] = counts.get(r, 0) + 1
-    for row, mine in zip(rows, refs):
+    # How many rows refer to each record: sorted keys, counted (numpy: a million records in a second, where
+    # sets of tuples took six).
+    every = np.concatenate([k for k, _ in refs]) if refs else _NO_EXTENTS[0]
+    every_bytes = np.concatenate([n for _, n in refs]) if refs else _NO_EXTENTS[1]
+    records, first, counts = np.unique(every, return_index=True, return_counts=True)
+    for row, (keys, nbytes) in zip(rows, refs):
         if "error" not in row:
-            row["own_bytes"] = row["bytes"] + sum(r[2] for r in mine if counts[r] == 1)
-            row["shared_bytes"] = sum(r[2] for r in mine if counts[r] > 1)
+            alone = counts[np.searchsorted(records, keys)] == 1
+            row["own_bytes"] = row["bytes"] + int(nbytes[alone].sum())
+            row["shared_bytes"] = int(nbytes[~alone].sum())
     files = sum(r.get("bytes", 0) for r in rows)
     pack_bytes = sum(_size(p) for p in packs.packs_of(namespaced(name), directory))
     largest = max((r["own_bytes"] + r["shared_bytes"] for r in rows if "error" not in r), default=0)
-    needed = files + sum(r[2] for r in counts)
+    needed = files + int(every_bytes[first].sum())
     total = files + pack_bytes
     return rows, {"snapshot_file_bytes": files, "pack_bytes": pack_bytes, "total_bytes": total,
                   "needed_bytes": needed, "largest_bytes": largest, "ratio": total / largest if largest else None,
                   "waste_ratio": total / needed if needed else None}
+
+
+_NO_EXTENTS = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+_OFFSET_BITS = 40  # a record's key: its pack's number above, its offset (< 1 TiB) below
+
+
+def _extent_keys(snap: Snapshot, pack_ids: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The pack records `snap` refers to, each once: (keys -- pack number, numbered in `pack_ids` by name,
+    and offset in one uint64 --, record bytes)."""
+    names, pack, offset, nbytes = snap.extents()
+    if not pack.size:
+        return _NO_EXTENTS
+    ids = np.array([pack_ids.setdefault(n, len(pack_ids)) for n in names], np.uint64)
+    if int(offset.max()) >> _OFFSET_BITS or len(pack_ids) >> (64 - _OFFSET_BITS):
+        raise StorageIOError(f"snapshot {str(snap.path)!r} refers to a pack record past 1 TiB")
+    keys, first = np.unique((ids[pack] << np.uint64(_OFFSET_BITS)) | offset, return_index=True)
+    return keys, nbytes[first]
 
 
 # Disk used by a pool's snapshots over what they need: compaction keeps it within this (doctor flags more).

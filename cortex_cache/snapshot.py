@@ -59,6 +59,9 @@ from .snapfile import (  # noqa: F401 (re-exported: the format's tables too)
     MANIFESTS,
     PACK_ENTRY,
     PACK_TABLE,
+    PLAIN,
+    POLICY_AT,
+    POLICY_AT_OFFSET,
     READS,
     REC_CHECK,
     REC_HEAD,
@@ -370,22 +373,25 @@ def pool_config(core: Core) -> dict[str, Any]:
 
 
 def policy_blob(core: Core) -> bytes:
-    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section: policy_state.py's
-    blob, taken in one lock hold of its own once the entries are listed; it is keyed by the keys' hashes,
-    so an entry put or evicted between the two holds is simply not matched at the restore)."""
-    return core.locked(policy_state.capture, core)
+    """The pool's policy state as a snapshot keeps it (the manifest's "policy" section, a self-contained
+    file's bytes before its records: policy_state.py's blob, taken in short lock holds of its own beside
+    the entries' listing; it is keyed by the keys' hashes, so an entry put or evicted between the two is
+    simply not matched at the restore)."""
+    return policy_state.capture(core)
 
 
-def _file_head(core: Core, configuration, now: float, version: int, sections_at: tuple[int, int] | None = None
-               ) -> tuple[bytes, bytes]:
+def _file_head(core: Core, configuration, now: float, version: int, sections_at: tuple[int, int] | None = None,
+               policy_len: int = 0) -> tuple[bytes, bytes]:
     """The file header (with its checksum) and the configuration block of a snapshot of `core`'s pool; for
-    version 4 the header says where its section table is (`sections_at`: offset, count)."""
+    version 4 the header says where its section table is (`sections_at`: offset, count), for version 6 how
+    long its policy state is (`policy_len`)."""
     cfg = core.locked(pool_config, core)
     block = config.encode({**core.locked(configuration), "created": float(core.header[0]["created"])})
-    return _pack_head(cfg, now, version, block, sections_at), block
+    return _pack_head(cfg, now, version, block, sections_at, policy_len), block
 
 
-def _pack_head(cfg: dict[str, Any], now: float, version: int, block: bytes, sections_at: tuple[int, int] | None) -> bytes:
+def _pack_head(cfg: dict[str, Any], now: float, version: int, block: bytes, sections_at: tuple[int, int] | None,
+               policy_len: int = 0) -> bytes:
     head = bytearray(FILE_HEAD.pack(
         MAGIC, version, FILE_HEAD.size + HEAD_CHECK.size, now,
         cfg["size"], cfg["block_size"], cfg["max_entries"], cfg["policy"], cfg["flags"], cfg["mode"], 0,
@@ -393,6 +399,8 @@ def _pack_head(cfg: dict[str, Any], now: float, version: int, block: bytes, sect
     ))
     if sections_at is not None:
         manifest.SECTIONS_AT.pack_into(head, manifest.SECTIONS_AT_OFFSET, *sections_at)
+    if policy_len:
+        POLICY_AT.pack_into(head, POLICY_AT_OFFSET, policy_len)
     return bytes(head) + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -460,17 +468,22 @@ def _live_good(core: Core, progress, write_values: Callable[[capture.Gathered], 
 
 
 def _write_snapshot(core: Core, configuration, f, now: float, progress) -> tuple[int, int, int]:
-    """Write a self-contained snapshot (version 2) to `f`; return (entries, value bytes, skipped).  A record
-    per entry, packed here (a self-contained file is not the hot path: the snapshot directory's is)."""
+    """Write a self-contained snapshot (version 6) to `f`; return (entries, value bytes, skipped).  A record
+    per entry, packed here (a self-contained file is not the hot path: the snapshot directory's is).  The
+    policy state goes before the records (snapfile.py): it is taken just before the entries are listed,
+    keyed by the keys' hashes, so an entry put or evicted between is simply not matched at the restore (as
+    the manifest's, taken just after)."""
     file_hash = xxhash.xxh3_64()
 
     def out(data) -> None:
         f.write(data)
         file_hash.update(data)
 
-    head, block = _file_head(core, configuration, now, VERSION)
+    state = policy_blob(core)
+    head, block = _file_head(core, configuration, now, VERSION, policy_len=len(state))
     out(head)
     out(block)
+    out(state)
     live = capture.capture(core)
     c = live.cols
     entries = nbytes = 0

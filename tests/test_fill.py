@@ -1,13 +1,12 @@
 """A restored pool serves while it fills (fill.py): real processes, paused and killed mid-fill.
 
 A worker restores the pool in a process of its own and stops at a chosen point of its fill (after a
-batch, or inside one, with its reservations made) until the test says go on or kills it.
+batch, or inside one, with its reservations made) until the test says go on or kills it (fillers.py).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 
@@ -16,43 +15,11 @@ from cortex_cache import persist as snap
 from cortex_cache.fill import FILL_BYTE
 from cortex_cache.lock import RecordLock
 
-from .helpers import cli, make_value, spawn_py
+from .fillers import go_on, kill, no_filler_left, start  # noqa: F401 (no_filler_left: autouse)
+from .helpers import cli, make_value
 
 N = 30
 MIB = 1 << 20
-
-WORKER = """
-import json, sys
-from cortex_cache import fill, persist
-name, where, n, band = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-if band:
-    fill.BAND_BYTES = band
-calls = 0
-
-def pause():
-    print("paused", flush=True)
-    sys.stdin.readline()
-
-progress = None
-if where == "batch":  # after the n-th batch was sealed
-    def progress(done, total):
-        global calls
-        calls += 1
-        if calls == n:
-            pause()
-else:  # inside a batch, its reservations made: before the n-th value is copied into the pool
-    real = fill._store
-    def store(*a):
-        global calls
-        calls += 1
-        if calls == n:
-            pause()
-        return real(*a)
-    fill._store = store
-pool, report = persist.restore(None, name=name, progress=progress)
-pool.close()
-print(json.dumps(report), flush=True)
-"""
 
 
 @pytest.fixture
@@ -73,25 +40,6 @@ def persisted(make_pool, snapshot_dir):
         Pool.unlink(name)
 
 
-def _start(name: str, where: str = "batch", n: int = 1, band: int = 0):
-    w = spawn_py(WORKER, name, where, str(n), str(band))
-    assert w.stdout.readline() == b"paused\n", w.stderr.read().decode()
-    return w
-
-
-def _go_on(w) -> dict:
-    w.stdin.write(b"\n")
-    w.stdin.flush()
-    line = w.stdout.readline()
-    assert w.wait(timeout=60) == 0, w.stderr.read().decode()
-    return json.loads(line)
-
-
-def _kill(w) -> None:
-    w.send_signal(signal.SIGKILL)
-    w.wait(timeout=60)
-
-
 def _all_there(q: Pool, but: dict | None = None) -> None:
     but = but or {}
     for i in range(N):
@@ -102,7 +50,7 @@ def _all_there(q: Pool, but: dict | None = None) -> None:
 
 
 def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(persisted):
-    w = _start(persisted)  # paused after its first batch: one entry, the most recently used
+    w = start(persisted)  # paused after its first batch: one entry, the most recently used
     q = Pool.open(persisted)
     try:
         assert len(q) == 1 and q.get("k5") == make_value(5, 0, MIB)
@@ -118,7 +66,7 @@ def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(p
         assert r.returncode == 75 and b"still being filled" in r.stderr and len(r.stderr.splitlines()) == 1
         q.put("k7", b"newer")  # in the snapshot, not loaded yet: the newer value must stay
         q.put("fresh", b"f")
-        report = _go_on(w)
+        report = go_on(w)
         assert report["entries"] == N - 2 and report["present_skipped"] == 2 and report["ended"] == "done"
         assert report["published_seconds"] is not None
         _all_there(q, but={"k7": b"newer", "k5": None})
@@ -133,7 +81,7 @@ def test_a_restored_pool_serves_while_it_fills_and_keeps_what_is_put_meanwhile(p
 def test_a_handle_that_only_reads_stats_does_not_index_the_filling_snapshot(persisted):
     """status, list and --watch open the pool without the snapshot tier (its index costs about 0.5 s per
     100,000 entries at each open): such a handle sees only what is loaded, and its stats are the pool's."""
-    w = _start(persisted)  # paused after its first batch
+    w = start(persisted)  # paused after its first batch
     full, light = Pool.open(persisted), Pool.open(persisted, snapshot_tier=False)
     try:
         assert "k6" in full and "k6" not in light and light.get("k6") is None
@@ -142,7 +90,7 @@ def test_a_handle_that_only_reads_stats_does_not_index_the_filling_snapshot(pers
             assert "k6" not in again
         st = json.loads(cli("cache", "status", persisted, "--json").stdout)
         assert st["fill"]["state"] == "filling" and st["entries"] == 1  # nothing was brought in by status
-        _go_on(w)
+        go_on(w)
         assert len(light) == N and light.get("k6") == make_value(6, 0, MIB)
     finally:
         full.close()
@@ -150,19 +98,19 @@ def test_a_handle_that_only_reads_stats_does_not_index_the_filling_snapshot(pers
 
 
 def test_the_fill_brings_the_most_recently_used_first(persisted):
-    w = _start(persisted, n=2, band=MIB)  # one entry per band: the order is exactly most recent first
+    w = start(persisted, n=2, band=MIB)  # one entry per band: the order is exactly most recent first
     q = Pool.open(persisted)
     try:
         assert set(q.keys()) == {"k5", "k9", "k2"}  # one entry, then a batch of two (2 MiB)
-        _go_on(w)
+        go_on(w)
         _all_there(q)
     finally:
         q.close()
 
 
 def test_a_filler_killed_between_batches_leaves_a_pool_the_next_restore_finishes(persisted):
-    w = _start(persisted, n=2)
-    _kill(w)
+    w = start(persisted, n=2)
+    kill(w)
     st = cli("cache", "status", persisted)
     assert st.returncode == 0 and b"interrupted at" in st.stdout and b"--if-missing" in st.stdout
     r = cli("cache", "persist", persisted)
@@ -186,8 +134,8 @@ def _doctor_fill_findings() -> list[dict]:
 
 
 def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(persisted):
-    w = _start(persisted, where="value", n=3)  # the second batch: reserved, one value of it copied
-    _kill(w)
+    w = start(persisted, where="value", n=3)  # the second batch: reserved, one value of it copied
+    kill(w)
     with Pool.open(persisted) as q:
         assert q.stats()["writing_entries"] == 2 and len(q) == 1
     r = cli("cache", "restore", persisted)  # a plain restore of the pool finishes its fill as well
@@ -197,9 +145,9 @@ def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(
 
 
 def test_emptying_the_pool_stops_its_fill(persisted):
-    w = _start(persisted)
+    w = start(persisted)
     assert cli("cache", "evict", persisted, "--all").returncode == 0
-    report = _go_on(w)
+    report = go_on(w)
     assert report["ended"] == "stopped"
     with Pool.open(persisted) as q:
         assert len(q) == 0 and q.stats()["fill"]["state"] == "stopped"
@@ -207,14 +155,14 @@ def test_emptying_the_pool_stops_its_fill(persisted):
 
 
 def test_the_fill_never_evicts_what_was_put_meanwhile(persisted):
-    w = _start(persisted)
+    w = start(persisted)
     q = Pool.open(persisted)
     try:
         newer = [f"n{i}" for i in range(60)]
         for k in newer:  # 61 MiB of newer entries beside the one loaded: no room for the snapshot's rest
             q.put(k, b"n" * MIB)
         evicted = q.stats()["evictions"]
-        report = _go_on(w)
+        report = go_on(w)
         assert report["ended"] == "stopped"
         st = q.stats()
         assert st["evictions"] == evicted and all(q.get(k) == b"n" * MIB for k in newer)
@@ -261,7 +209,7 @@ def test_a_damaged_value_the_snapshot_tier_would_bring_is_a_miss(persisted):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    w = _start(persisted)
+    w = start(persisted)
     q = Pool.open(persisted)
     try:
         assert q.get("k6") is None and q.get("k1") == make_value(1, 0, MIB)
@@ -327,7 +275,7 @@ def test_puts_beside_a_fill_evict_what_it_sealed_with_the_queues_in_step(make_po
     p.close()
     Pool.unlink(name)
     try:
-        w = _start(name)  # paused after its first batch
+        w = start(name)  # paused after its first batch
         q = Pool.open(name)
         try:
             assert len(q) >= 1
@@ -335,7 +283,7 @@ def test_puts_beside_a_fill_evict_what_it_sealed_with_the_queues_in_step(make_po
                 q.put(f"n{i}", make_value(i, 1, MIB))
             assert q.stats()["evictions"] > 0
             _queued(q)
-            report = _go_on(w)
+            report = go_on(w)
             assert report["ended"] in ("stopped", "done")
             _queued(q)
             for i in range(20, 40):

@@ -16,57 +16,12 @@ import xxhash
 from cortex_cache import Pool
 from cortex_cache import persist as snap
 
-from .helpers import cli, make_value, run_py, spawn_py
+from .fillers import go_on, kill, no_filler_left, start  # noqa: F401 (no_filler_left: autouse)
+from .helpers import cli, make_value, run_py
 
 N = 1200  # entries of the snapshot
 SIZE = 2048  # bytes each (4 KiB blocks)
 DAY = 86400.0
-
-WORKER = """
-import json, os, signal, sys, time
-from cortex_cache import core, fill, persist
-name, where, n, jump = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-calls = 0
-ahead = [0.0]
-
-def clock():
-    return time.time() + ahead[0]
-
-def pause():
-    print("paused", flush=True)
-    sys.stdin.readline()
-    ahead[0] = jump  # the clock jumps once the test goes on (TTLs run out during the fill)
-
-progress = None
-if where == "batch":  # after the n-th batch was sealed
-    def progress(done, total):
-        global calls
-        calls += 1
-        if calls == n:
-            pause()
-elif where == "value":  # inside a batch, its reservations made: before the n-th value is copied into the pool
-    real = fill._store
-    def store(*a):
-        global calls
-        calls += 1
-        if calls == n:
-            pause()
-        return real(*a)
-    fill._store = store
-else:  # "seal": killed inside the lock hold that seals, at the n-th entry it seals
-    real_seal = core.Core.seal
-    def seal(self, *a, **kw):
-        global calls
-        calls += 1
-        if calls == n:
-            print("paused", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_seal(self, *a, **kw)
-    core.Core.seal = seal
-pool, report = persist.restore(None, name=name, progress=progress, clock=clock)
-pool.close()
-print(json.dumps(report), flush=True)
-"""
 
 # Another process acting on the pool: a JSON list of [op, key or keys, value version] steps.
 ACTOR = """
@@ -135,39 +90,6 @@ def persisted(make_pool, snapshot_dir):
             Pool.unlink(name)
 
 
-_workers: list = []
-
-
-@pytest.fixture(autouse=True)
-def _no_filler_left():
-    """A filler a failed test left paused is killed (it would wait on its stdin for ever)."""
-    yield
-    while _workers:
-        w = _workers.pop()
-        if w.poll() is None:
-            _kill(w)
-
-
-def _start(name: str, where: str = "batch", n: int = 1, jump: float = 0.0):
-    w = spawn_py(WORKER, name, where, str(n), str(jump))
-    _workers.append(w)
-    assert w.stdout.readline() == b"paused\n", w.stderr.read().decode()
-    return w
-
-
-def _go_on(w) -> dict:
-    w.stdin.write(b"\n")
-    w.stdin.flush()
-    line = w.stdout.readline()
-    assert w.wait(timeout=120) == 0, w.stderr.read().decode()
-    return json.loads(line)
-
-
-def _kill(w) -> None:
-    w.send_signal(signal.SIGKILL)
-    w.wait(timeout=60)
-
-
 def act(name: str, steps: list, stats_only: bool = False, kill_in: str = "") -> dict | None:
     """Run `steps` in another process; its report, or None when it was killed as asked."""
     r = run_py(ACTOR, name, json.dumps(steps), "1" if stats_only else "0", kill_in, check=not kill_in)
@@ -210,7 +132,7 @@ def test_deletes_by_other_processes_during_the_fill_never_come_back(persisted):
     entry loaded): 0 come back, from the snapshot tier of any process or from the fill; the other 200 are all
     there, whole."""
     name = persisted()
-    w = _start(name)
+    w = start(name)
     q = Pool.open(name)  # indexed before the deletes: what it serves must follow them
     try:
         assert q.get("k990") == make_value(990, 0, SIZE) and len(q) == 2  # read early: promoted
@@ -219,7 +141,7 @@ def test_deletes_by_other_processes_during_the_fill_never_come_back(persisted):
         assert all(q.get(k) is None for k in keys(range(1000))), "a deleted key came back from the snapshot"
         assert not any(k in q for k in keys(range(1000))) and q.leading(["k1000", "k5"]) == 1
         assert q.delete("k1199") is True and q.delete("k1199") is False  # held by the snapshot alone: found
-        report = _go_on(w)
+        report = go_on(w)
         assert report["ended"] == "done"
         got = _contents(name)
         back = [k for k in keys(range(1000)) if k in got or q.get(k) is not None]
@@ -231,7 +153,7 @@ def test_deletes_by_other_processes_during_the_fill_never_come_back(persisted):
 
 def test_overwrites_evictions_and_early_reads_during_the_fill_hold(persisted):
     name = persisted()
-    w = _start(name)
+    w = start(name)
     act(name, [
         ["put", keys(range(0, 300)), 1],  # small puts of keys the snapshot holds: through Python, marked
         ["delete", keys(range(0, 100)), 0],  # overwritten, then deleted: neither value comes back
@@ -240,7 +162,7 @@ def test_overwrites_evictions_and_early_reads_during_the_fill_hold(persisted):
         ["evict", keys(range(300, 400)), 0],  # ... then evicted: never back either
         ["put_many", keys(range(500, 600)), 2],
     ])
-    _go_on(w)
+    go_on(w)
     got = _contents(name)
     assert not any(k in got for k in keys(range(0, 200)))
     assert not any(k in got for k in keys(range(300, 400)))
@@ -253,7 +175,7 @@ def test_a_handle_without_the_snapshot_index_marks_what_it_writes(persisted):
     positions: it marks its keys' hash buckets.  What it deletes or overwrites never comes back either; a
     snapshot entry sharing such a bucket is a miss at worst, never a wrong value."""
     name = persisted()
-    w = _start(name)
+    w = start(name)
     q = Pool.open(name)
     try:
         blind = keys(range(0, 40))
@@ -261,7 +183,7 @@ def test_a_handle_without_the_snapshot_index_marks_what_it_writes(persisted):
         assert all(q.get(k) is None for k in blind[:20]) and all(q.get(k) == make_value(i, 3, SIZE)
                                                                  for i, k in enumerate(blind) if i >= 20)
         act(name, [["evict", blind[20:], 0]])
-        _go_on(w)
+        go_on(w)
         got = _contents(name)
         assert not any(k in got for k in blind)
         mates = _bucket_mates(name, blind) - set(blind)
@@ -276,12 +198,12 @@ def test_ttls_running_out_during_the_fill_never_come_back(persisted):
     """Entries whose TTL runs out while the fill runs (the filler's clock and a reader's jump a day and a
     half ahead once it goes on) are never served from the snapshot nor loaded by the fill."""
     name = persisted(ttl_keys=range(0, 600))
-    w = _start(name, jump=1.5 * DAY)
+    w = start(name, jump=1.5 * DAY)
     late = Pool.open(name, clock=lambda: __import__("time").time() + 1.5 * DAY)
     try:
         assert all(late.get(k) is None and k not in late for k in keys(range(0, 600)))
         assert late.get("k700") == make_value(700, 0, SIZE)
-        report = _go_on(w)
+        report = go_on(w)
         assert report["expired_skipped"] >= 599
         assert not any(late.get(k) is not None for k in keys(range(0, 600)))
         assert all(late.get(k) == make_value(i + 600, 0, SIZE) for i, k in enumerate(keys(range(600, N))))
@@ -295,7 +217,7 @@ def test_a_writer_killed_inside_its_lock_hold_leaves_the_key_gone(persisted, kil
     slot changes: the next locker repairs the pool, and the key never comes back -- not from the snapshot
     tier, not from the fill resumed afterwards."""
     name = persisted()
-    w = _start(name)
+    w = start(name)
     q = Pool.open(name)
     try:
         op = "put" if kill_in.startswith("put") else "delete"
@@ -303,7 +225,7 @@ def test_a_writer_killed_inside_its_lock_hold_leaves_the_key_gone(persisted, kil
         dead = f"k{100 + int(kill_in.split(':')[1]) - 1}"
         q.core.lock_timeout = 5.0
         assert q.get(dead) is None and dead not in q
-        report = _go_on(w)
+        report = go_on(w)
         assert report["ended"] == "done"
         got = _contents(name)
         assert dead not in got
@@ -316,8 +238,8 @@ def test_a_writer_killed_inside_its_lock_hold_leaves_the_key_gone(persisted, kil
 
 def test_a_filler_killed_inside_a_batch_resumes_without_what_was_deleted_meanwhile(persisted):
     name = persisted()
-    w = _start(name, where="value", n=20)  # the third batch: reserved, some values copied
-    _kill(w)
+    w = start(name, where="value", n=20)  # the third batch: reserved, some values copied
+    kill(w)
     act(name, [["delete", keys(range(0, 1000)), 0], ["put", keys(range(1000, 1100)), 4]])
     r = cli("cache", "restore", name, "--if-missing")
     assert r.returncode == 0 and b"finished the fill" in r.stdout, r.stderr
@@ -327,8 +249,7 @@ def test_a_filler_killed_inside_a_batch_resumes_without_what_was_deleted_meanwhi
 
 def test_a_filler_killed_inside_its_seal_hold_loses_one_entry_at_most_and_brings_back_nothing_deleted(persisted):
     name = persisted()
-    w = spawn_py(WORKER, name, "seal", "40", "0")  # killed sealing its 40th entry: lock dirty, entry marked
-    assert w.stdout.readline() == b"paused\n", w.stderr.read().decode()
+    w = start(name, "seal", 40)  # killed sealing its 40th entry: lock dirty, entry marked
     w.wait(timeout=60)
     act(name, [["delete", keys(range(0, 1000)), 0]])
     r = cli("cache", "restore", name, "--if-missing")
@@ -342,7 +263,7 @@ def test_a_filler_killed_inside_its_seal_hold_loses_one_entry_at_most_and_brings
 def filling_with_c(persisted):
     """A pool whose fill is paused after its first batch, and a handle on it with the C fast path."""
     name = persisted()
-    w = _start(name)
+    w = start(name)
     q = Pool.open(name)
     try:
         if q.core.fast is None:
@@ -360,7 +281,7 @@ def test_the_c_write_path_steps_aside_while_a_snapshot_tier_is_live(filling_with
     q.put("k600", make_value(600, 7, SIZE))  # would be the C path's put: it marks k600's position
     q.evict(keys=["k600"])
     assert q.get("k600") is None
-    _go_on(w)
+    go_on(w)
     assert q.get("nope") is None  # a miss sees the fill is over: the snapshot tier is dropped
     assert q.tiers.fast_ok is True and q.get("k600") is None and q.get("k601") == make_value(601, 0, SIZE)
 
@@ -389,7 +310,7 @@ def test_a_put_of_a_key_the_snapshot_never_held_takes_the_c_path_during_the_fill
     with Pool.open(name, snapshot_tier=False) as blind:  # cannot tell what the snapshot holds: Python
         assert blind.tiers.fast_put(b"k5001") is False
     q.evict(keys=["k600"])
-    _go_on(w)
+    go_on(w)
     got = _contents(name)
     assert "k600" not in got and got["k5000"] == 1
 
@@ -397,14 +318,14 @@ def test_a_put_of_a_key_the_snapshot_never_held_takes_the_c_path_during_the_fill
 def test_evicting_from_every_tier_reaches_what_the_fill_has_not_loaded(persisted):
     """`evict --tier all` of keys or a prefix takes the snapshot's copies too: they never come back."""
     name = persisted()
-    w = _start(name)
+    w = start(name)
     r = cli("cache", "evict", name, "--tier", "all", "--prefix", "k11")  # k11, k110-k119, k1100-k1199
     assert r.returncode == 0, r.stderr
     with Pool.open(name) as q:
         assert q.evict(keys=["k7", "k8", "nope"], tier="all") == (2, 2 * SIZE)
         assert q.evict(keys=["k7"], tier="all") == (0, 0)
         assert q.get("k115") is None and q.get("k7") is None and q.get("k12") == make_value(12, 0, SIZE)
-    _go_on(w)
+    go_on(w)
     got = _contents(name)
     out = {"k7", "k8", "k11", *keys(range(110, 120)), *keys(range(1100, 1200))}
     assert got == {k: 0 for k in keys(range(N)) if k not in out}

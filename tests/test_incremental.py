@@ -10,6 +10,7 @@ import signal
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cortex_cache import Pool, SnapshotCorrupt, UsageError
@@ -163,7 +164,7 @@ def test_full_writes_everything_and_output_writes_one_whole_file(make_pool, snap
     whole = snap.persist(p, tmp_path / "whole.ccsnap")
     assert not whole.incremental and whole.written is None
     with snap.Snapshot(whole.path) as s:
-        assert s.header.version == 2 and s.pack_refs == []
+        assert s.header.version == snap.VERSION == 6 and s.pack_refs == []
     name = p.name
     p.close()
     Pool.unlink(name)
@@ -177,7 +178,8 @@ def test_a_version_2_snapshot_in_the_directory_still_restores_and_the_next_persi
     p = make_pool("8M", block_size="4K")
     values = _values(10, 0)
     _put_all(p, values)
-    # A persist of the previous release: a version 2 file under the timestamped name, the latest name on it.
+    # A persist of an older release: a self-contained file (version 2 then; persist --output writes 5 now)
+    # under the timestamped name, the latest name on it.
     from cortex_cache import snapshot as s
 
     snapshot_dir.mkdir(mode=0o700, exist_ok=True)
@@ -185,9 +187,9 @@ def test_a_version_2_snapshot_in_the_directory_still_restores_and_the_next_persi
     os.link(old.path, snap.latest_path(p.name))
     assert s.snapshots_of(p.name) == [old.path]
     with snap.Snapshot(old.path) as v2:
-        assert v2.header.version == 2
+        assert v2.header.version == snap.VERSION and not v2.pack_refs
     new = snap.persist(p)
-    assert new.written == new.bytes  # nothing to share with a version 2 file
+    assert new.written == new.bytes  # nothing to share with a self-contained file
     name = p.name
     p.close()
     Pool.unlink(name)
@@ -378,9 +380,10 @@ def test_a_header_of_another_version_is_refused(make_pool, snapshot_dir, pool_na
     p.put("k", b"v")
     path = snap.persist(p).path
     data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, 8, 6)
+    newer = max(snap.READS) + 1
+    struct.pack_into("<I", data, 8, newer)
     path.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorrupt, match="version 6"):
+    with pytest.raises(SnapshotCorrupt, match=f"version {newer}"):
         Pool.restore(path, name=pool_name)
 
 
@@ -442,3 +445,30 @@ def test_retention_keeps_what_the_latest_name_reaches_when_it_cannot_be_pointed_
     assert snap.latest_path(p.name, snapshot_dir).stat().st_ino == inode  # ... and NAME.ccsnap names the old
     with snap.Snapshot(snap.latest_path(p.name, snapshot_dir)):  # its packs were kept for it
         pass
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_verify_checks_every_value_a_batch_at_a_time(make_pool, snapshot_dir, monkeypatch, which):
+    """Snapshot.verify (snapshots --verify, restore --replace) reads a version 4 snapshot's values a batch of
+    VERIFY_BYTES at a time, in each pack's order, with one value larger than a batch: a byte flipped in any
+    of them is found, and named by where it is in its pack."""
+    from cortex_cache import snapfile
+
+    p = make_pool("8M", block_size="4K")
+    values = _values(12, 0, 9_000)
+    values["big"] = make_value(99, 0, 70_000)
+    _put_all(p, values)
+    path = snap.persist(p).path
+    monkeypatch.setattr(snapfile, "VERIFY_BYTES", 20_000)
+    with snap.Snapshot(path, verify=False) as s:
+        s.verify()
+        c = s.v4.cols
+        order = np.argsort(c["offset"])
+        at = int(c["offset"][order[{"first": 0, "middle": len(order) // 2, "last": -1}[which]]])
+    pack = _pack_of(path)
+    data = bytearray(pack.read_bytes())
+    data[at + 3] ^= 1
+    pack.write_bytes(bytes(data))
+    with snap.Snapshot(path, verify=False) as s, \
+            pytest.raises(SnapshotCorrupt, match=f"the value at byte {at} fails its checksum"):
+        s.verify()

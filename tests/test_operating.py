@@ -127,12 +127,14 @@ def test_replace_of_a_tiered_pool_says_what_happens_to_its_tiers(pool_name, clea
 
 
 def _as_version_1(path: Path) -> None:
-    """Rewrite a snapshot as the version 1 format wrote it (no configuration block)."""
+    """Rewrite a snapshot as the version 1 format wrote it (no configuration block, no policy state)."""
     data = bytearray(path.read_bytes())
     (clen,) = struct.unpack_from("<I", data, 200)
-    del data[320 : 320 + clen]
+    (slen,) = struct.unpack_from("<Q", data, 204)  # version 6's policy state, after the configuration block
+    del data[320 : 320 + clen + slen]
     struct.pack_into("<I", data, 8, 1)
     struct.pack_into("<I", data, 200, 0)
+    struct.pack_into("<Q", data, 204, 0)
     struct.pack_into("<Q", data, 312, xxhash.xxh3_64_intdigest(bytes(data[:312])))
     struct.pack_into("<Q", data, len(data) - 8, xxhash.xxh3_64_intdigest(bytes(data[: len(data) - 32])))
     path.write_bytes(bytes(data))

@@ -8,8 +8,8 @@ Also: the state as a blob (its bytes as documented, the same bytes twice), entri
 the fill ran, and blobs that are absent, damaged, of another version or of another policy (ignored,
 saying why, the pool as the restore left it).
 
-The blob travels beside the snapshot through benchmarks/restart.py until the snapshot's own "policy"
-section carries it (the coordinator wires it at merge; see that module).
+The snapshot carries the blob itself (the version 4 manifest's "policy" section, the bytes before a
+version 6 file's records); benchmarks/restart.py restores with it, or without for the contrast.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import pytest
 import xxhash
 
 from benchmarks import restart, workloads
-from cortex_cache import Pool, policy_state
+from cortex_cache import Pool, policy_state, snapfile
+from cortex_cache.errors import SnapshotCorrupt
 from cortex_cache.queues import AUTO_LOOP
 from cortex_cache.snapshot import latest_path
-from tests.helpers import REPO
+from tests.helpers import REPO, cli
 
 BS = 64
 N = 100
@@ -147,6 +148,19 @@ def queue_state(p: Pool) -> dict:
     return core.locked(grab)
 
 
+
+def first_phase(make_pool, scenario: str) -> tuple[Pool, str, list[int]]:
+    """A pool of SCENARIOS[scenario] that has run its first phase (evicting, in the regime it names): the
+    pool, its policy, the next phase's keys."""
+    policy, opts, first, then, want_regime = SCENARIOS[scenario]
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
+    replay(a, policy, first)
+    assert a.stats()["evictions"] > 0
+    if want_regime:
+        assert regime(a) == want_regime, "the workload missed the regime: the test missed its point"
+    return a, policy, then
+
+
 RESTORE_IN_CHILD = """
 import json, sys
 from benchmarks import restart
@@ -174,12 +188,7 @@ def test_a_restored_pool_evicts_as_the_pool_that_never_stopped(make_pool, restor
     """Through the background fill, restored and given its state in another process: every request of
     the next phase hits or misses as in the pool that never stopped, and both end with the same keys
     (and, for the queue policies, the same queues, read counts, places, ghosts and learnt words)."""
-    policy, opts, first, then, want_regime = SCENARIOS[scenario]
-    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
-    replay(a, policy, first)
-    assert a.stats()["evictions"] > 0
-    if want_regime:
-        assert regime(a) == want_regime, "the workload missed the regime: the test missed its point"
+    a, policy, then = first_phase(make_pool, scenario)
     _, blob = restart.persist(a)
     (tmp_path / "state").write_bytes(blob)
     name = f"{a.name}-r"
@@ -275,8 +284,8 @@ def test_the_blob_is_laid_out_as_documented(make_pool):
     assert (policy_state.HEAD.size, policy_state.ENTRY.size, policy_state.TRAILER.size) == (24, 24, 8)
     a = make_pool(N * BS, block_size=BS, max_entries=N, policy="auto")
     replay(a, "auto", loop_keys(N, 3))
-    blob = a.core.locked(policy_state.capture, a.core)
-    assert blob == a.core.locked(policy_state.capture, a.core)
+    blob = policy_state.capture(a.core)
+    assert blob == policy_state.capture(a.core)
     magic, version, pid, n_fields, reserved, total = struct.unpack_from("<4sHHIIQ", blob, 0)
     assert (magic, version, pid, reserved, total) == (b"CCPS", 1, 8, 0, len(blob))
     assert struct.unpack_from("<Q", blob, total - 8)[0] == xxhash.xxh3_64_intdigest(blob[:-8])
@@ -382,3 +391,219 @@ def test_the_blob_keys_entries_by_hash_not_by_slot(make_pool, restored, tmp_path
     slot_b = {k: b.core.locked(b.core.find, k, xxhash.xxh3_64_intdigest(k)) for k in a.keys()}
     assert any(slot_a[k] != slot_b[k] for k in slot_a), "slots alike: the test cannot tell hash from slot"
     assert queue_state(b) == queue_state(a)
+
+
+# ---------------------------------------------------------------- a self-contained file (persist --output)
+
+
+def _restore_cli(path, name: str) -> dict:
+    """`cortex cache restore NAME --input FILE --json` in a process of its own: its report."""
+    r = cli("cache", "restore", name, "--input", str(path), "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_pool_restored_from_a_self_contained_file_evicts_as_the_pool_that_never_stopped(
+        make_pool, restored, tmp_path, scenario):
+    """`persist --output` (version 6) carries the policy state itself: persisted and restored by the CLI,
+    each in a process of its own, with no blob handed over, the restored pool answers the next phase as
+    the pool that never stopped, and ends with the same keys (and queues, ghosts and learnt words)."""
+    a, policy, then = first_phase(make_pool, scenario)
+    path = tmp_path / "a.ccsnap"
+    r = cli("cache", "persist", a.name, "--output", str(path))
+    assert r.returncode == 0, r.stderr.decode()
+    with snapfile.Snapshot(path) as s:
+        assert s.header.version == snapfile.VERSION == 6 and s.policy_state()
+    report = _restore_cli(path, f"{a.name}-r")
+    b = Pool.open(f"{a.name}-r")
+    restored.append(b)
+    assert report["policy_state"]["applied"] and report["policy_state"]["note"] is None
+    if a.core.queues is not None:
+        assert queue_state(b) == queue_state(a)
+    assert replay(b, policy, then) == replay(a, policy, then)
+    assert sorted(b.keys()) == sorted(a.keys())
+    assert b.verify()["ok"]
+
+
+def _as_version_2(path, out) -> None:
+    """The file `persist --output` wrote before version 6, made from a version 6 one: the same header with
+    version 2 and no policy state length, no policy state, the trailer's checksum over what is left."""
+    raw = path.read_bytes()
+    (config_len,) = struct.unpack_from("<I", raw, 200)
+    (state_len,) = struct.unpack_from("<Q", raw, snapfile.POLICY_AT_OFFSET)
+    head = bytearray(raw[:312])
+    struct.pack_into("<I", head, 8, 2)
+    struct.pack_into("<Q", head, snapfile.POLICY_AT_OFFSET, 0)
+    body = bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + raw[320 : 320 + config_len]
+    body += raw[320 + config_len + state_len : -32]
+    _magic, entries, nbytes, _check = struct.unpack_from("<8sQQQ", raw, len(raw) - 32)
+    out.write_bytes(body + struct.pack("<8sQQQ", b"CRTXEND\0", entries, nbytes, xxhash.xxh3_64_intdigest(body)))
+    out.chmod(0o600)
+
+
+def test_a_self_contained_file_of_version_2_still_restores(make_pool, restored, tmp_path):
+    """A file written before version 6 (no policy state): it restores, every entry, with no state applied
+    (report None), as before; and the same file with the state restores it."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy="s3fifo")
+    replay(a, "s3fifo", _halves("mixed")[0])
+    a.persist(tmp_path / "v5.ccsnap")
+    _as_version_2(tmp_path / "v5.ccsnap", tmp_path / "v2.ccsnap")
+    with snapfile.Snapshot(tmp_path / "v2.ccsnap") as s:  # verified whole: a well-formed version 2 file
+        assert s.header.version == 2 and s.policy_state() is None
+    report = _restore_cli(tmp_path / "v2.ccsnap", f"{a.name}-2")
+    b = Pool.open(f"{a.name}-2")
+    restored.append(b)
+    assert report["policy_state"] is None and report["entries"] == a.stats()["entries"]
+    assert sorted(b.keys()) == sorted(a.keys()) and b.verify()["ok"]
+    per, _, words = queue_state(b)
+    assert {v[0] for v in per.values()} == {0} and words["g0_live"] == 0  # as a restore without state
+    assert _restore_cli(tmp_path / "v5.ccsnap", f"{a.name}-5")["policy_state"]["applied"]
+    restored.append(Pool.open(f"{a.name}-5"))
+
+
+@pytest.mark.parametrize("where", ["middle", "head", "last byte"])
+def test_a_damaged_policy_state_in_a_self_contained_file_is_ignored_with_a_note(make_pool, restored, tmp_path,
+                                                                                where):
+    """A version 6 file whose policy state fails its own checks though the file passes its checksum (written
+    so): the restored pool gets every entry and no state (the report and one warning say why).  A byte
+    flipped after the file was written fails the file's checksum: refused whole, as any other byte."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy="auto")
+    replay(a, "auto", loop_keys(N, 4))
+    path = tmp_path / "a.ccsnap"
+    a.persist(path)
+    raw = bytearray(path.read_bytes())
+    (config_len,) = struct.unpack_from("<I", raw, 200)
+    (state_len,) = struct.unpack_from("<Q", raw, snapfile.POLICY_AT_OFFSET)
+    raw[320 + config_len + {"middle": state_len // 2, "head": 0, "last byte": state_len - 1}[where]] ^= 0x10
+    path.write_bytes(bytes(raw))
+    r = cli("cache", "restore", f"{a.name}-x", "--input", str(path))
+    assert r.returncode == 65 and b"checksum" in r.stderr and not Pool.exists(f"{a.name}-x")
+    struct.pack_into("<Q", raw, len(raw) - 8, xxhash.xxh3_64_intdigest(bytes(raw[:-32])))
+    path.write_bytes(bytes(raw))
+    r = cli("cache", "restore", f"{a.name}-r", "--input", str(path))
+    assert r.returncode == 0, r.stderr.decode()
+    b = Pool.open(f"{a.name}-r")
+    restored.append(b)
+    warning = r.stderr.decode().strip().splitlines()
+    assert len(warning) == 1 and "policy state" in warning[0] and ("checksum" in warning[0] or "magic" in warning[0])
+    per, _, words = queue_state(b)
+    assert {v[0] for v in per.values()} == {0} and words["g0_live"] == 0  # nothing of the blob was laid
+    assert sorted(b.keys()) == sorted(a.keys()) and b.verify()["ok"]
+
+
+def test_older_readers_refuse_a_version_6_file_by_its_version(make_pool, tmp_path, monkeypatch):
+    """A reader of versions 1-4 (this one with version 6 taken out of what it reads) refuses the file with
+    the usual one line naming its version: never reads the policy state as records."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy="arc")
+    replay(a, "arc", _halves("short-reuse")[0])
+    a.persist(tmp_path / "a.ccsnap")
+    monkeypatch.setattr(snapfile, "READS", (1, 2, 3, 4))
+    with pytest.raises(SnapshotCorrupt, match="format version 6; this cortex_cache reads versions 1, 2, 3, 4"):
+        snapfile.Snapshot(tmp_path / "a.ccsnap")
+
+
+# ---------------------------------------------------------------- capture in short lock holds
+
+
+@pytest.mark.parametrize("scenario", ["lfu", "s3fifo", "arc", "auto-loop", "auto-frequency"])
+def test_the_blob_taken_in_chunks_is_the_blob_taken_at_once(make_pool, monkeypatch, scenario):
+    """capture copies the per-entry state CHUNK_SLOTS slots per lock hold: on a pool nobody changes meanwhile
+    the blob is byte for byte the one a single hold gives (so the replay tests above hold for it too)."""
+    policy, opts, first, _, _ = SCENARIOS[scenario]
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy, **opts)
+    replay(a, policy, first)
+    whole = policy_state.capture(a.core)
+    holds = []
+    plain = a.core.locked
+    monkeypatch.setattr(a.core, "locked", lambda fn, *args: holds.append(fn) or plain(fn, *args))
+    monkeypatch.setattr(policy_state, "CHUNK_SLOTS", 7)
+    assert policy_state.capture(a.core) == whole
+    assert holds.count(policy_state._chunk) == -(-a.core.columns["state"].size // 7) > 1
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "auto"])
+def test_puts_between_the_holds_leave_a_consistent_blob(make_pool, restored, snapshot_dir, monkeypatch, policy):
+    """Another writer between capture's holds (puts of new keys that evict, reads): the blob holds no entry
+    put after its first hold, no key both as an entry and as a ghost, no qseq past its clock; laid over a
+    restore of the pool it gives a pool that checks out, whose rings hold no key of the pool."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy=policy)
+    replay(a, policy, _halves("mixed")[0])
+    for k in range(5):
+        a.put(b"unread-%d" % k, b"v" * 16)  # in queue 0, never read: the first a put evicts into a ring
+    a.persist()
+    chunk = policy_state._chunk
+    extra = iter(range(1 << 40, (1 << 40) + 10_000))
+    plain = a.core.locked
+    gaps: list[int] = []
+
+    chunks = -(-a.core.columns["state"].size // 16)
+
+    def between(fn, *args):  # after each chunk's hold, before the next: the other writer's turn
+        got = plain(fn, *args)
+        if fn is chunk:
+            gaps.append(1)
+            # After the last chunk: 15 puts (queue 0's unread entries evicted into its ghosts), every
+            # entry copied already.
+            for _ in range(15 if len(gaps) == chunks else 2):
+                a.put(b"fresh-%d" % next(extra), b"v" * 16)
+            for k in a.keys()[:3]:
+                a.get(k)
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(policy_state, "CHUNK_SLOTS", 16)
+        m.setattr(a.core, "locked", between)
+        blob = policy_state.capture(a.core)
+    _, fields = policy_state.parse(blob)
+    ghosts = np.concatenate([fields["ghosts0"], fields["ghosts1"]])
+    unread = [xxhash.xxh3_64_intdigest(b"unread-%d" % k) for k in range(5)]
+    assert np.isin(unread, ghosts).all(), "no entry copied, then evicted: the test missed its point"
+    assert not np.isin(fields["hash"][fields["hash"] != 0], ghosts[ghosts != 0]).any()
+    assert int(fields["qseq"].max()) <= int(fields["qclock"][0])
+    fresh = {xxhash.xxh3_64_intdigest(b"fresh-%d" % k) for k in range(1 << 40, (1 << 40) + 10_000)}
+    assert not fresh & set(fields["hash"].tolist())
+    b = Pool.restore(latest_path(a.name), name=f"{a.name}-r")
+    restored.append(b)
+    report = b.core.locked(policy_state.apply, b.core, blob)
+    assert report["applied"] and b.verify()["ok"]
+    per, rings, _ = queue_state(b)
+    in_pool = {xxhash.xxh3_64_intdigest(k) for k in per}
+    assert not in_pool & {h for ring in rings for h in ring if h}
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_apply_prepared_before_its_hold_gives_what_apply_alone_gives(make_pool, restored, snapshot_dir, monkeypatch,
+                                                                       stale):
+    """prepare matches the blob to the slots without the lock (the fill does it before the hold that ends
+    it); apply uses that match only if the slots are still those.  Either way the pool ends as apply alone
+    leaves it -- with a put between prepare and apply (stale), apply matches again in its hold."""
+    a = make_pool(N * BS, block_size=BS, max_entries=N * 2, policy="auto")
+    replay(a, "auto", loop_keys(N, 4))
+    blob = policy_state.capture(a.core)
+    a.persist()
+    states = []
+    for k in range(2):
+        b = Pool.restore(latest_path(a.name), name=f"{a.name}-{k}")
+        restored.append(b)
+        ready = None
+        if k and stale:
+            ready = policy_state.prepare(b.core, blob)
+        b.put(b"raced", b"v")  # a put while the fill ran (stale: after the match was made, a slot more)
+        if k and not stale:
+            ready = policy_state.prepare(b.core, blob)
+        matches = []
+        match = policy_state._match
+        monkeypatch.setattr(policy_state, "_match", lambda *x: matches.append(1) or match(*x))
+        report = b.core.locked(policy_state.apply, b.core, blob, ready)
+        monkeypatch.setattr(policy_state, "_match", match)
+        assert report["applied"] and len(matches) == (0 if k and not stale else 1)
+        states.append((queue_state(b), report))
+    assert states[0] == states[1]
+
+
+def test_a_prepared_blob_that_is_ignored_says_why(make_pool):
+    a = make_pool(N * BS, block_size=BS, max_entries=N, policy="arc")
+    ready = policy_state.prepare(a.core, b"CCPS")
+    report = a.core.locked(policy_state.apply, a.core, b"CCPS", ready)
+    assert not report["applied"] and "too short" in report["note"]
