@@ -17,7 +17,7 @@ from cortex_cache import packs
 from cortex_cache import persist as snap
 from cortex_cache.snapfile import DELTA_VERSION, MANIFEST_VERSION, Snapshot
 
-from .helpers import cli, make_value, run_py, spawn_py
+from .helpers import cli, make_value, run_py
 from .fillers import go_on as _go_on, no_filler_left, start as _start  # noqa: F401 (no_filler_left: autouse)
 from .test_gone import _contents, act
 

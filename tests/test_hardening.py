@@ -342,7 +342,7 @@ def test_sigkill_mid_persist_leaves_the_old_snapshot_or_the_new_one(make_pool, t
 
 
 def test_sigkill_mid_restore_leaves_no_pool_or_a_whole_one(make_pool, tmp_path, pool_name, monkeypatch):
-    from cortex_cache import persist, restore, staging
+    from cortex_cache import persist, staging
 
     p = make_pool("8M")
     for k in range(48):
@@ -414,7 +414,7 @@ REPLACE_ROUNDS = max(ROUNDS, 20)
 def test_sigkill_mid_restore_replace_leaves_the_old_pool_or_the_new_one(make_pool, tmp_path, pool_name, monkeypatch):
     """Two snapshots of 200 entries each (different keys) restored over one pool in turn, killed at random:
     the pool always holds exactly one of them, whole, and never a mix."""
-    from cortex_cache import persist, restore, staging
+    from cortex_cache import persist, staging
 
     snaps = []
     for v, keys in ((1, "a"), (2, "b")):

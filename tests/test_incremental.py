@@ -17,7 +17,6 @@ from cortex_cache import Pool, SnapshotCorrupt, UsageError
 from cortex_cache import packs
 from cortex_cache import persist as snap
 from cortex_cache import snapplaces
-from cortex_cache import snapshot as snapshot_mod
 from tests.helpers import cli, make_value, spawn_py
 
 

@@ -18,13 +18,12 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 
 import pytest
 
-from cortex_cache import Pool, SnapshotCorrupt
+from cortex_cache import Pool
 from cortex_cache import persist as snap
 from cortex_cache.fill import FILL_BYTE
 from cortex_cache.layout import FILL_RUNNING

@@ -44,7 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from ...pool import Pool
-    from .blocks import PagedLayers
 
 
 def layer_runs(n: int) -> list[tuple[int, int]]:
