@@ -580,6 +580,12 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
         prepare.stop()  # interrupted: the next fill of the pool reserves the rest
         marks.close()
     report["reserve_failed"] = prepare.failed
+    # A delta's dropped base positions were marked gone before the publish (`mark`): the fill passed them as
+    # gone, but nothing happened to them meanwhile -- they were never part of the snapshot.  Not "skipped".
+    dropped = getattr(snap.v4, "dropped_mask", None) if snap.v4 is not None else None
+    if dropped is not None:
+        passed = int(np.count_nonzero(dropped()[start : int(h["fill_done"])]))
+        report["present_skipped"] = max(0, report["present_skipped"] - passed)
     # An entry whose TTL ran out while the fill ran is gone anyway: counted as expired, not as restored.
     end = core.clock()
     ran_out = [n for expiry, n in report.pop("expiring") if expiry <= end]

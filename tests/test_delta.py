@@ -327,3 +327,24 @@ def test_entries_expired_since_the_base_are_dropped_by_the_delta(make_pool, snap
         kb = b"k1"
         p1 = s.position(kb, xxhash.xxh3_64_intdigest(kb))
         assert p1 is not None and p1 < s.v4.nd  # the delta's own entry, found before the base's dropped one
+
+
+def test_restoring_a_delta_does_not_report_its_dropped_base_entries_as_skipped(make_pool, snapshot_dir, pool_name):
+    """The base entries a delta dropped were never part of its snapshot: restore's line says nothing was
+    skipped (they used to be counted as 'there already or gone')."""
+    p = make_pool("16M", block_size=4096, max_entries=1500)
+    _fill(p, 1000)
+    snap.persist(p)
+    _change(p)
+    d = snap.persist(p)
+    assert _version(d.path) == DELTA_VERSION
+    p.close()
+    Pool.unlink(p.name)
+    r = cli("cache", "restore", pool_name, "--input", str(d.path))
+    try:
+        assert r.returncode == 0, r.stderr.decode()
+        out = r.stdout.decode()
+        assert f"restored {1000 - 20 - 5 + 10} entries" in out and "skipped" not in out, out
+    finally:
+        if Pool.exists(pool_name):
+            Pool.unlink(pool_name)
