@@ -23,7 +23,7 @@ class EditableWheelWithData(editable_wheel):
 
 # The extension's compilation units (cortex_cache/_fastpath.h says what each holds).
 FASTPATH_SOURCES = ["_fastpath", "_fastpath_spec", "_fastpath_guard", "_fastpath_pin", "_fastpath_read", "_fastpath_put",
-                    "_fastpath_evict", "_fastpath_load", "_copyhash", "_copyhash_avx2"]
+                    "_fastpath_evict", "_fastpath_load", "_fastpath_fill", "_copyhash", "_copyhash_avx2"]
 FASTPATH_HEADERS = ["_fastpath", "_fastpath_entries", "_copyhash", "_copyhash_loop"]
 
 

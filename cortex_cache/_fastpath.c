@@ -75,6 +75,9 @@ GUARDED(reserve_many)
 GUARDED(seal_many)
 GUARDED(load_many)
 GUARDED(evicted)
+GUARDED(fill_reserve)
+GUARDED(fill_copy)
+GUARDED(fill_seal)
 
 static PyMethodDef Fast_methods[] = {
     {"evicted", (PyCFunction)(void (*)(void))Fast_evicted, METH_FASTCALL,
@@ -103,6 +106,14 @@ static PyMethodDef Fast_methods[] = {
      "reserve_many(items) -> list of (slot, offset) | error, or SLOW if busy"},
     {"seal_many", (PyCFunction)(void (*)(void))Fast_seal_many, METH_FASTCALL,
      "seal_many(items) -> list of True | False (taken back) | SLOW, or SLOW if busy"},
+    {"fill_reserve", (PyCFunction)(void (*)(void))Fast_fill_reserve, METH_FASTCALL,
+     "fill_reserve(blob, key_off, key_len, flags, length, expiry, start, first_pos, now, kh_out, slot_out, off_out)"
+     " -> index stopped at: a fill batch's reservations, lock held by the caller (_fastpath_fill.c)"},
+    {"fill_copy", (PyCFunction)(void (*)(void))Fast_fill_copy, METH_FASTCALL,
+     "fill_copy(values, src, length, slot, dst, checksum, ok_out) -> written: check and write a fill batch's values"},
+    {"fill_seal", (PyCFunction)(void (*)(void))Fast_fill_seal, METH_FASTCALL,
+     "fill_seal(blob, key_off, key_len, kh, slot, ok, start, stop, first_pos, meta, counts) -> index stopped at: "
+     "seal a fill batch, lock held by the caller"},
     {"close", (PyCFunction)Fast_close, METH_NOARGS, "release the mapping"},
     {NULL, NULL, 0, NULL},
 };

@@ -19,6 +19,7 @@
  *   _fastpath_put.c      put, put_many, reserve_many, seal_many, evicted
  *   _fastpath_evict.c    victim choice: the victim lists, the queue policies' next_victim, evict_one
  *   _fastpath_load.c     load_many: a batch pinned, checked against caller-given headers, copied
+ *   _fastpath_fill.c     fill_reserve, fill_copy, fill_seal: a background fill's batches (fill_columns.py)
  *   _copyhash.c          copy_hash (and gather_hash) for Python, its baseline build, and the pick of the build the CPU runs
  *   _copyhash_avx2.c     copy_hash's AVX2 build (_copyhash.h, _copyhash_loop.h)
  * and _fastpath_entries.h, included by read, put and load: the lock, and what every path does under it
@@ -133,6 +134,10 @@ typedef struct {
     VList vl[2];
     uint64_t *ident, *expirations, *evictions, *bytes_evicted;
     int spill;
+    int no_evict; /* set by the fill for its reservations (_fastpath_fill.c): evict_one finds no victim */
+    /* a background fill's gone marks (gone.py): a byte per position, hash marks in the first n_slots */
+    uint8_t *gone;
+    uint64_t gone_len;
     unsigned long long evicted_in_c; /* victims this handle evicted in C (tests) */
     PyObject *err_base, *err_corrupt; /* CortexCacheError, SegmentCorrupt */
     /* queue policies (queues.py): the queue columns, the header's two queue counts, target and clock,
@@ -208,10 +213,21 @@ FAST_METHOD(seal_many);
 FAST_METHOD(evicted);
 void ghost_add(GhostRing *g, uint64_t kh, uint64_t entries);
 int remove_entry(Fast *s, int64_t i);
+/* ... and the steps of a put the fill reuses (lock held) */
+int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen, uint64_t nblk,
+                 int64_t *slot, uint64_t *off);
+void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t);
+void chain_in(Fast *s, int64_t i, uint64_t kh);
+void give_slot(Fast *s, int64_t i);
+void give_kcells(Fast *s, uint64_t kf, uint64_t k);
 /* _fastpath_evict.c */
 int evict_one(Fast *s, uint64_t *first, uint64_t *n);
 /* _fastpath_load.c */
 FAST_METHOD(load_many);
+/* _fastpath_fill.c */
+FAST_METHOD(fill_reserve);
+FAST_METHOD(fill_copy);
+FAST_METHOD(fill_seal);
 
 /* _copyhash.c: the module's functions */
 PyObject *copy_hash(PyObject *module, PyObject *args);

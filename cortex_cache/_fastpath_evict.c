@@ -187,6 +187,7 @@ static int evict_in_python(Fast *s, uint64_t *first, uint64_t *n) {
 /* Core.evict_one (lock held): evict one victim by policy, expired entries first.  1 a victim went, its run
  * of blocks in *first, *n; 0 nothing could go; -1 an error (exception set). */
 int evict_one(Fast *s, uint64_t *first, uint64_t *n) {
+    if (s->no_evict) return 0; /* a fill's reservation: it never evicts (its PoolFull ends the fill) */
     if (s->spill) return evict_in_python(s, first, n); /* on_evict sees each victim first */
     int expired = 0;
     int64_t i;

@@ -69,7 +69,7 @@ static int64_t run_around(const uint8_t *map, uint64_t n, uint64_t first, uint64
 }
 
 /* Core._free_slot of a slot just taken from the free list. */
-static void give_slot(Fast *s, int64_t i) {
+void give_slot(Fast *s, int64_t i) {
     s->state[i] = FREE;
     s->pins[i] = 0;
     s->khash[i] = 0;
@@ -79,7 +79,7 @@ static void give_slot(Fast *s, int64_t i) {
 }
 
 /* Core._free_kcells of a run just taken. */
-static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
+void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
     memset(s->kmap + kf, 0, k);
     *s->used_kcells -= k;
     *s->key_hint = kf;
@@ -91,8 +91,8 @@ static void give_kcells(Fast *s, uint64_t kf, uint64_t k) {
  * ends as core.py would leave it.  1 reserved; 0 left to Python with what this took given back (nothing
  * could be evicted: Core.reserve then raises PoolFull; or a damaged field); -1 the hook raised (what this
  * took given back). */
-static int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
-                            uint64_t nblk, int64_t *slot, uint64_t *off) {
+int reserve_in_c(Fast *s, const char *kb, uint64_t klen, uint64_t kh, uint32_t flags, uint64_t vlen,
+                 uint64_t nblk, int64_t *slot, uint64_t *off) {
     uint64_t vf = 0, vn = 0;
     int rc;
     int64_t i;
@@ -401,7 +401,7 @@ static void queue_admit(Fast *s, int64_t i) {
 }
 
 /* Core._stamp: the metadata of a new put on slot i (lock held). */
-static void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
+void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t) {
     double e = ttl > 0 ? t + ttl : 0.0;
     uint64_t seq = *s->seq + 1;
     *s->seq = seq;
@@ -431,7 +431,7 @@ static void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, do
 }
 
 /* Core.seal's end: chain stamped slot i into its bucket and make it visible (lock held). */
-static void chain_in(Fast *s, int64_t i, uint64_t kh) {
+void chain_in(Fast *s, int64_t i, uint64_t kh) {
     int32_t *head = &s->buckets[kh & s->mask];
     s->next[i] = *head;
     *head = (int32_t)i;

@@ -106,7 +106,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     uint64_t c_state, c_pins, c_klen, c_next, c_khash, c_vlen, c_first, c_nblk, c_cks, c_lastacc;
     uint64_t c_expiry, c_iseq, c_aseq, c_acount, c_lfuep, c_prio, c_kcell;
     uint64_t o_free_slot, o_alloc_hint, o_used_blocks, o_key_hint, o_used_kcells, o_n_entries, o_puts, o_gone_seq;
-    uint64_t o_bmap, o_kmap, c_flags, c_opid, c_ostart, c_created;
+    uint64_t o_bmap, o_kmap, c_flags, c_opid, c_ostart, c_created, o_gone;
     struct { const char *name; uint64_t *out; } fields[] = {
         {"lock_byte", &lock_byte}, {"policy", &policy}, {"monotone", &monotone}, {"seqlock", &seqlock},
         {"verify", &verify},
@@ -129,7 +129,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {"h_key_hint", &o_key_hint}, {"h_used_kcells", &o_used_kcells}, {"h_n_entries", &o_n_entries},
         {"h_puts", &o_puts}, {"h_gone_seq", &o_gone_seq}, {"blockmap_off", &o_bmap}, {"keymap_off", &o_kmap},
         {"flags", &c_flags}, {"owner_pid", &c_opid}, {"owner_start", &c_ostart}, {"created", &c_created},
-        {"put_in_lock", &self->put_in_lock},
+        {"put_in_lock", &self->put_in_lock}, {"gone_off", &o_gone}, {"gone_len", &self->gone_len},
     };
     uint64_t qkind = 0, qadapt = 0, c_queue = 0, c_qfreq = 0, c_qseq = 0, o_qcount = 0, o_cnext1 = 0;
     uint64_t o_qtarget = 0, o_qclock = 0, g_n[2] = {0, 0}, g_hash[2] = {0, 0}, g_next[2] = {0, 0};
@@ -172,7 +172,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         {self->data_off, self->n_blocks * self->bs},
         {o_free_slot, 8}, {o_alloc_hint, 8}, {o_used_blocks, 8}, {o_key_hint, 8}, {o_used_kcells, 8},
         {o_n_entries, 8}, {o_puts, 8}, {o_gone_seq, 8}, {o_bmap, self->n_blocks}, {o_kmap, self->n_kcells},
-        {c_flags, n * 4}, {c_opid, n * 4}, {c_ostart, n * 8}, {c_created, n * 8},
+        {c_flags, n * 4}, {c_opid, n * 4}, {c_ostart, n * 8}, {c_created, n * 8}, {o_gone, self->gone_len},
     };
     for (size_t k = 0; k < sizeof(regions) / sizeof(regions[0]); k++) {
         if (regions[k].off > size || regions[k].len > size - regions[k].off || regions[k].off % 4) {
@@ -257,6 +257,7 @@ int Fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->opid = (uint32_t *)(b + c_opid);
     self->ostart = (uint64_t *)(b + c_ostart);
     self->created = (double *)(b + c_created);
+    self->gone = self->gone_len && self->gone_len >= n ? (uint8_t *)(b + o_gone) : NULL; /* hash marks need n */
     self->qkind = (int)qkind;
     self->qadapt = (int)qadapt;
     if (qkind) {

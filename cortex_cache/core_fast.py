@@ -88,6 +88,8 @@ def bind(seg: Any, g: Geometry, victims: Any, slot_offsets: dict[str, int], *, q
         # The write path (_fastpath_put.c).
         "put_in_lock": COPY_IN_LOCK, "blockmap_off": g.blockmap_off, "keymap_off": g.keymap_off,
         "error": CortexCacheError, "corrupt_error": SegmentCorrupt,
+        # A background fill's gone marks (gone.py), which its batches set and check (_fastpath_fill.c).
+        "gone_off": g.gone_off, "gone_len": g.gone_len if g.gone_off else 0,
         **hooks,
     }
     for name in ("dirty", "cand_valid", "seq", "hits", "misses", "ops", "lfu_epoch", "lfu_period",

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
 import numpy as np
 import xxhash
 
-from . import basepos, manifest, packs, policy_state
+from . import basepos, fill_columns, manifest, packs, policy_state
 from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .gone import GoneMarks
 from .layout import (
@@ -525,9 +525,7 @@ class _Reader:
 # ---------------------------------------------------------------- the fill
 
 
-class _Ended(Exception):
-    """The fill was stopped by someone else (its generation changed)."""
-
+_Ended = fill_columns.Ended  # the fill was stopped by someone else (its generation changed)
 
 def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Fill `core`'s pool from `snap` as its mark says, from where the mark says the fill got to.
@@ -554,14 +552,18 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     # now (its section's checksum checked), copied out of the manifest's mapping.  Older formats: none.
     blob = snap.section("policy") if snap.v4 is not None else None
     policy = bytes(blob) if blob else None
-    reader = _Reader(snap, rest)
+    # By columns in C where it can (fill_columns.py), else an Item at a time here.
+    reader: "_Reader | fill_columns.ColumnReader"
+    if fill_columns.usable(core, snap):
+        reader, step = fill_columns.ColumnReader(snap, start), _fill_columns
+    else:
+        reader, step = _Reader(snap, rest), _fill_items
     marks = GoneMarks(core)
     pos = start  # the fill position of each batch's first entry: the batches come in the fill's order
     try:
-        for batch, values, buf in reader.batches():
-            full = _fill_batch(core, reader, batch, values, _Batch(gen, pos, marks), report)
-            pos += len(batch)
-            reader.done(buf)
+        for got in reader.batches():
+            full, n = step(core, reader, got, _Batch(gen, pos, marks), report)
+            pos += n
             if progress is not None:
                 progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
             if full or os.fstat(core.seg.fd).st_nlink == 0:  # no room left, or the pool was deleted
@@ -595,12 +597,21 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     return report
 
 
-class _Batch(NamedTuple):
-    """Where a batch is in the fill: its generation, the position of its first entry, the gone marks."""
+_Batch = fill_columns.At  # where a batch is in the fill: its generation, first position, the gone marks
 
-    gen: int
-    first: int
-    marks: GoneMarks
+def _fill_items(core: "Core", reader: Any, got: Any, at: _Batch, report: dict) -> tuple[bool, int]:
+    """One batch of Items (_Reader): (no room left, entries in it)."""
+    batch, values, buf = got
+    full = _fill_batch(core, reader, batch, values, at, report)
+    reader.done(buf)
+    return full, len(batch)
+
+
+def _fill_columns(core: "Core", reader: Any, got: Any, at: _Batch, report: dict) -> tuple[bool, int]:
+    """One batch by columns (fill_columns.py): (no room left, entries in it)."""
+    full = fill_columns.fill_batch(core, reader, got, at, report)
+    reader.done(got)
+    return full, got.n
 
 
 def _fill_batch(core: "Core", reader: _Reader, batch: list[Item], values: list[Any], at: _Batch,

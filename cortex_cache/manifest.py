@@ -277,6 +277,14 @@ class Reader:
     def keys(self, start: int, stop: int) -> list[bytes | None]:
         return [self.key(p) for p in range(start, stop)]
 
+    def key_blob(self, p: int) -> memoryview:
+        """The key blob that position `p`'s key_off indexes (fill_columns.py reads keys there in C)."""
+        return self.mv[self.keys_off : self.keys_off + self.keys_len]
+
+    def part_end(self, p: int) -> int:
+        """The end of the run of positions from `p` whose keys share one blob: all of them here."""
+        return self.n
+
 
 def check_key_blob(reader: Reader) -> None:
     """Every key's place inside the key blob and its length possible (the fill's check, vectorised)."""

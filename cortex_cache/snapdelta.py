@@ -123,6 +123,14 @@ class Combined:
     def keys(self, start: int, stop: int) -> list[bytes | None]:
         return [self.key(p) for p in range(start, stop)]
 
+    def key_blob(self, p: int) -> memoryview:
+        """The key blob of position `p`: the delta's for its own positions, else the base's."""
+        return self.delta.key_blob(0) if p < self.nd else self.base.key_blob(0)
+
+    def part_end(self, p: int) -> int:
+        """The delta's positions come first, then the base's: each part's keys are in its own blob."""
+        return self.nd if p < self.nd else self.n
+
     def section(self, name: str, check: bool = True) -> memoryview | None:
         """The delta's own section `name` (its policy state, ...)."""
         return self.delta.section(name, check)

@@ -276,15 +276,15 @@ def test_a_signal_during_the_fill_of_a_published_pool_keeps_it_for_the_next_rest
     p.close()
     assert cli("cache", "delete", name, "--force").returncode == 0
     child = Child("""
-        import cortex_cache.fill as f
-        orig = f._store
+        import cortex_cache.fill_columns as f  # the fill by columns (C): one call per batch
+        orig = f._write
         calls = []
-        def store(*a):
+        def write(*a):
             calls.append(1)
             if len(calls) == 2:
                 stop()
             return orig(*a)
-        f._store = store
+        f._write = write
         """, ["cache", "restore", name])
     child.wait_stopped()  # published, one entry in, the second batch reserved
     child.proc.send_signal(signal.SIGTERM)
