@@ -26,6 +26,10 @@ the pool is filled, its newest 5% read, then
                beside a cold read of the snapshot's files (manifest and packs,
                dropped from the cache first), printed as read / fill: the
                fill's speed as a share of the disk's (target >= 0.9)
+  python fill  with --python-fill: the same restore again with the C fast path
+               turned off (CORTEX_CACHE_PURE_PYTHON=1 in the restoring process),
+               so the fill takes fill.py's Python batches: the baseline of the
+               fill by columns in C (fill_columns.py), measured in the same run
 
 The machine is shared (other helpers' tests run beside this): figures taken
 under load say so in the header line; rerun on a quiet machine for the record.
@@ -96,7 +100,34 @@ def plain_write(path: Path, nbytes: int, chunk: memoryview) -> float:
     return time.perf_counter() - t
 
 
-def one_row(label: str, n: int, value: int, block: int, workdir: Path) -> dict:
+def wait_fill(name: str) -> tuple[float, str]:
+    """Wait for pool `name`'s fill to end: (its seconds by the header, its end state)."""
+    from cortex_cache import Pool
+
+    with Pool.open(name) as q:
+        deadline = time.perf_counter() + 3600
+        while (q.stats()["fill"] or {}).get("state") == "filling" and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        st = q.stats()["fill"]
+        return (st["ended"] or time.time()) - st["started"], st["state"]
+
+
+def python_fill(name: str, files: list[Path]) -> float:
+    """The fill of the same snapshot by fill.py's Python batches (the C fast path off in the restorer)."""
+    from cortex_cache import Pool
+
+    drop(files)
+    env = {**os.environ, "CORTEX_CACHE_PURE_PYTHON": "1"}
+    done = subprocess.run([sys.executable, "-m", "cortex_cache", "cache", "restore", name, "--background"],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"restore failed ({done.returncode}): {done.stderr}")
+    took, _state = wait_fill(name)
+    Pool.unlink(name)
+    return took
+
+
+def one_row(label: str, n: int, value: int, block: int, workdir: Path, baseline: bool = False) -> dict:
     from cortex_cache import Pool
     from cortex_cache.persist import persist
 
@@ -142,14 +173,10 @@ def one_row(label: str, n: int, value: int, block: int, workdir: Path) -> dict:
     got = json.loads(probe.stdout)
     row.update(open_s=got["open"], hit_s=got["hit"], open_rss=got["rss"], hit_ok=got["got"], probe_filling=got["filling"])
     row["first_hit_after_s"] = time.perf_counter() - t0  # a bound: the probe's own start is in it
-    with Pool.open(name) as q:
-        deadline = time.perf_counter() + 3600
-        while (q.stats()["fill"] or {}).get("state") == "filling" and time.perf_counter() < deadline:
-            time.sleep(0.05)
-        st = q.stats()["fill"]
-        row["fill_s"] = (st["ended"] or time.time()) - st["started"]
-        row["fill_state"] = st["state"]
+    row["fill_s"], row["fill_state"] = wait_fill(name)
     Pool.unlink(name)
+    if baseline:
+        row["python_fill_s"] = python_fill(name, files)
     manifest = [p for p in files if p.suffix == ".ccsnap"]
     used = [manifest[-1], *[p for p in files if p.suffix == ".ccpack"]]
     drop(used)
@@ -168,6 +195,9 @@ def show(row: dict) -> None:
           f"({'hit' if row['hit_ok'] else 'MISS'}; {row['first_hit_after_s']:5.2f}s after the command began)")
     print(f"{'':>10}  fill {row['fill_s']:7.3f}s vs cold read {row['cold_read_s']:7.3f}s: read/fill "
           f"{row['cold_read_s'] / max(row['fill_s'], 1e-9):5.2f}  ({row['fill_state']})")
+    if "python_fill_s" in row:
+        print(f"{'':>10}  python fill {row['python_fill_s']:7.3f}s: the C fill takes "
+              f"{row['fill_s'] / row['python_fill_s']:5.2f}x its time")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gib", default="", help="rows of G GiB of 1 MiB values, comma separated")
     ap.add_argument("--dir", default=None, help="where the snapshots go (a disk, not tmpfs)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here too")
+    ap.add_argument("--python-fill", action="store_true", help="also time the fill with the C fast path off")
     a = ap.parse_args(argv)
     rows = [(f"{int(n):,}", int(n), SMALL, SMALL_BLOCK) for n in a.entries.split(",") if n]
     for g in (x for x in a.gib.split(",") if x):
@@ -188,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     out = []
     with tempfile.TemporaryDirectory(prefix="bench-boot-", dir=parent) as d:
         for label, n, value, block in rows:
-            row = one_row(label, n, value, block, Path(d))
+            row = one_row(label, n, value, block, Path(d), a.python_fill)
             show(row)
             out.append(row)
     if a.json:
