@@ -35,7 +35,7 @@ import xxhash
 
 from .errors import PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .gone import GoneMarks
-from .layout import FILL_RUNNING
+from .layout import FILL_RUNNING, MAX_KEY_BYTES
 
 if TYPE_CHECKING:
     from .core import Core
@@ -239,7 +239,10 @@ class _Cols(NamedTuple):
     meta: tuple  # priority, created, last_access, expiry, insert_seq, access_seq, access_count
 
     def key(self, j: int) -> bytes:
+        """Entry j's key; SnapshotCorrupt if its place is impossible (the C code stopped there for that)."""
         off, n = int(self.key_off[j]), int(self.key_len[j])
+        if not 0 < n <= MAX_KEY_BYTES or off + n > len(self.blob):
+            raise SnapshotCorrupt("a key of the snapshot's manifest lies outside its key blob")
         return bytes(self.blob[off : off + n])
 
 

@@ -92,8 +92,9 @@ def test_a_delta_holds_only_what_changed_and_restores_to_exactly_the_pool(make_p
     assert _contents_of(q) == want
 
 
+@pytest.mark.parametrize("c", [False, True], ids=["python-fill", "c-fill"])
 def test_the_boot_restore_of_a_delta_fills_the_live_set_and_other_processes_see_base_delta_and_no_dropped(
-        make_pool, snapshot_dir):
+        make_pool, snapshot_dir, c):
     """`restore` by name (the boot line) reads the delta; while its fill is paused after its first batch,
     another process is served the delta's and the base's entries from the snapshot tier and misses the
     dropped ones; deletes made meanwhile by another process never come back (the gone marks hold); the fill
@@ -106,7 +107,7 @@ def test_the_boot_restore_of_a_delta_fills_the_live_set_and_other_processes_see_
     name = p.name
     p.close()
     Pool.unlink(name)
-    w = _start(name)
+    w = _start(name, c=c)  # C: the delta's positions, then the base's, never in one batch
     try:
         got = act(name, [["get", ["k5", "k500", "k1003", "k25", "k42"], 0]])["got"]
         assert got == {"k5": True, "k500": True, "k1003": True, "k25": False, "k42": False}
