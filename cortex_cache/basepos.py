@@ -76,11 +76,12 @@ def forget(core: "Core") -> None:
 
 
 def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np.ndarray, ident: bytes,
-          seq: int) -> None:
-    """A full manifest of `len(slots)` entries named `ident` is durably in place: the entry captured at
-    `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose entry is still that
-    one; the ident last (a kill before it leaves no base).  `seq`: the capture's sequence number (every
-    captured entry's insert_seq is <= it, every later put's above)."""
+          seq: int, entries: int | None = None) -> None:
+    """A full manifest of `entries` entries (default `len(slots)`) named `ident` is durably in place: the
+    entry captured at `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose
+    entry is still that one; the ident last (a kill before it leaves no base).  `seq`: the capture's
+    sequence number (every captured entry's insert_seq is <= it, every later put's above).  A fill stamps
+    the entries it loaded from a full manifest (or a delta's base) the same way (fill.py)."""
     if not present(core):
         return
     assert len(ident) == IDENT_BYTES and ident != bytes(IDENT_BYTES)
@@ -97,7 +98,8 @@ def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np
 
     def name() -> None:
         head = _head(core)
-        head[16:32] = np.frombuffer(np.array([len(slots), seq], np.uint64).tobytes(), np.uint8)
+        head[16:32] = np.frombuffer(np.array([len(slots) if entries is None else entries, seq], np.uint64).tobytes(),
+                                    np.uint8)
         head[:IDENT_BYTES] = np.frombuffer(ident, np.uint8)
 
     core.locked(name)

@@ -150,7 +150,7 @@ def mark(core: "Core", snap: "Source", private: bool) -> None:
     if dropped is not None:  # but a delta's dropped base positions never were in it (snapdelta.py)
         marks.mark_all(np.flatnonzero(dropped()))
     marks.close()
-    basepos.forget(core)  # the fill seals entries with the snapshot's insert_seqs: no base to compare with
+    basepos.forget(core)  # the fill seals entries with the snapshot's insert_seqs: no base until its end (_stamp_base)
     h["fill_state"] = FILL_RUNNING
 
 
@@ -570,6 +570,7 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
                 report["ended"] = "stopped"
                 break
         prepare.finish()
+        _stamp_base(core, snap, report.pop("sealed_at", []))  # still refused to persists: nobody stamps beside
         # The blob parsed and matched to the slots before the hold (apply checks the match there).
         ready = policy_state.prepare(core, policy) if policy else None
         report["policy_state"] = core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED,
@@ -581,6 +582,7 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
         reader.close()
         prepare.stop()  # interrupted: the next fill of the pool reserves the rest
         marks.close()
+        report.pop("sealed_at", None)
     report["reserve_failed"] = prepare.failed
     # A delta's dropped base positions were marked gone before the publish (`mark`): the fill passed them as
     # gone, but nothing happened to them meanwhile -- they were never part of the snapshot.  Not "skipped".
@@ -595,6 +597,30 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     report["bytes"] -= sum(ran_out)
     report["expired_skipped"] += len(ran_out)
     return report
+
+
+def _stamp_base(core: "Core", snap: "Source", sealed: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """Make the full manifest the pool was filled from (a delta's base, for a delta) the pool's base
+    (basepos.py), as a persist does after writing one: each entry this fill loaded from it is stamped with
+    its position there, so the pool's first persist can be a delta.  `sealed`: (slots, fill positions,
+    insert_seqs) of what this process loaded (fill_columns.py; a resumed fill's earlier part is not in it:
+    those entries count as changed, never wrongly as kept)."""
+    counters = snap.header.counters
+    if not sealed or not counters or not basepos.present(core) or snap.v4 is None:
+        return
+    nd = getattr(snap.v4, "nd", 0)  # a delta's own positions come first: they are not its base's
+    base = getattr(snap.v4, "base", snap.v4)
+    view = base.section("ident")
+    if view is None:
+        return
+    ident = bytes(view)
+    view.release()  # a view of the manifest's mapping: it must not outlive the snapshot's close
+    if len(ident) != basepos.IDENT_BYTES or ident == bytes(basepos.IDENT_BYTES):
+        return
+    slots, positions, insert_seq = (np.concatenate(part) for part in zip(*sealed))
+    keep = positions >= nd
+    basepos.stamp(core, slots[keep], insert_seq[keep], positions[keep] - nd, ident, int(counters["seq"]),
+                  entries=base.n)
 
 
 _Batch = fill_columns.At  # where a batch is in the fill: its generation, first position, the gone marks

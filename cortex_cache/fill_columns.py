@@ -363,6 +363,9 @@ def _seal(core: "Core", cols: _Cols, kh: np.ndarray, slots: np.ndarray, ok: np.n
     report["bytes"] += nbytes
     report["expired_skipped"] += expired
     report["present_skipped"] += present
+    loaded_here = np.flatnonzero(sealed)  # where each sealed entry is: a base for the next persist (fill.py)
+    report.setdefault("sealed_at", []).append(
+        (slots[loaded_here], loaded_here + at.first, cols.meta[4][loaded_here]))
     expiring = (sealed == 1) & (cols.expiry[:processed] > 0)
     if expiring.any():
         report["expiring"].extend(zip(cols.expiry[:processed][expiring].tolist(),

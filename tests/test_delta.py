@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from cortex_cache import Pool, SnapshotCorrupt
-from cortex_cache import packs
+from cortex_cache import core_fast, packs, snapdelta
 from cortex_cache import persist as snap
 from cortex_cache.snapfile import DELTA_VERSION, MANIFEST_VERSION, Snapshot
 
@@ -349,3 +349,51 @@ def test_restoring_a_delta_does_not_report_its_dropped_base_entries_as_skipped(m
     finally:
         if Pool.exists(pool_name):
             Pool.unlink(pool_name)
+
+
+@pytest.mark.parametrize("from_delta", [False, True], ids=["full", "delta"])
+def test_the_first_persist_after_a_restore_is_a_delta_against_the_manifest_it_was_filled_from(
+        make_pool, snapshot_dir, pool_name, from_delta):
+    """The fill stamps each entry it loaded with its position in the full manifest it came from (a delta's
+    base, for a delta), so a restored pool's next persist writes only what changed since; restored again,
+    that delta gives exactly the pool.  (fill.py's Python batches stamp nothing: their pools' first persist
+    is a full manifest.)"""
+    if core_fast.C_COPY_HASH is None or os.environ.get(core_fast.PURE_PYTHON_ENV, "") not in ("", "0"):
+        pytest.skip("the C fast path is not built or turned off here")
+    p = make_pool("16M", block_size=4096, max_entries=1500, name=pool_name)
+    _fill(p, 1000)
+    base = snap.persist(p)
+    if from_delta:
+        _change(p)
+        assert _version(snap.persist(p).path) == DELTA_VERSION
+    p.close()
+    Pool.unlink(pool_name)
+    try:
+        r = cli("cache", "restore", pool_name)  # the boot line: filled by columns (C) where built
+        assert r.returncode == 0, r.stderr.decode()
+        with Pool.open(pool_name) as q:
+            for i in range(100, 110):
+                q.put(f"k{i}", make_value(i, 2, SIZE))
+            q.delete("k500")
+            d = snap.persist(q)
+            want = _contents_of(q)
+        assert _version(d.path) == DELTA_VERSION
+        with Snapshot(d.path, verify=False, private=True, base=False) as s:
+            assert s.entries == (10 + 30 if from_delta else 10)  # a delta's own entries stay changed
+            assert snapdelta.read_base(s.section("base"), ValueError)[0] == _ident(base.path)
+        Pool.unlink(pool_name)
+        r = cli("cache", "restore", pool_name)
+        assert r.returncode == 0, r.stderr.decode()
+        with Pool.open(pool_name) as q:
+            assert _contents_of(q) == want and "k500" not in q
+    finally:
+        if Pool.exists(pool_name):
+            Pool.unlink(pool_name)
+
+
+def _ident(path) -> bytes:
+    with Snapshot(path, verify=False, private=True, base=False) as s:
+        view = s.section("ident")
+        ident = bytes(view)
+        view.release()
+        return ident
