@@ -75,13 +75,37 @@ def forget(core: "Core") -> None:
         _head(core)[:IDENT_BYTES] = 0
 
 
+def clear(core: "Core") -> None:
+    """The pool not published yet (a fill's mark): no base, and no slot's position set."""
+    if present(core):
+        forget(core)
+        _positions(core)[:] = 0
+
+
+def set_positions(core: "Core", slots: np.ndarray, positions: np.ndarray) -> None:
+    """Lock held, in the hold that sealed them: the entries a fill just loaded at `slots` are at `positions`
+    of the base it fills from (named at its end: `name`)."""
+    if present(core) and len(slots):
+        _positions(core)[slots] = (positions + 1).astype(np.uint32)
+
+
+def name(core: "Core", ident: bytes, entries: int, seq: int) -> None:
+    """Lock held: the positions set are those of the full manifest `ident` of `entries` entries, every one
+    put at a sequence number <= `seq` (the ident last: until then, no base)."""
+    if present(core):
+        assert len(ident) == IDENT_BYTES and ident != bytes(IDENT_BYTES)
+        head = _head(core)
+        head[16:32] = np.frombuffer(np.array([entries, seq], np.uint64).tobytes(), np.uint8)
+        head[:IDENT_BYTES] = np.frombuffer(ident, np.uint8)
+
+
 def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np.ndarray, ident: bytes,
-          seq: int, entries: int | None = None) -> None:
-    """A full manifest of `entries` entries (default `len(slots)`) named `ident` is durably in place: the
-    entry captured at `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose
-    entry is still that one; the ident last (a kill before it leaves no base).  `seq`: the capture's
-    sequence number (every captured entry's insert_seq is <= it, every later put's above).  A fill stamps
-    the entries it loaded from a full manifest (or a delta's base) the same way (fill.py)."""
+          seq: int) -> None:
+    """A full manifest of `len(slots)` entries named `ident` is durably in place: the entry captured at
+    `slots[k]` (its `insert_seq[k]`) is at `positions[k]` in it.  Stamp the slots whose entry is still that
+    one; the ident last (a kill before it leaves no base).  `seq`: the capture's sequence number (every
+    captured entry's insert_seq is <= it, every later put's above).  (A fill by columns sets positions as
+    it seals and names its manifest at its end: `set_positions`, `name`.)"""
     if not present(core):
         return
     assert len(ident) == IDENT_BYTES and ident != bytes(IDENT_BYTES)
@@ -95,14 +119,7 @@ def stamp(core: "Core", slots: np.ndarray, insert_seq: np.ndarray, positions: np
     for a in range(0, len(slots), CHUNK_SLOTS):
         core.locked(_stamp_chunk, core, pos, slots[a : a + CHUNK_SLOTS], insert_seq[a : a + CHUNK_SLOTS],
                     positions[a : a + CHUNK_SLOTS])
-
-    def name() -> None:
-        head = _head(core)
-        head[16:32] = np.frombuffer(np.array([len(slots) if entries is None else entries, seq], np.uint64).tobytes(),
-                                    np.uint8)
-        head[:IDENT_BYTES] = np.frombuffer(ident, np.uint8)
-
-    core.locked(name)
+    core.locked(name, core, ident, len(slots), seq)
 
 
 def _zero(pos: np.ndarray, a: int, b: int) -> None:
@@ -148,4 +165,5 @@ def split(core: "Core", nb: int, seq: int) -> Split:
     return Split(changed, dropped, kept, kept_bytes, changed_bytes)
 
 
-__all__ = ["IDENT_BYTES", "present", "base_of", "forget", "stamp", "split", "Split"]
+__all__ = ["IDENT_BYTES", "present", "base_of", "forget", "clear", "set_positions", "name", "stamp", "split",
+           "Split"]

@@ -150,7 +150,7 @@ def mark(core: "Core", snap: "Source", private: bool) -> None:
     if dropped is not None:  # but a delta's dropped base positions never were in it (snapdelta.py)
         marks.mark_all(np.flatnonzero(dropped()))
     marks.close()
-    basepos.forget(core)  # the fill seals entries with the snapshot's insert_seqs: no base until its end (_stamp_base)
+    basepos.clear(core)  # the fill seals entries with the snapshot's insert_seqs: no base until its end (_base)
     h["fill_state"] = FILL_RUNNING
 
 
@@ -554,15 +554,17 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     policy = bytes(blob) if blob else None
     # By columns in C where it can (fill_columns.py), else an Item at a time here.
     reader: "_Reader | fill_columns.ColumnReader"
+    base: tuple[bytes, int, int, int] | None = None
     if fill_columns.usable(core, snap):
         reader, step = fill_columns.ColumnReader(snap, start), _fill_columns
+        base = _base(core, snap)
     else:
         reader, step = _Reader(snap, rest), _fill_items
     marks = GoneMarks(core)
     pos = start  # the fill position of each batch's first entry: the batches come in the fill's order
     try:
         for got in reader.batches():
-            full, n = step(core, reader, got, _Batch(gen, pos, marks), report)
+            full, n = step(core, reader, got, _Batch(gen, pos, marks, base[3] if base else -1), report)
             pos += n
             if progress is not None:
                 progress(int(h["fill_bytes"]), int(h["fill_bytes_total"]))
@@ -570,7 +572,8 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
                 report["ended"] = "stopped"
                 break
         prepare.finish()
-        _stamp_base(core, snap, report.pop("sealed_at", []))  # still refused to persists: nobody stamps beside
+        if base is not None:  # the positions set as it sealed are the base's now (persists still refused)
+            core.locked(basepos.name, core, *base[:3])
         # The blob parsed and matched to the slots before the hold (apply checks the match there).
         ready = policy_state.prepare(core, policy) if policy else None
         report["policy_state"] = core.locked(_finish, core, gen, FILL_DONE if report["ended"] == "done" else FILL_STOPPED,
@@ -582,7 +585,6 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
         reader.close()
         prepare.stop()  # interrupted: the next fill of the pool reserves the rest
         marks.close()
-        report.pop("sealed_at", None)
     report["reserve_failed"] = prepare.failed
     # A delta's dropped base positions were marked gone before the publish (`mark`): the fill passed them as
     # gone, but nothing happened to them meanwhile -- they were never part of the snapshot.  Not "skipped".
@@ -599,28 +601,24 @@ def run(core: "Core", snap: "Source", progress: Callable[[int, int], None] | Non
     return report
 
 
-def _stamp_base(core: "Core", snap: "Source", sealed: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """Make the full manifest the pool was filled from (a delta's base, for a delta) the pool's base
-    (basepos.py), as a persist does after writing one: each entry this fill loaded from it is stamped with
-    its position there, so the pool's first persist can be a delta.  `sealed`: (slots, fill positions,
-    insert_seqs) of what this process loaded (fill_columns.py; a resumed fill's earlier part is not in it:
-    those entries count as changed, never wrongly as kept)."""
+def _base(core: "Core", snap: "Source") -> tuple[bytes, int, int, int] | None:
+    """(ident, entries, seq, first position) of the full manifest a fill by columns makes the pool's base
+    (basepos.py), as a persist does after writing one, so that the pool's first persist can be a delta: the
+    manifest filled from, or a delta's base (whose positions follow the delta's own); None if it has no
+    ident or the pool no base positions.  A fill resumed by a process filling in Python sets no positions
+    for its part: those entries count as changed, never wrongly as kept."""
     counters = snap.header.counters
-    if not sealed or not counters or not basepos.present(core) or snap.v4 is None:
-        return
-    nd = getattr(snap.v4, "nd", 0)  # a delta's own positions come first: they are not its base's
+    if not counters or not basepos.present(core) or snap.v4 is None:
+        return None
     base = getattr(snap.v4, "base", snap.v4)
     view = base.section("ident")
     if view is None:
-        return
+        return None
     ident = bytes(view)
     view.release()  # a view of the manifest's mapping: it must not outlive the snapshot's close
     if len(ident) != basepos.IDENT_BYTES or ident == bytes(basepos.IDENT_BYTES):
-        return
-    slots, positions, insert_seq = (np.concatenate(part) for part in zip(*sealed))
-    keep = positions >= nd
-    basepos.stamp(core, slots[keep], insert_seq[keep], positions[keep] - nd, ident, int(counters["seq"]),
-                  entries=base.n)
+        return None
+    return ident, base.n, int(counters["seq"]), getattr(snap.v4, "nd", 0)
 
 
 _Batch = fill_columns.At  # where a batch is in the fill: its generation, first position, the gone marks

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 import numpy as np
 import xxhash
 
+from . import basepos
 from .errors import PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
 from .gone import GoneMarks
 from .layout import FILL_RUNNING, MAX_KEY_BYTES
@@ -53,11 +54,14 @@ class Ended(Exception):
 
 
 class At(NamedTuple):
-    """Where a batch is in the fill: its generation, the position of its first entry, the gone marks."""
+    """Where a batch is in the fill: its generation, the position of its first entry, the gone marks; and
+    from which position on the snapshot's entries are those of the full manifest the fill makes the pool's
+    base (basepos.py: a delta's base's come after its own), -1 none."""
 
     gen: int
     first: int
     marks: GoneMarks
+    base_from: int = -1
 
 
 def usable(core: "Core", snap: Any) -> bool:
@@ -363,9 +367,10 @@ def _seal(core: "Core", cols: _Cols, kh: np.ndarray, slots: np.ndarray, ok: np.n
     report["bytes"] += nbytes
     report["expired_skipped"] += expired
     report["present_skipped"] += present
-    loaded_here = np.flatnonzero(sealed)  # where each sealed entry is: a base for the next persist (fill.py)
-    report.setdefault("sealed_at", []).append(
-        (slots[loaded_here], loaded_here + at.first, cols.meta[4][loaded_here]))
+    if at.base_from >= 0:  # where each entry sealed is in the base: the next persist may write a delta
+        loaded = np.flatnonzero(sealed) + at.first
+        loaded = loaded[loaded >= at.base_from]
+        basepos.set_positions(core, slots[loaded - at.first], loaded - at.base_from)
     expiring = (sealed == 1) & (cols.expiry[:processed] > 0)
     if expiring.any():
         report["expiring"].extend(zip(cols.expiry[:processed][expiring].tolist(),

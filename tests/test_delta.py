@@ -351,9 +351,10 @@ def test_restoring_a_delta_does_not_report_its_dropped_base_entries_as_skipped(m
             Pool.unlink(pool_name)
 
 
-@pytest.mark.parametrize("from_delta", [False, True], ids=["full", "delta"])
+@pytest.mark.parametrize("from_delta,resumed", [(False, False), (True, False), (True, True)],
+                         ids=["full", "delta", "delta-resumed"])
 def test_the_first_persist_after_a_restore_is_a_delta_against_the_manifest_it_was_filled_from(
-        make_pool, snapshot_dir, pool_name, from_delta):
+        make_pool, snapshot_dir, pool_name, from_delta, resumed):
     """The fill stamps each entry it loaded with its position in the full manifest it came from (a delta's
     base, for a delta), so a restored pool's next persist writes only what changed since; restored again,
     that delta gives exactly the pool.  (fill.py's Python batches stamp nothing: their pools' first persist
@@ -369,7 +370,13 @@ def test_the_first_persist_after_a_restore_is_a_delta_against_the_manifest_it_wa
     p.close()
     Pool.unlink(pool_name)
     try:
-        r = cli("cache", "restore", pool_name)  # the boot line: filled by columns (C) where built
+        if resumed:  # a filler killed inside its second batch; another process finishes the fill
+            w = _start(pool_name, where="value", n=2, c=True)
+            w.kill()
+            w.wait()
+            r = cli("cache", "restore", pool_name, "--if-missing")
+        else:
+            r = cli("cache", "restore", pool_name)  # the boot line: filled by columns (C) where built
         assert r.returncode == 0, r.stderr.decode()
         with Pool.open(pool_name) as q:
             for i in range(100, 110):
