@@ -63,6 +63,16 @@ static void *take_array(Bufs *bs, PyObject *o, Py_ssize_t width, Py_ssize_t n, i
     return b->buf ? b->buf : (void *)"";
 }
 
+/* The first argument of each call: the bytes its offsets index (a key blob, the read values), and the entry
+ * count comes from the length of the u64 array that follows it. */
+static const char *take_bytes(Bufs *bs, PyObject *o, uint64_t *len) {
+    Py_buffer *b = &bs->b[bs->n];
+    if (PyObject_GetBuffer(o, b, PyBUF_SIMPLE) < 0) return NULL;
+    bs->n++;
+    *len = (uint64_t)b->len;
+    return b->buf ? b->buf : "";
+}
+
 static void release_all(Bufs *bs) {
     while (bs->n > 0) PyBuffer_Release(&bs->b[--bs->n]);
 }
@@ -113,10 +123,9 @@ FAST_METHOD(fill_reserve) {
     }
     Bufs bs = {.n = 0};
     PyObject *result = NULL;
-    Py_buffer *blob = &bs.b[0];
-    if (PyObject_GetBuffer(args[0], blob, PyBUF_SIMPLE) < 0) return NULL;
-    bs.n = 1;
-    const uint64_t *koff = take_array(&bs, args[1], 8, -1, 0, "key_off");
+    uint64_t blob_len;
+    const char *kb = take_bytes(&bs, args[0], &blob_len);
+    const uint64_t *koff = kb ? take_array(&bs, args[1], 8, -1, 0, "key_off") : NULL;
     Py_ssize_t n = koff ? bs.b[1].len / 8 : 0;
     const uint16_t *klen = koff ? take_array(&bs, args[2], 2, n, 0, "key_len") : NULL;
     const uint8_t *flags = klen ? take_array(&bs, args[3], 1, n, 0, "flags") : NULL;
@@ -130,8 +139,6 @@ FAST_METHOD(fill_reserve) {
     uint64_t first_pos = PyLong_AsUnsignedLongLong(args[7]);
     double t = PyFloat_AsDouble(args[8]);
     if (PyErr_Occurred()) goto done;
-    const char *kb = blob->buf;
-    uint64_t blob_len = (uint64_t)blob->len;
     Py_ssize_t j = start < 0 ? 0 : start;
     self->no_evict = 1;
     for (; j < n; j++) {
@@ -180,10 +187,9 @@ FAST_METHOD(fill_copy) {
     }
     Bufs bs = {.n = 0};
     PyObject *result = NULL;
-    Py_buffer *vals = &bs.b[0];
-    if (PyObject_GetBuffer(args[0], vals, PyBUF_SIMPLE) < 0) return NULL;
-    bs.n = 1;
-    const uint64_t *src = take_array(&bs, args[1], 8, -1, 0, "src");
+    uint64_t vlen;
+    const char *v = take_bytes(&bs, args[0], &vlen);
+    const uint64_t *src = v ? take_array(&bs, args[1], 8, -1, 0, "src") : NULL;
     Py_ssize_t n = src ? bs.b[1].len / 8 : 0;
     const uint64_t *length = src ? take_array(&bs, args[2], 8, n, 0, "length") : NULL;
     const int64_t *slot = length ? take_array(&bs, args[3], 8, n, 0, "slot") : NULL;
@@ -191,8 +197,7 @@ FAST_METHOD(fill_copy) {
     const uint64_t *cks = dst ? take_array(&bs, args[5], 8, n, 0, "checksum") : NULL;
     uint8_t *ok = cks ? take_array(&bs, args[6], 1, n, 1, "ok_out") : NULL;
     if (ok == NULL) goto done;
-    const char *v = vals->buf;
-    uint64_t vlen = (uint64_t)vals->len, lo = self->data_off, hi = self->data_off + self->n_blocks * self->bs;
+    uint64_t lo = self->data_off, hi = self->data_off + self->n_blocks * self->bs;
     for (Py_ssize_t j = 0; j < n; j++) { /* every place checked before the GIL goes */
         ok[j] = 0;
         if (slot[j] < 0 || src[j] == UINT64_MAX) continue;
@@ -274,10 +279,9 @@ FAST_METHOD(fill_seal) {
     }
     Bufs bs = {.n = 0};
     PyObject *result = NULL, *meta = args[9];
-    Py_buffer *blob = &bs.b[0];
-    if (PyObject_GetBuffer(args[0], blob, PyBUF_SIMPLE) < 0) return NULL;
-    bs.n = 1;
-    const uint64_t *koff = take_array(&bs, args[1], 8, -1, 0, "key_off");
+    uint64_t blob_len;
+    const char *kb = take_bytes(&bs, args[0], &blob_len);
+    const uint64_t *koff = kb ? take_array(&bs, args[1], 8, -1, 0, "key_off") : NULL;
     Py_ssize_t n = koff ? bs.b[1].len / 8 : 0;
     const uint16_t *klen = koff ? take_array(&bs, args[2], 2, n, 0, "key_len") : NULL;
     const uint64_t *khs = klen ? take_array(&bs, args[3], 8, n, 0, "kh") : NULL;
@@ -301,8 +305,6 @@ FAST_METHOD(fill_seal) {
         PyErr_SetString(PyExc_ValueError, "fill_seal: start and stop outside the batch");
         goto done;
     }
-    const char *kb = blob->buf;
-    uint64_t blob_len = (uint64_t)blob->len;
     double t = now();
     Py_ssize_t j = start;
     for (; j < stop; j++) {

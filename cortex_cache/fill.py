@@ -55,9 +55,7 @@ from __future__ import annotations
 
 import errno
 import itertools
-import mmap
 import os
-import queue
 import threading
 import time
 from pathlib import Path
@@ -67,7 +65,7 @@ import numpy as np
 import xxhash
 
 from . import basepos, fill_columns, manifest, packs, policy_state
-from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, StorageIOError, ValueTooLarge
+from .errors import CortexCacheError, PoolFull, SnapshotCorrupt, ValueTooLarge
 from .gone import GoneMarks
 from .layout import (
     FILL_DONE,
@@ -372,64 +370,25 @@ def manifest_items(snap: "Source") -> "list[Item] | Positions":
 # ---------------------------------------------------------------- reading
 
 
-class _Reader:
-    """Reads the fill's batches on a thread of its own, ahead of the one that copies them into the pool.
+class _Reader(fill_columns.ReaderThread):
+    """Reads the fill's batches of Items (version 3, or a handle without the C fast path) on a thread of its
+    own, ahead of the one that copies them into the pool (fill_columns.ReaderThread).
 
-    Batches come out in the fill's order through a queue of DEPTH, each as
-    (items, values): every value a view of a reused buffer holding its
-    record, whose head was checked against the manifest, or the
-    SnapshotCorrupt that says why it could not be used.  The first batch is
-    one entry; each next one twice the bytes of the last, up to BATCH_BYTES.
-    posix_fadvise WILLNEED keeps READAHEAD bytes of the coming records in
-    flight, so the disk never waits for the copy; the preads let the GIL go.
+    Each batch is (items, values, buffer): every value a view of a reused
+    buffer holding its record, whose head was checked against the manifest,
+    or the SnapshotCorrupt that says why it could not be used.  The first
+    batch is one entry; each next one twice the bytes of the last, up to
+    BATCH_BYTES.  posix_fadvise WILLNEED keeps READAHEAD bytes of the coming
+    records in flight, so the disk never waits for the copy; the preads let
+    the GIL go.
     """
 
-    DEPTH = 2
-
     def __init__(self, snap: "Source", items: "list[Item] | Positions") -> None:
-        self.snap = snap
         self.items = items
         self.raw = snap.v4 is not None  # version 4: a value's offset is the value's own, no record head
-        self.fds: dict[int, int] = {}
         self.ahead = 0  # items[:ahead] have had their readahead asked for
         self.asked = 0  # bytes asked for ahead of the read cursor
-        self.queue: queue.Queue = queue.Queue(self.DEPTH)
-        self.free: queue.Queue = queue.Queue()  # buffers copied from, to read into again
-        self.made = 0
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="cortex-fill-reader", daemon=True)
-        self.thread.start()
-
-    def fd(self, pack: int) -> int:
-        fd = self.fds.get(pack)
-        if fd is None:
-            fd = self.fds[pack] = self.snap.pack_fd(pack)
-        return fd
-
-    def batches(self) -> Iterator[tuple[list[Item], list[Any], Any]]:
-        """(items, values, buffer) per batch; give each buffer back with `done` once copied."""
-        while True:
-            got = self.queue.get()
-            if got is None:
-                return
-            if isinstance(got, BaseException):
-                raise got
-            yield got
-
-    def done(self, buf: Any) -> None:
-        self.free.put(buf)
-
-    def _buffer(self, nbytes: int) -> Any:
-        """A buffer of at least `nbytes`: one given back, or a new one while fewer than DEPTH + 2 exist (DEPTH
-        queued, one being copied from, one being read into).  Anonymous mappings: no zeroing pass, their
-        pages come with the first pread into them."""
-        if self.made < self.DEPTH + 2 and self.free.empty():
-            self.made += 1
-            return mmap.mmap(-1, max(nbytes, 1 << 20))
-        buf = self.free.get()
-        if len(buf) < nbytes:  # the old one goes with the last view of it
-            buf = mmap.mmap(-1, nbytes)
-        return buf
+        super().__init__(snap)
 
     def _run(self) -> None:
         try:
@@ -447,23 +406,14 @@ class _Reader:
                 self._readahead(pos, nbytes)
                 values = self._read(batch, buf)
                 self._put((batch, values, buf))
-        except BaseException as e:  # an I/O error: the fill stops, resumable
-            self._put(StorageIOError(f"reading snapshot {str(self.snap.path)!r}: "
-                                     f"{getattr(e, 'strerror', None) or e}"))
+        except BaseException as e:
+            self._failed(e)
             return
         self._put(None)
 
     def _span(self, it: Item) -> int:
         """The bytes read for `it`: its value (version 4), or its record (head, key, value)."""
         return it.length if self.raw else packs.REC_SIZE + len(it.key) + it.length
-
-    def _put(self, what: Any) -> None:
-        while not self.stopping.is_set():
-            try:
-                self.queue.put(what, timeout=0.1)
-                return
-            except queue.Full:
-                pass
 
     def _readahead(self, pos: int, consumed: int) -> None:
         """Ask for the records from items[pos] on, up to READAHEAD bytes ahead of what was read."""
@@ -509,17 +459,6 @@ class _Reader:
         return self.snap.pack_reader(pack).corrupt(self.snap.path, f"the value of the record at byte {off} fails "
                                                                    "its checksum")
 
-    def close(self) -> None:
-        self.stopping.set()
-        while self.thread.is_alive():  # unblock a put waiting for room, then let it see `stopping`
-            try:
-                self.queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        self.thread.join()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
 
 
 # ---------------------------------------------------------------- the fill
@@ -634,7 +573,7 @@ def _fill_items(core: "Core", reader: Any, got: Any, at: _Batch, report: dict) -
 def _fill_columns(core: "Core", reader: Any, got: Any, at: _Batch, report: dict) -> tuple[bool, int]:
     """One batch by columns (fill_columns.py): (no room left, entries in it)."""
     full = fill_columns.fill_batch(core, reader, got, at, report)
-    reader.done(got)
+    reader.done(got.buf)
     return full, got.n
 
 

@@ -89,30 +89,27 @@ def _runs(pack: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.flatnonzero(brk) + 1])
 
 
-class ColumnReader:
-    """Reads the fill's batches from position `start` on, a thread ahead of the one loading them (fill._Reader's
-    pipeline, by runs): batches come out in order through a queue of DEPTH; give each buffer back with
-    `done`.  The first batch is one entry (the most recent, there within milliseconds of the publish), each
-    next twice the bytes of the last, up to BATCH_BYTES and BATCH_ENTRIES, never across a part of the
-    manifest (a delta's and its base's positions: manifest.Reader.part_end)."""
+class ReaderThread:
+    """A thread reading a fill's batches ahead of the one loading them (fill.py's and this module's readers):
+    batches come out in the fill's order through a queue of DEPTH; give each buffer back with `done`.  Its
+    buffers are anonymous mappings (no zeroing pass: their pages come with the first pread into them), at
+    most DEPTH + 2 (DEPTH queued, one loaded from, one read into).  A subclass sets what `_run` needs, then
+    calls this __init__, which starts the thread."""
 
     DEPTH = 2
 
-    def __init__(self, snap: Any, start: int) -> None:
-        self.snap, self.v4 = snap, snap.v4
-        c = self.v4.cols
-        self.pack, self.off, self.length = c["pack"], c["offset"], c["length"]
-        self.n = self.v4.n
-        self.start = start
+    def __init__(self, snap: Any) -> None:
+        self.snap = snap
         self.fds: dict[int, int] = {}
-        self.ahead = start  # positions before it have had their readahead asked for
-        self.asked = 0
         self.queue: queue.Queue = queue.Queue(self.DEPTH)
-        self.free: queue.Queue = queue.Queue()
+        self.free: queue.Queue = queue.Queue()  # buffers loaded from, to read into again
         self.made = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cortex-fill-reader", daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
 
     def fd(self, pack: int) -> int:
         fd = self.fds.get(pack)
@@ -120,7 +117,7 @@ class ColumnReader:
             fd = self.fds[pack] = self.snap.pack_fd(pack)
         return fd
 
-    def batches(self) -> Iterator[Batch]:
+    def batches(self) -> Iterator[Any]:
         while True:
             got = self.queue.get()
             if got is None:
@@ -129,15 +126,15 @@ class ColumnReader:
                 raise got
             yield got
 
-    def done(self, batch: Batch) -> None:
-        self.free.put(batch.buf)
+    def done(self, buf: Any) -> None:
+        self.free.put(buf)
 
     def _buffer(self, nbytes: int) -> Any:
         if self.made < self.DEPTH + 2 and self.free.empty():
             self.made += 1
             return mmap.mmap(-1, max(nbytes, 1 << 20))
         buf = self.free.get()
-        if len(buf) < nbytes:
+        if len(buf) < nbytes:  # the old one goes with the last view of it
             buf = mmap.mmap(-1, nbytes)
         return buf
 
@@ -148,6 +145,39 @@ class ColumnReader:
                 return
             except queue.Full:
                 pass
+
+    def _failed(self, e: BaseException) -> None:
+        """An I/O error: the fill stops, resumable."""
+        self._put(StorageIOError(f"reading snapshot {str(self.snap.path)!r}: {getattr(e, 'strerror', None) or e}"))
+
+    def close(self) -> None:
+        self.stopping.set()
+        while self.thread.is_alive():  # unblock a put waiting for room, then let it see `stopping`
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.thread.join()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+class ColumnReader(ReaderThread):
+    """Reads the fill's batches from position `start` on, by runs of values (Batch).  The first batch is one
+    entry (the most recent, there within milliseconds of the publish), each next twice the bytes of the
+    last, up to BATCH_BYTES and BATCH_ENTRIES, never across a part of the manifest (a delta's and its
+    base's positions: manifest.Reader.part_end)."""
+
+    def __init__(self, snap: Any, start: int) -> None:
+        self.v4 = snap.v4
+        c = self.v4.cols
+        self.pack, self.off, self.length = c["pack"], c["offset"], c["length"]
+        self.n = self.v4.n
+        self.start = start
+        self.ahead = start  # positions before it have had their readahead asked for
+        self.asked = 0
+        super().__init__(snap)
 
     def _run(self) -> None:
         try:
@@ -161,9 +191,8 @@ class ColumnReader:
                 self._readahead(pos + count, int(sums[count - 1]))
                 self._put(batch)
                 pos += count
-        except BaseException as e:  # an I/O error: the fill stops, resumable
-            self._put(StorageIOError(f"reading snapshot {str(self.snap.path)!r}: "
-                                     f"{getattr(e, 'strerror', None) or e}"))
+        except BaseException as e:
+            self._failed(e)
             return
         self._put(None)
 
@@ -213,18 +242,6 @@ class ColumnReader:
                     pass
             self.asked += int(length.sum())
             self.ahead = b
-
-    def close(self) -> None:
-        self.stopping.set()
-        while self.thread.is_alive():
-            try:
-                self.queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        self.thread.join()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
 
 
 # ---------------------------------------------------------------- loading
@@ -405,5 +422,5 @@ def _seal_one(core: "Core", cols: _Cols, kh: int, i: int, ok: bool, j: int, at: 
     return np.array([1, int(cols.length[j]), 0], np.uint64)
 
 
-__all__ = ["Ended", "At", "Batch", "ColumnReader", "usable", "fill_batch", "BATCH_ENTRIES", "BATCH_BYTES",
+__all__ = ["Ended", "At", "Batch", "ReaderThread", "ColumnReader", "usable", "fill_batch", "BATCH_ENTRIES", "BATCH_BYTES",
            "READAHEAD"]
