@@ -231,6 +231,8 @@ class ColumnReader(ReaderThread):
         self.ahead = max(self.ahead, pos)
         while self.ahead < self.n and self.asked < READAHEAD:
             b = min(self.n, self.ahead + 4096)
+            sums = np.cumsum(self.length[self.ahead : b], dtype=np.uint64)  # no more than READAHEAD ahead
+            b = self.ahead + min(b - self.ahead, int(np.searchsorted(sums, np.uint64(READAHEAD - self.asked))) + 1)
             pack, off, length = self.pack[self.ahead : b], self.off[self.ahead : b], self.length[self.ahead : b]
             starts = _runs(pack, off, length)
             for s, e in zip(starts, np.append(starts[1:], b - self.ahead)):
