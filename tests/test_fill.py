@@ -133,8 +133,10 @@ def _doctor_fill_findings() -> list[dict]:
     return [{k: f[k] for k in ("check", "ok", "fix")} for f in found]
 
 
-def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(persisted):
-    w = start(persisted, where="value", n=3)  # the second batch: reserved, one value of it copied
+@pytest.mark.parametrize("c", [False, True], ids=["python-fill", "c-fill"])
+def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(persisted, c):
+    # Python: the second batch reserved, one value of it copied; C: the second batch reserved, none written
+    w = start(persisted, where="value", n=2, c=True) if c else start(persisted, where="value", n=3)
     kill(w)
     with Pool.open(persisted) as q:
         assert q.stats()["writing_entries"] == 2 and len(q) == 1
@@ -144,8 +146,9 @@ def test_a_filler_killed_inside_a_batch_leaves_no_reservation_behind_the_resume(
         _all_there(q)
 
 
-def test_emptying_the_pool_stops_its_fill(persisted):
-    w = start(persisted)
+@pytest.mark.parametrize("c", [False, True], ids=["python-fill", "c-fill"])
+def test_emptying_the_pool_stops_its_fill(persisted, c):
+    w = start(persisted, c=c)
     assert cli("cache", "evict", persisted, "--all").returncode == 0
     report = go_on(w)
     assert report["ended"] == "stopped"
@@ -154,8 +157,9 @@ def test_emptying_the_pool_stops_its_fill(persisted):
     assert cli("cache", "persist", persisted).returncode == 0
 
 
-def test_the_fill_never_evicts_what_was_put_meanwhile(persisted):
-    w = start(persisted)
+@pytest.mark.parametrize("c", [False, True], ids=["python-fill", "c-fill"])
+def test_the_fill_never_evicts_what_was_put_meanwhile(persisted, c):
+    w = start(persisted, c=c)
     q = Pool.open(persisted)
     try:
         newer = [f"n{i}" for i in range(60)]
