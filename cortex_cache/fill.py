@@ -27,6 +27,11 @@ is still verified whole before its pool appears (restore.py).
   value that fails its checksum is not loaded; it is counted (fill_corrupt)
   and the fill goes on.  The first batch is one entry, so the most recent
   entry is there within milliseconds of the publish.
+- **By columns, in C** (fill_columns.py): a version 4 or 5 manifest filled by
+  a handle with the C fast path (every restore but a test's with its own
+  clock, or CORTEX_CACHE_PURE_PYTHON=1) does the three steps of each batch
+  in C over the manifest's columns, with every rule here; the Item batches
+  below are for version 3 manifests and handles without the fast path.
 - **A pipeline on three threads**: one reads the coming batches' records with
   pread into reused buffers (posix_fadvise WILLNEED keeping READAHEAD bytes
   of them in flight, so the disk never waits), the filling thread checks each
