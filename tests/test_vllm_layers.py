@@ -99,15 +99,22 @@ def test_layer_by_layer_loads_are_exact(make_pool, layout, by_runs):
         assert not _layer(dst, j, others).any()  # the load error's block 10 and every other block untouched
 
 
+def _saved(make_pool, seed: int, n: int):
+    """A pool, a source cache in LBHNC order (random, `seed`), its store, and the digests of its first `n`
+    blocks, saved."""
+    pool = make_pool("16M", block_size=4096)
+    src = _paged("LBHNC", seed=seed)
+    store = _store(pool, src.payload_bytes)
+    d = _digests(0, n)
+    _save(store, src, d, list(range(n)))
+    return pool, src, store, d
+
+
 @pytest.mark.parametrize("by_runs", [False, True], ids=["at-each-wait", "cuda-way"])
 def test_an_unknown_layer_name_or_the_steps_end_writes_every_layer(make_pool, by_runs):
     from cortex_cache.integrations.vllm.layers import LayerLoads
 
-    pool = make_pool("16M", block_size=4096)
-    src = _paged("LBHNC", seed=2)
-    store = _store(pool, src.payload_bytes)
-    d = _digests(0, 2)
-    _save(store, src, d, [0, 1])
+    pool, src, store, d = _saved(make_pool, 2, 2)
     for ending in ("unknown", "finish"):
         dst = _paged("LBHNC")
         loads = LayerLoads(store, dst, [f"l{i}" for i in range(LAYERS)], by_runs=by_runs)
@@ -125,11 +132,7 @@ def test_an_unknown_layer_name_or_the_steps_end_writes_every_layer(make_pool, by
 def test_a_corrupt_block_ends_the_load_and_is_reported(make_pool, by_runs):
     from cortex_cache.integrations.vllm.layers import LayerLoads
 
-    pool = make_pool("16M", block_size=4096)
-    src = _paged("LBHNC", seed=3)
-    store = _store(pool, src.payload_bytes)
-    d = _digests(0, 3)
-    _save(store, src, d, [0, 1, 2])
+    pool, src, store, d = _saved(make_pool, 3, 3)
     off = pool.info(store.key(d[1]))["first_block"] * pool.geometry.block_size + pool.geometry.data_off
     pool.core.mv[off + 100] ^= 0xFF  # a flipped byte the checksum catches (as a bad disk would make)
     dst = _paged("LBHNC")
