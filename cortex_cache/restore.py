@@ -664,7 +664,8 @@ def _fill_pool(pool: "PoolHandle", snap: Snapshot, counters, progress, hasher) -
         # The policy state the snapshot carries (versions 4 and 6), laid over the entries in the hold that
         # ends the restore, as a fill's end does (fill._finish): before the pool is published.
         state = snap.policy_state() if counters is not None else None
-        applied = core.locked(_end_restore, core, counters, state)
+        ready = policy_state.prepare(core, state) if state else None  # outside the hold, as the fill does
+        applied = core.locked(_end_restore, core, counters, state, ready)
         end = core.clock()
         ran_out = [n for expiry, n in expiring if expiry <= end]
         return {"entries": restored - len(ran_out), "bytes": nbytes - sum(ran_out),
@@ -673,10 +674,12 @@ def _fill_pool(pool: "PoolHandle", snap: Snapshot, counters, progress, hasher) -
         lock.release()
 
 
-def _end_restore(core: Core, counters: dict[str, int] | None, state: bytes | None) -> dict[str, Any] | None:
-    """Lock held: the counters, then the policy state (policy_state.apply's report; None without one)."""
+def _end_restore(core: Core, counters: dict[str, int] | None, state: bytes | None,
+                 ready: "policy_state.Prepared | None" = None) -> dict[str, Any] | None:
+    """Lock held: the counters, then the policy state (policy_state.apply's report; None without one;
+    `ready`: its prepare, made before the hold)."""
     restore_end(core, counters)
-    return policy_state.apply(core, state) if state else None
+    return policy_state.apply(core, state, ready) if state else None
 
 
 __all__ = ["restore", "resize", "check_snapshot_dir", "STAGING_PREFIX", "STAGING_STALE_AFTER", "TMP_PREFIX", "stale_tmp_dirs"]
