@@ -220,6 +220,7 @@ void stamp(Fast *s, int64_t i, uint64_t cks, double ttl, int64_t prio, double t)
 void chain_in(Fast *s, int64_t i, uint64_t kh);
 void give_slot(Fast *s, int64_t i);
 void give_kcells(Fast *s, uint64_t kf, uint64_t k);
+void free_room(Fast *s, int64_t i, uint64_t f, uint64_t n, uint64_t kf, uint64_t k);
 /* _fastpath_evict.c */
 int evict_one(Fast *s, uint64_t *first, uint64_t *n);
 /* _fastpath_load.c */

@@ -101,13 +101,10 @@ static inline const char *key_at(const char *blob, uint64_t blob_len, const uint
 static void give_back(Fast *s, int64_t i) {
     uint64_t f = s->first[i], n = s->nblk[i], kf = s->kcell[i];
     uint64_t k = ((uint64_t)s->klen[i] + KEY_CELL - 1) / KEY_CELL;
-    if (f <= s->n_blocks && n <= s->n_blocks - f) {
-        memset(s->bmap + f, 0, n);
-        *s->used_blocks -= n;
-        *s->alloc_hint = f;
-    }
-    if (kf <= s->n_kcells && k <= s->n_kcells - kf) give_kcells(s, kf, k);
-    give_slot(s, i);
+    if (f <= s->n_blocks && n <= s->n_blocks - f && kf <= s->n_kcells && k <= s->n_kcells - kf)
+        free_room(s, i, f, n, kf, k);
+    else
+        give_slot(s, i); /* damaged fields: their room is the repair's to take back */
 }
 
 /* fill_reserve(blob, key_off, key_len, flags, length, expiry, start, first_pos, now, kh_out, slot_out,

@@ -215,20 +215,18 @@ int remove_entry(Fast *s, int64_t i) {
         s->state[i] = ZOMBIE;
         return 0;
     }
-    /* Core._free_entry: its blocks, key cells and the slot back */
+    free_room(s, i, f, n, kf, k);
+    return 0;
+}
+
+/* Core._free_entry of slot i, its n blocks from f and k key cells from kf (checked by the caller): the
+ * blocks, key cells and the slot back (lock held). */
+void free_room(Fast *s, int64_t i, uint64_t f, uint64_t n, uint64_t kf, uint64_t k) {
     memset(s->bmap + f, 0, n);
     *s->used_blocks -= n;
     *s->alloc_hint = f;
-    memset(s->kmap + kf, 0, k);
-    *s->used_kcells -= k;
-    *s->key_hint = kf;
-    s->state[i] = FREE;
-    s->pins[i] = 0;
-    s->khash[i] = 0;
-    s->cks[i] = 0;
-    s->next[i] = (int32_t)*s->free_slot;
-    *s->free_slot = i;
-    return 0;
+    give_kcells(s, kf, k);
+    give_slot(s, i);
 }
 
 /* Ghosts.take: forget hash kh if ring g holds it; its depth (ghosts added after it) if it did, else -1.
